@@ -1,0 +1,197 @@
+//! What the simulated device looks like: how many devices, their capacity, the reservation
+//! granule, and the driver it pretends to be.
+
+use crate::bytes::{Bytes, ParseBytesError, parse_bytes};
+
+/// The capacity of the default simulated device: an 80 GiB H100/A100.
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+/// The default size in which pools reserve device memory.
+pub const DEFAULT_GRANULE: u64 = 2 << 20;
+/// The driver version the simulated device reports by default (CUDA 12.9).
+pub const DEFAULT_DRIVER_VERSION: i32 = 12090;
+/// The largest capacity one simulated device may have: its slice of the simulated address space.
+pub const MAX_CAPACITY: u64 = 1 << 46;
+/// The most devices one simulated driver may have.
+pub const MAX_DEVICES: usize = 64;
+
+/// Configuration of a simulated driver and its devices.
+///
+/// [`SimConfig::default`] is one 80 GiB device with 2 MiB granules that supports memory pools;
+/// [`SimConfig::from_env`] reads `STEPPOOL_SIM_DEVICES` and `STEPPOOL_SIM_GRANULE` over that.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Capacity in bytes of each device, by ordinal.
+    pub capacities: Vec<u64>,
+    /// Size in which pools reserve device memory; a multiple of 512 bytes.
+    pub granule: u64,
+    /// The version `cuDriverGetVersion` reports, as `1000 * major + 10 * minor`.
+    pub driver_version: i32,
+    /// What `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` reports; without it the pool calls
+    /// return `CUDA_ERROR_NOT_SUPPORTED`, as on vGPU slices and Windows TCC drivers.
+    pub memory_pools_supported: bool,
+    /// Whether devices may access each other's pools (`cuDeviceCanAccessPeer`).
+    pub peer_access: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            capacities: vec![DEFAULT_CAPACITY],
+            granule: DEFAULT_GRANULE,
+            driver_version: DEFAULT_DRIVER_VERSION,
+            memory_pools_supported: true,
+            peer_access: true,
+        }
+    }
+}
+
+/// Why a simulated-device configuration was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SimConfigError {
+    /// `STEPPOOL_SIM_DEVICES` could not be read.
+    #[error(
+        "STEPPOOL_SIM_DEVICES=`{value}` is not a device list: write capacities such as `80GiB`, \
+         `2x80GiB` or `80GiB,40GiB`"
+    )]
+    Devices {
+        /// The value that was read.
+        value: String,
+    },
+    /// A size could not be read.
+    #[error("{variable}: {source}")]
+    Size {
+        /// The variable that held it.
+        variable: &'static str,
+        /// What was wrong with it.
+        source: ParseBytesError,
+    },
+    /// A device capacity is zero or beyond [`MAX_CAPACITY`].
+    #[error("device {device} has capacity {capacity} bytes; a simulated device holds 1 byte to 64 TiB")]
+    Capacity {
+        /// The device ordinal.
+        device: usize,
+        /// The capacity asked for.
+        capacity: u64,
+    },
+    /// No devices, or more than [`MAX_DEVICES`].
+    #[error("{count} simulated devices asked for; between 1 and 64 are supported")]
+    DeviceCount {
+        /// The number asked for.
+        count: usize,
+    },
+    /// The granule is zero or not a multiple of 512 bytes.
+    #[error("a granule of {granule} bytes is not a positive multiple of 512 bytes")]
+    Granule {
+        /// The granule asked for.
+        granule: u64,
+    },
+}
+
+impl SimConfig {
+    /// One device of `capacity` bytes, otherwise the defaults.
+    pub fn with_capacity(capacity: u64) -> Self {
+        Self { capacities: vec![capacity], ..Self::default() }
+    }
+
+    /// The defaults, overridden by `STEPPOOL_SIM_DEVICES` (for example `2x80GiB`) and
+    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`) where they are set.
+    pub fn from_env() -> Result<Self, SimConfigError> {
+        let mut config = Self::default();
+        if let Ok(value) = std::env::var("STEPPOOL_SIM_DEVICES") {
+            config.capacities = parse_devices(&value)?;
+        }
+        if let Ok(value) = std::env::var("STEPPOOL_SIM_GRANULE") {
+            config.granule = parse_bytes(&value)
+                .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_GRANULE", source })?;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the limits documented on each field.
+    pub fn validate(&self) -> Result<(), SimConfigError> {
+        let count = self.capacities.len();
+        if count == 0 || count > MAX_DEVICES {
+            return Err(SimConfigError::DeviceCount { count });
+        }
+        for (device, &capacity) in self.capacities.iter().enumerate() {
+            if capacity == 0 || capacity > MAX_CAPACITY {
+                return Err(SimConfigError::Capacity { device, capacity });
+            }
+        }
+        if self.granule == 0 || self.granule % 512 != 0 {
+            return Err(SimConfigError::Granule { granule: self.granule });
+        }
+        Ok(())
+    }
+
+    /// A one-line description, such as `2 × 80 GiB, 2 MiB granules`.
+    pub fn describe(&self) -> String {
+        let mut groups: Vec<(usize, u64)> = Vec::new();
+        for &capacity in &self.capacities {
+            match groups.last_mut() {
+                Some((count, last)) if *last == capacity => *count += 1,
+                _ => groups.push((1, capacity)),
+            }
+        }
+        let devices: Vec<String> =
+            groups.iter().map(|(count, capacity)| format!("{count} × {}", Bytes(*capacity))).collect();
+        format!("{}, {} granules", devices.join(" + "), Bytes(self.granule))
+    }
+}
+
+/// Reads a device list: comma-separated capacities, each optionally preceded by `Nx`.
+fn parse_devices(value: &str) -> Result<Vec<u64>, SimConfigError> {
+    let bad = || SimConfigError::Devices { value: value.to_owned() };
+    let mut capacities = Vec::new();
+    for item in value.split(',') {
+        let item = item.trim();
+        let (count, size) = match item.split_once(['x', 'X', '×']) {
+            Some((count, size)) if count.trim().chars().all(|c| c.is_ascii_digit()) => {
+                (count.trim().parse::<usize>().map_err(|_| bad())?, size)
+            }
+            _ => (1, item),
+        };
+        let capacity =
+            parse_bytes(size).map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_DEVICES", source })?;
+        if count > MAX_DEVICES || capacities.len() + count > MAX_DEVICES {
+            return Err(SimConfigError::DeviceCount { count: capacities.len() + count });
+        }
+        capacities.extend(std::iter::repeat_n(capacity, count));
+    }
+    if capacities.is_empty() {
+        return Err(bad());
+    }
+    Ok(capacities)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_lists() {
+        assert_eq!(parse_devices("80GiB"), Ok(vec![80 << 30]));
+        assert_eq!(parse_devices("2x80GiB"), Ok(vec![80 << 30, 80 << 30]));
+        assert_eq!(parse_devices("80GiB, 1x40GiB"), Ok(vec![80 << 30, 40 << 30]));
+        assert!(matches!(parse_devices("2xlots"), Err(SimConfigError::Size { .. })));
+        assert!(matches!(parse_devices("100x1GiB"), Err(SimConfigError::DeviceCount { count: 100 })));
+    }
+
+    #[test]
+    fn validation_names_the_numbers() {
+        let mut config = SimConfig::with_capacity(0);
+        assert_eq!(config.validate(), Err(SimConfigError::Capacity { device: 0, capacity: 0 }));
+        config.capacities = vec![1 << 30];
+        config.granule = 1000;
+        let error = config.validate().unwrap_err();
+        assert!(error.to_string().contains("1000 bytes"), "{error}");
+    }
+
+    #[test]
+    fn describes_itself() {
+        let config = SimConfig { capacities: vec![80 << 30, 80 << 30, 16 << 30], ..SimConfig::default() };
+        assert_eq!(config.describe(), "2 × 80 GiB + 1 × 16 GiB, 2 MiB granules");
+    }
+}

@@ -1,0 +1,671 @@
+//! The simulated device: the CUDA driver entry points steppool uses, answered on the CPU.
+//!
+//! [`Sim`] has a method for each entry point, with the C signature and the C error contract:
+//! it writes results through out-pointers and returns the `CUresult` the real driver returns for
+//! the same call, including for bad handles, bad values, double frees and calls made before
+//! `cuInit` or without a current context. [`Driver`](crate::Driver) dispatches to it or to
+//! `libcuda` with the same arguments, so code above cannot tell which one it talks to.
+//!
+//! Device memory is not backed by host memory: pointers are addresses in a simulated address
+//! space, never dereferenced. Kernels are checked and ordered but do not run.
+//!
+//! # The model
+//!
+//! The driver's placement policy is unpublished; this is steppool's model of it, documented so
+//! that its numbers can be read for what they are and calibrated against real GPU runs.
+//!
+//! - **Reservations.** A pool reserves device memory in *segments*. When no free piece fits an
+//!   allocation, the pool reserves a new segment of the request rounded up to the granule
+//!   (`STEPPOOL_SIM_GRANULE`, default 2 MiB). A device refuses a segment that would take its
+//!   pools' reservations past its capacity; before it reports out-of-memory it first releases
+//!   every idle segment of every pool on the device, as the driver may release pool memory "to
+//!   enable an unrelated memory allocation request in the same process to succeed".
+//! - **Placement.** Allocations are rounded up to 512 bytes, which is also their alignment, and
+//!   placed best-fit: the smallest free piece that is large enough, the lowest address on ties,
+//!   at the start of that piece. Freed neighbours merge; pieces never span two segments.
+//! - **Stream order.** Every stream-ordered call moves its stream one position forward; events
+//!   carry the position (and everything it was ordered after) at which they were recorded. Memory
+//!   freed on stream A is reusable at once on A; on another stream B once B is ordered after the
+//!   free by an event wait (`REUSE_FOLLOW_EVENT_DEPENDENCIES`); and on any stream once the host
+//!   has observed the free complete (a stream, event or context synchronize, or a query). The
+//!   simulated device runs work in zero time, so queries find work complete and opportunistic
+//!   reuse (`REUSE_ALLOW_OPPORTUNISTIC`) coincides with observed completion. When the device is
+//!   full and `REUSE_ALLOW_INTERNAL_DEPENDENCIES` is set, an allocation on B may take memory
+//!   freed on A after making B wait for all work enqueued on A so far. The legacy default stream
+//!   orders with every blocking stream of its context, both ways; the per-thread default stream
+//!   is one blocking stream per thread.
+//! - **Giving memory back.** At a synchronization, each pool on the synchronized device whose
+//!   reservation exceeds its release threshold (default 0) releases idle segments, largest first,
+//!   while at least the threshold remains. `cuMemPoolTrimTo(pool, keep)` does the same with
+//!   `keep`. A segment is idle when nothing in it is allocated and every free in it has been
+//!   observed complete; frees not yet observed count as outstanding, as the driver documents.
+//! - **Counters.** `USED_MEM_*` count allocated bytes after rounding to 512; `RESERVED_MEM_*`
+//!   count segments; `cuMemGetInfo` reports capacity minus everything reserved on the device.
+//! - **`cuMemAlloc`.** Synchronous allocations come from a hidden per-device pool with the same
+//!   placement; `cuMemFree` returns empty segments to the device at once.
+//! - **Not modelled.** IPC export and import return `CUDA_ERROR_NOT_SUPPORTED`, and pools with
+//!   export handle types are refused with it; stream capture and graphs are not bound.
+
+mod clock;
+mod config;
+mod handle;
+mod space;
+mod state;
+
+use std::ffi::{CStr, c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+pub use config::{
+    DEFAULT_CAPACITY, DEFAULT_DRIVER_VERSION, DEFAULT_GRANULE, MAX_CAPACITY, MAX_DEVICES, SimConfig, SimConfigError,
+};
+use space::Readiness;
+use state::{INVALID_VALUE, Launch, NOT_SUPPORTED, R, SUCCESS, State};
+
+use crate::bindings::*;
+use crate::{Width, pool_attribute_width as attribute_width};
+
+/// Entry points that a driver older than 11.2 does not export; a simulated driver configured
+/// with such a version lacks them as well.
+const SINCE_11_2: &[&str] = &[
+    "cuMemAllocAsync",
+    "cuMemFreeAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemPoolCreate",
+    "cuMemPoolDestroy",
+    "cuMemPoolTrimTo",
+    "cuMemPoolSetAttribute",
+    "cuMemPoolGetAttribute",
+    "cuMemPoolSetAccess",
+    "cuMemPoolGetAccess",
+    "cuDeviceGetDefaultMemPool",
+    "cuDeviceGetMemPool",
+    "cuDeviceSetMemPool",
+    "cuMemPoolExportToShareableHandle",
+    "cuMemPoolImportFromShareableHandle",
+    "cuMemPoolExportPointer",
+    "cuMemPoolImportPointer",
+];
+
+/// Entry points new in 11.0 (`cuDevicePrimaryCtxRelease_v2`).
+const SINCE_11_0: &[&str] = &["cuDevicePrimaryCtxRelease_v2"];
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A simulated CUDA driver with one or more devices. See the [module docs](self) for the model.
+///
+/// Each `Sim` is independent: its handles and pointers mean nothing to another one. It is
+/// `Send + Sync`; every entry point takes one lock.
+#[derive(Debug)]
+pub struct Sim {
+    state: Mutex<State>,
+    config: SimConfig,
+}
+
+/// A snapshot of one pool's memory, which only the simulated device can give: the driver
+/// publishes no layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolLayout {
+    /// The device ordinal the pool lives on.
+    pub device: usize,
+    /// Bytes reserved: the sum of the segment sizes.
+    pub reserved: u64,
+    /// Bytes allocated, after rounding to 512.
+    pub used: u64,
+    /// Segments as `(base, size)`, by address.
+    pub segments: Vec<(u64, u64)>,
+    /// Live allocations as `(address, size after rounding)`, by address.
+    pub allocations: Vec<(u64, u64)>,
+    /// Free pieces, by address.
+    pub free: Vec<FreePiece>,
+}
+
+/// A free range inside a pool's segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FreePiece {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Whether every stream may reuse it now; otherwise it waits for a free to be ordered or
+    /// observed complete.
+    pub ready: bool,
+}
+
+impl PoolLayout {
+    /// The largest free piece, in bytes.
+    pub fn largest_free(&self) -> u64 {
+        self.free.iter().map(|p| p.len).max().unwrap_or(0)
+    }
+
+    /// All free bytes inside the pool's segments.
+    pub fn total_free(&self) -> u64 {
+        self.free.iter().map(|p| p.len).sum()
+    }
+}
+
+impl Sim {
+    /// A simulated driver with the given devices, once [`SimConfig::validate`] accepts them.
+    pub fn new(config: SimConfig) -> Result<Self, SimConfigError> {
+        config.validate()?;
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Self { state: Mutex::new(State::new(id, config.clone())), config })
+    }
+
+    /// The configuration it was made with.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Whether this driver exports `symbol`, given the version it pretends to be.
+    pub fn exports(&self, symbol: &str) -> bool {
+        let version = self.config.driver_version;
+        if version >= 11020 {
+            return true;
+        }
+        !(SINCE_11_2.contains(&symbol) || (version < 11000 && SINCE_11_0.contains(&symbol)))
+    }
+
+    /// The layout of `pool`: its segments, live allocations and free pieces. `None` for a handle
+    /// that is not a pool of this driver.
+    pub fn pool_layout(&self, pool: CUmemoryPool) -> Option<PoolLayout> {
+        let state = self.lock();
+        let id = state.pool_id_for_inspection(pool)?;
+        let pool = &state.pools[&id];
+        let allocations =
+            state.allocations.iter().filter(|(_, a)| a.pool == id).map(|(&addr, a)| (addr, a.size)).collect();
+        Some(PoolLayout {
+            device: pool.device,
+            reserved: pool.reserved,
+            used: pool.used,
+            segments: pool.segments.iter().map(|(&base, s)| (base, s.size)).collect(),
+            allocations,
+            free: pool
+                .free
+                .pieces()
+                .map(|(addr, piece)| FreePiece { addr, len: piece.len, ready: piece.readiness == Readiness::Ready })
+                .collect(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // No entry point panics while holding the lock, so a poisoned state is still consistent.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn call(&self, f: impl FnOnce(&mut State) -> R<()>) -> CUresult {
+        match f(&mut self.lock()) {
+            Ok(()) => SUCCESS,
+            Err(code) => code,
+        }
+    }
+
+    /// Runs `f` and writes its value through `out`.
+    ///
+    /// # Safety
+    ///
+    /// `out` must be null or valid for a write of `T`.
+    unsafe fn out<T>(&self, out: *mut T, f: impl FnOnce(&mut State) -> R<T>) -> CUresult {
+        if out.is_null() {
+            return INVALID_VALUE;
+        }
+        match f(&mut self.lock()) {
+            Ok(value) => {
+                // SAFETY: `out` is not null and the caller guarantees it is valid for a write.
+                unsafe { out.write(value) };
+                SUCCESS
+            }
+            Err(code) => code,
+        }
+    }
+}
+
+/// Descriptions the simulated driver gives for codes, in the spirit of `cuGetErrorString`.
+fn describe(code: CUresult) -> Option<&'static CStr> {
+    use CUresult as C;
+    Some(match code {
+        C::CUDA_SUCCESS => c"no error",
+        C::CUDA_ERROR_INVALID_VALUE => c"invalid argument",
+        C::CUDA_ERROR_OUT_OF_MEMORY => c"out of memory",
+        C::CUDA_ERROR_NOT_INITIALIZED => c"initialization error",
+        C::CUDA_ERROR_DEINITIALIZED => c"driver shutting down",
+        C::CUDA_ERROR_STUB_LIBRARY => c"CUDA driver is a stub library",
+        C::CUDA_ERROR_NO_DEVICE => c"no CUDA-capable device is detected",
+        C::CUDA_ERROR_INVALID_DEVICE => c"invalid device ordinal",
+        C::CUDA_ERROR_INVALID_IMAGE => c"device kernel image is invalid",
+        C::CUDA_ERROR_INVALID_CONTEXT => c"invalid device context",
+        C::CUDA_ERROR_INVALID_HANDLE => c"invalid resource handle",
+        C::CUDA_ERROR_NOT_FOUND => c"named symbol not found",
+        C::CUDA_ERROR_NOT_READY => c"device not ready",
+        C::CUDA_ERROR_CONTEXT_IS_DESTROYED => c"context is destroyed",
+        C::CUDA_ERROR_NOT_PERMITTED => c"operation not permitted",
+        C::CUDA_ERROR_NOT_SUPPORTED => c"operation not supported",
+        C::CUDA_ERROR_UNKNOWN => c"unknown error",
+        other => return other.c_name(),
+    })
+}
+
+/// The entry points, with the signatures of `cuda.h` for their exported names.
+///
+/// # Safety
+///
+/// Each has the contract of the driver function of the same name: pointer arguments must be
+/// null or valid for the reads and writes that function documents. Handles may be anything;
+/// invalid ones are refused with the driver's error code.
+#[allow(non_snake_case, clippy::missing_safety_doc, missing_docs)]
+impl Sim {
+    pub unsafe fn cuGetErrorName(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
+        // SAFETY: forwarded contract: `pStr` is null or valid for a write.
+        unsafe { self.out(pStr, |_| error.c_name().map(CStr::as_ptr).ok_or(INVALID_VALUE)) }
+    }
+
+    pub unsafe fn cuGetErrorString(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
+        // SAFETY: forwarded contract: `pStr` is null or valid for a write.
+        unsafe { self.out(pStr, |_| describe(error).map(CStr::as_ptr).ok_or(INVALID_VALUE)) }
+    }
+
+    pub unsafe fn cuInit(&self, Flags: c_uint) -> CUresult {
+        self.call(|s| s.init(Flags))
+    }
+
+    pub unsafe fn cuDriverGetVersion(&self, driverVersion: *mut c_int) -> CUresult {
+        let version = self.config.driver_version;
+        // SAFETY: forwarded contract.
+        unsafe { self.out(driverVersion, |_| Ok(version)) }
+    }
+
+    pub unsafe fn cuDeviceGet(&self, device: *mut CUdevice, ordinal: c_int) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(device, |s| s.device_get(ordinal)) }
+    }
+
+    pub unsafe fn cuDeviceGetCount(&self, count: *mut c_int) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(count, |s| s.device_count()) }
+    }
+
+    pub unsafe fn cuDeviceGetName(&self, name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
+        if name.is_null() || len <= 0 {
+            return INVALID_VALUE;
+        }
+        let text = match self.lock().device_name(dev) {
+            Ok(text) => text,
+            Err(code) => return code,
+        };
+        let bytes = &text.as_bytes()[..text.len().min(len as usize - 1)];
+        // SAFETY: the caller gives `len` writable bytes at `name`; we write at most `len`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), name, bytes.len());
+            name.add(bytes.len()).write(0);
+        }
+        SUCCESS
+    }
+
+    pub unsafe fn cuDeviceGetAttribute(&self, pi: *mut c_int, attrib: CUdevice_attribute, dev: CUdevice) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pi, |s| s.device_attribute(attrib, dev)) }
+    }
+
+    pub unsafe fn cuDeviceTotalMem_v2(&self, bytes: *mut usize, dev: CUdevice) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(bytes, |s| s.device_total_mem(dev)) }
+    }
+
+    pub unsafe fn cuDeviceCanAccessPeer(
+        &self,
+        canAccessPeer: *mut c_int,
+        dev: CUdevice,
+        peerDev: CUdevice,
+    ) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(canAccessPeer, |s| s.can_access_peer(dev, peerDev)) }
+    }
+
+    pub unsafe fn cuDevicePrimaryCtxRetain(&self, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pctx, |s| s.primary_ctx_retain(dev)) }
+    }
+
+    pub unsafe fn cuDevicePrimaryCtxRelease_v2(&self, dev: CUdevice) -> CUresult {
+        self.call(|s| s.primary_ctx_release(dev))
+    }
+
+    pub unsafe fn cuCtxGetCurrent(&self, pctx: *mut CUcontext) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pctx, |s| s.ctx_get_current()) }
+    }
+
+    pub unsafe fn cuCtxSetCurrent(&self, ctx: CUcontext) -> CUresult {
+        self.call(|s| s.ctx_set_current(ctx))
+    }
+
+    pub unsafe fn cuCtxPushCurrent_v2(&self, ctx: CUcontext) -> CUresult {
+        self.call(|s| s.ctx_push_current(ctx))
+    }
+
+    pub unsafe fn cuCtxPopCurrent_v2(&self, pctx: *mut CUcontext) -> CUresult {
+        let mut state = self.lock();
+        match state.ctx_pop_current() {
+            Ok(ctx) => {
+                if !pctx.is_null() {
+                    // SAFETY: `pctx` is not null and the caller guarantees it is writable.
+                    unsafe { pctx.write(ctx) };
+                }
+                SUCCESS
+            }
+            Err(code) => code,
+        }
+    }
+
+    pub unsafe fn cuCtxGetDevice(&self, device: *mut CUdevice) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(device, |s| s.ctx_get_device()) }
+    }
+
+    pub unsafe fn cuCtxSynchronize(&self) -> CUresult {
+        self.call(|s| s.ctx_synchronize())
+    }
+
+    pub unsafe fn cuStreamCreate(&self, phStream: *mut CUstream, Flags: c_uint) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(phStream, |s| s.stream_create(Flags)) }
+    }
+
+    pub unsafe fn cuStreamDestroy_v2(&self, hStream: CUstream) -> CUresult {
+        self.call(|s| s.stream_destroy(hStream))
+    }
+
+    pub unsafe fn cuStreamSynchronize(&self, hStream: CUstream) -> CUresult {
+        self.call(|s| s.stream_synchronize(hStream))
+    }
+
+    pub unsafe fn cuStreamQuery(&self, hStream: CUstream) -> CUresult {
+        self.call(|s| s.stream_query(hStream))
+    }
+
+    pub unsafe fn cuStreamWaitEvent(&self, hStream: CUstream, hEvent: CUevent, Flags: c_uint) -> CUresult {
+        self.call(|s| s.stream_wait_event(hStream, hEvent, Flags))
+    }
+
+    pub unsafe fn cuStreamGetCtx(&self, hStream: CUstream, pctx: *mut CUcontext) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pctx, |s| s.stream_get_ctx(hStream)) }
+    }
+
+    pub unsafe fn cuEventCreate(&self, phEvent: *mut CUevent, Flags: c_uint) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(phEvent, |s| s.event_create(Flags)) }
+    }
+
+    pub unsafe fn cuEventDestroy_v2(&self, hEvent: CUevent) -> CUresult {
+        self.call(|s| s.event_destroy(hEvent))
+    }
+
+    pub unsafe fn cuEventRecord(&self, hEvent: CUevent, hStream: CUstream) -> CUresult {
+        self.call(|s| s.event_record(hEvent, hStream))
+    }
+
+    pub unsafe fn cuEventQuery(&self, hEvent: CUevent) -> CUresult {
+        self.call(|s| s.event_query(hEvent))
+    }
+
+    pub unsafe fn cuEventSynchronize(&self, hEvent: CUevent) -> CUresult {
+        self.call(|s| s.event_synchronize(hEvent))
+    }
+
+    pub unsafe fn cuEventElapsedTime(&self, pMilliseconds: *mut f32, hStart: CUevent, hEnd: CUevent) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pMilliseconds, |s| s.event_elapsed_time(hStart, hEnd)) }
+    }
+
+    pub unsafe fn cuMemGetInfo_v2(&self, free: *mut usize, total: *mut usize) -> CUresult {
+        if free.is_null() || total.is_null() {
+            return INVALID_VALUE;
+        }
+        match self.lock().mem_get_info() {
+            Ok((f, t)) => {
+                // SAFETY: both pointers are non-null and the caller guarantees they are writable.
+                unsafe {
+                    free.write(f);
+                    total.write(t);
+                }
+                SUCCESS
+            }
+            Err(code) => code,
+        }
+    }
+
+    pub unsafe fn cuMemAlloc_v2(&self, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(dptr, |s| s.mem_alloc(bytesize)) }
+    }
+
+    pub unsafe fn cuMemFree_v2(&self, dptr: CUdeviceptr) -> CUresult {
+        self.call(|s| s.mem_free(dptr))
+    }
+
+    pub unsafe fn cuMemsetD8Async(
+        &self,
+        dstDevice: CUdeviceptr,
+        _uc: c_uchar,
+        N: usize,
+        hStream: CUstream,
+    ) -> CUresult {
+        self.call(|s| s.memset_d8_async(dstDevice, N, hStream))
+    }
+
+    pub unsafe fn cuMemAllocAsync(&self, dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(dptr, |s| s.mem_alloc_async(bytesize, hStream)) }
+    }
+
+    pub unsafe fn cuMemFreeAsync(&self, dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
+        self.call(|s| s.mem_free_async(dptr, hStream))
+    }
+
+    pub unsafe fn cuMemAllocFromPoolAsync(
+        &self,
+        dptr: *mut CUdeviceptr,
+        bytesize: usize,
+        pool: CUmemoryPool,
+        hStream: CUstream,
+    ) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(dptr, |s| s.mem_alloc_from_pool_async(bytesize, pool, hStream)) }
+    }
+
+    pub unsafe fn cuMemPoolCreate(&self, pool: *mut CUmemoryPool, poolProps: *const CUmemPoolProps) -> CUresult {
+        if poolProps.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller guarantees it points to a `CUmemPoolProps`.
+        let props = unsafe { &*poolProps };
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pool, |s| s.mem_pool_create(props)) }
+    }
+
+    pub unsafe fn cuMemPoolDestroy(&self, pool: CUmemoryPool) -> CUresult {
+        self.call(|s| s.mem_pool_destroy(pool))
+    }
+
+    pub unsafe fn cuMemPoolTrimTo(&self, pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult {
+        self.call(|s| s.mem_pool_trim_to(pool, minBytesToKeep))
+    }
+
+    pub unsafe fn cuMemPoolSetAttribute(
+        &self,
+        pool: CUmemoryPool,
+        attr: CUmemPool_attribute,
+        value: *mut c_void,
+    ) -> CUresult {
+        let Some(width) = attribute_width(attr) else { return INVALID_VALUE };
+        if value.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller passes an `int` for attributes 1-3 and a
+        // `cuuint64_t` for 4-8, as `cuMemPoolSetAttribute` documents.
+        let value = unsafe {
+            match width {
+                Width::Int => value.cast::<c_int>().read() as u64,
+                Width::U64 => value.cast::<u64>().read(),
+            }
+        };
+        self.call(|s| s.mem_pool_set_attribute(pool, attr, value))
+    }
+
+    pub unsafe fn cuMemPoolGetAttribute(
+        &self,
+        pool: CUmemoryPool,
+        attr: CUmemPool_attribute,
+        value: *mut c_void,
+    ) -> CUresult {
+        let Some(width) = attribute_width(attr) else { return INVALID_VALUE };
+        if value.is_null() {
+            return INVALID_VALUE;
+        }
+        match self.lock().mem_pool_get_attribute(pool, attr) {
+            Ok(v) => {
+                // SAFETY: non-null, and the caller passes storage of the documented width.
+                unsafe {
+                    match width {
+                        Width::Int => value.cast::<c_int>().write(v as c_int),
+                        Width::U64 => value.cast::<u64>().write(v),
+                    }
+                }
+                SUCCESS
+            }
+            Err(code) => code,
+        }
+    }
+
+    pub unsafe fn cuMemPoolSetAccess(&self, pool: CUmemoryPool, map: *const CUmemAccessDesc, count: usize) -> CUresult {
+        let descriptors = if count == 0 {
+            &[][..]
+        } else if map.is_null() {
+            return INVALID_VALUE;
+        } else {
+            // SAFETY: non-null, and the caller guarantees `count` descriptors at `map`.
+            unsafe { std::slice::from_raw_parts(map, count) }
+        };
+        self.call(|s| s.mem_pool_set_access(pool, descriptors))
+    }
+
+    pub unsafe fn cuMemPoolGetAccess(
+        &self,
+        flags: *mut CUmemAccess_flags,
+        memPool: CUmemoryPool,
+        location: *mut CUmemLocation,
+    ) -> CUresult {
+        if location.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller guarantees it points to a `CUmemLocation`.
+        let location = unsafe { *location };
+        // SAFETY: forwarded contract.
+        unsafe { self.out(flags, |s| s.mem_pool_get_access(memPool, &location)) }
+    }
+
+    pub unsafe fn cuDeviceGetDefaultMemPool(&self, pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pool_out, |s| s.device_get_default_mem_pool(dev)) }
+    }
+
+    pub unsafe fn cuDeviceGetMemPool(&self, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(pool, |s| s.device_get_mem_pool(dev)) }
+    }
+
+    pub unsafe fn cuDeviceSetMemPool(&self, dev: CUdevice, pool: CUmemoryPool) -> CUresult {
+        self.call(|s| s.device_set_mem_pool(dev, pool))
+    }
+
+    pub unsafe fn cuMemPoolExportToShareableHandle(
+        &self,
+        _handle_out: *mut c_void,
+        _pool: CUmemoryPool,
+        _handleType: CUmemAllocationHandleType,
+        _flags: c_ulonglong,
+    ) -> CUresult {
+        NOT_SUPPORTED
+    }
+
+    pub unsafe fn cuMemPoolImportFromShareableHandle(
+        &self,
+        _pool_out: *mut CUmemoryPool,
+        _handle: *mut c_void,
+        _handleType: CUmemAllocationHandleType,
+        _flags: c_ulonglong,
+    ) -> CUresult {
+        NOT_SUPPORTED
+    }
+
+    pub unsafe fn cuMemPoolExportPointer(
+        &self,
+        _shareData_out: *mut CUmemPoolPtrExportData,
+        _ptr: CUdeviceptr,
+    ) -> CUresult {
+        NOT_SUPPORTED
+    }
+
+    pub unsafe fn cuMemPoolImportPointer(
+        &self,
+        _ptr_out: *mut CUdeviceptr,
+        _pool: CUmemoryPool,
+        _shareData: *mut CUmemPoolPtrExportData,
+    ) -> CUresult {
+        NOT_SUPPORTED
+    }
+
+    pub unsafe fn cuModuleLoadData(&self, module: *mut CUmodule, image: *const c_void) -> CUresult {
+        if image.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: a PTX image is a NUL-terminated string, which the caller guarantees; a cubin
+        // (ELF) image starts with 0x7f, where reading stops.
+        let text = unsafe { CStr::from_ptr(image.cast::<c_char>()) };
+        // SAFETY: forwarded contract.
+        unsafe { self.out(module, |s| s.module_load_data(text.to_bytes())) }
+    }
+
+    pub unsafe fn cuModuleUnload(&self, hmod: CUmodule) -> CUresult {
+        self.call(|s| s.module_unload(hmod))
+    }
+
+    pub unsafe fn cuModuleGetFunction(&self, hfunc: *mut CUfunction, hmod: CUmodule, name: *const c_char) -> CUresult {
+        if name.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller guarantees a NUL-terminated string.
+        let Ok(name) = unsafe { CStr::from_ptr(name) }.to_str() else { return CUresult::CUDA_ERROR_NOT_FOUND };
+        // SAFETY: forwarded contract.
+        unsafe { self.out(hfunc, |s| s.module_get_function(hmod, name)) }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn cuLaunchKernel(
+        &self,
+        f: CUfunction,
+        gridDimX: c_uint,
+        gridDimY: c_uint,
+        gridDimZ: c_uint,
+        blockDimX: c_uint,
+        blockDimY: c_uint,
+        blockDimZ: c_uint,
+        sharedMemBytes: c_uint,
+        hStream: CUstream,
+        kernelParams: *mut *mut c_void,
+        extra: *mut *mut c_void,
+    ) -> CUresult {
+        let launch = Launch {
+            grid: [gridDimX, gridDimY, gridDimZ],
+            block: [blockDimX, blockDimY, blockDimZ],
+            shared_memory: sharedMemBytes,
+            has_params: !kernelParams.is_null(),
+            has_extra: !extra.is_null(),
+        };
+        self.call(|s| s.launch_kernel(f, launch, hStream))
+    }
+}
+
+#[cfg(test)]
+mod tests;

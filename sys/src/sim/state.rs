@@ -1,0 +1,1127 @@
+//! The state of a simulated driver and the rules it follows; see the [module docs](super) for
+//! the model. Every operation returns the `CUresult` a real driver would return for it.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::thread::ThreadId;
+
+use super::SimConfig;
+use super::clock::{Clock, StreamId};
+use super::handle::{Kind, decode, encode};
+use super::space::{AddressSpace, FreeSpace, Readiness};
+use crate::bindings::*;
+
+pub(crate) type R<T> = Result<T, CUresult>;
+
+/// Alignment and rounding of every allocation inside a pool.
+pub(crate) const ALIGNMENT: u64 = 512;
+/// Size of each device's slice of the simulated address space.
+const DEVICE_SPAN: u64 = 1 << 46;
+/// Largest dynamic shared memory a launch may ask for (an H100's 227 KiB).
+const MAX_SHARED_MEMORY: u32 = 227 << 10;
+
+pub(crate) const SUCCESS: CUresult = CUresult::CUDA_SUCCESS;
+pub(crate) const INVALID_VALUE: CUresult = CUresult::CUDA_ERROR_INVALID_VALUE;
+pub(crate) const OUT_OF_MEMORY: CUresult = CUresult::CUDA_ERROR_OUT_OF_MEMORY;
+pub(crate) const NOT_INITIALIZED: CUresult = CUresult::CUDA_ERROR_NOT_INITIALIZED;
+pub(crate) const INVALID_DEVICE: CUresult = CUresult::CUDA_ERROR_INVALID_DEVICE;
+pub(crate) const INVALID_CONTEXT: CUresult = CUresult::CUDA_ERROR_INVALID_CONTEXT;
+pub(crate) const CONTEXT_IS_DESTROYED: CUresult = CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED;
+pub(crate) const INVALID_HANDLE: CUresult = CUresult::CUDA_ERROR_INVALID_HANDLE;
+pub(crate) const INVALID_IMAGE: CUresult = CUresult::CUDA_ERROR_INVALID_IMAGE;
+pub(crate) const NOT_FOUND: CUresult = CUresult::CUDA_ERROR_NOT_FOUND;
+pub(crate) const NOT_SUPPORTED: CUresult = CUresult::CUDA_ERROR_NOT_SUPPORTED;
+
+thread_local! {
+    /// Each thread's context stack, per simulated driver (keyed by its unique id).
+    static CONTEXT_STACKS: RefCell<Vec<(u64, Vec<u32>)>> = const { RefCell::new(Vec::new()) };
+}
+
+fn with_stack<T>(sim: u64, f: impl FnOnce(&mut Vec<u32>) -> T) -> T {
+    CONTEXT_STACKS.with_borrow_mut(|stacks| {
+        let index = match stacks.iter().position(|(id, _)| *id == sim) {
+            Some(index) => index,
+            None => {
+                stacks.push((sim, Vec::new()));
+                stacks.len() - 1
+            }
+        };
+        f(&mut stacks[index].1)
+    })
+}
+
+/// A device's primary context. It is active while retained at least once.
+#[derive(Debug)]
+struct Context {
+    device: usize,
+    retained: u32,
+    /// The legacy default stream, while active.
+    legacy: Option<StreamId>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StreamKind {
+    /// The legacy default stream (`NULL`, `CU_STREAM_LEGACY`): orders with all blocking streams.
+    Legacy,
+    /// A thread's per-thread default stream (`CU_STREAM_PER_THREAD`): a blocking stream.
+    PerThread,
+    /// Made by `cuStreamCreate`.
+    Created,
+}
+
+#[derive(Debug)]
+struct Stream {
+    id: StreamId,
+    ctx: u32,
+    device: usize,
+    kind: StreamKind,
+    /// Waits for the legacy stream before each operation (created without `NON_BLOCKING`).
+    blocking: bool,
+    /// Operations enqueued so far.
+    position: u64,
+    /// What its next operation is ordered after.
+    clock: Clock,
+    /// Destroyed by the caller; kept until its work is observed complete.
+    destroyed: bool,
+}
+
+impl Stream {
+    /// The clock of its latest operation: everything up to and including it.
+    fn frontier(&self) -> Clock {
+        let mut clock = self.clock.clone();
+        clock.advance(self.id, self.position);
+        clock
+    }
+}
+
+#[derive(Debug)]
+struct Event {
+    ctx: u32,
+    device: usize,
+    timing: bool,
+    recorded: Option<Clock>,
+}
+
+#[derive(Debug)]
+struct Module {
+    ctx: u32,
+    entries: Vec<String>,
+}
+
+#[derive(Debug)]
+struct Function {
+    module: u32,
+}
+
+/// A live allocation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Allocation {
+    pub(crate) pool: u32,
+    /// Bytes held: the request rounded up to [`ALIGNMENT`].
+    pub(crate) size: u64,
+    pub(crate) segment: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PoolKind {
+    /// A device's default pool, which cannot be destroyed.
+    Default,
+    /// Made by `cuMemPoolCreate`.
+    Created,
+    /// Backs `cuMemAlloc`: frees are immediate and empty segments go back at once.
+    Raw,
+}
+
+/// A reservation of device memory: one contiguous address range.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Segment {
+    pub(crate) size: u64,
+    pub(crate) live: u32,
+}
+
+#[derive(Debug)]
+pub(crate) struct Pool {
+    pub(crate) device: usize,
+    pub(crate) kind: PoolKind,
+    pub(crate) destroyed: bool,
+    pub(crate) max_size: u64,
+    pub(crate) follow_event_dependencies: bool,
+    pub(crate) allow_opportunistic: bool,
+    pub(crate) allow_internal_dependencies: bool,
+    pub(crate) release_threshold: u64,
+    pub(crate) used: u64,
+    pub(crate) used_high: u64,
+    pub(crate) reserved: u64,
+    pub(crate) reserved_high: u64,
+    pub(crate) segments: BTreeMap<u64, Segment>,
+    pub(crate) free: FreeSpace,
+    /// Access granted to other devices.
+    access: BTreeMap<usize, CUmemAccess_flags>,
+}
+
+impl Pool {
+    fn new(device: usize, kind: PoolKind, max_size: u64) -> Self {
+        Self {
+            device,
+            kind,
+            destroyed: false,
+            max_size,
+            follow_event_dependencies: true,
+            allow_opportunistic: true,
+            allow_internal_dependencies: true,
+            release_threshold: 0,
+            used: 0,
+            used_high: 0,
+            reserved: 0,
+            reserved_high: 0,
+            segments: BTreeMap::new(),
+            free: FreeSpace::default(),
+            access: BTreeMap::new(),
+        }
+    }
+
+    /// Idle segments in release order: largest first, then highest address.
+    fn idle_segments(&self) -> Vec<(u64, u64)> {
+        let mut idle: Vec<(u64, u64)> = self
+            .segments
+            .iter()
+            .filter(|&(&base, segment)| self.free.is_idle(base, segment.size))
+            .map(|(&base, segment)| (segment.size, base))
+            .collect();
+        idle.sort_unstable_by(|a, b| b.cmp(a));
+        idle
+    }
+}
+
+#[derive(Debug)]
+struct Device {
+    capacity: u64,
+    /// Bytes reserved by all its pools.
+    reserved: u64,
+    space: AddressSpace,
+    default_pool: u32,
+    current_pool: u32,
+    raw_pool: u32,
+}
+
+/// Everything a simulated driver knows; guarded by the [`Sim`](super::Sim)'s lock.
+#[derive(Debug)]
+pub(crate) struct State {
+    /// Unique id of this simulated driver, for the thread-local context stacks.
+    id: u64,
+    /// The 16 bits of `id` that handles carry.
+    tag: u16,
+    pub(crate) config: SimConfig,
+    initialized: bool,
+    devices: Vec<Device>,
+    contexts: BTreeMap<u32, Context>,
+    streams: BTreeMap<StreamId, Stream>,
+    per_thread: HashMap<(ThreadId, u32), StreamId>,
+    events: BTreeMap<u32, Event>,
+    pub(crate) pools: BTreeMap<u32, Pool>,
+    modules: BTreeMap<u32, Module>,
+    functions: BTreeMap<u32, Function>,
+    pub(crate) allocations: BTreeMap<u64, Allocation>,
+    /// Positions the host has observed complete.
+    completed: Clock,
+    next_id: u32,
+}
+
+impl State {
+    pub(crate) fn new(id: u64, config: SimConfig) -> Self {
+        let mut state = Self {
+            id,
+            tag: id as u16,
+            config,
+            initialized: false,
+            devices: Vec::new(),
+            contexts: BTreeMap::new(),
+            streams: BTreeMap::new(),
+            per_thread: HashMap::new(),
+            events: BTreeMap::new(),
+            pools: BTreeMap::new(),
+            modules: BTreeMap::new(),
+            functions: BTreeMap::new(),
+            allocations: BTreeMap::new(),
+            completed: Clock::default(),
+            next_id: 0,
+        };
+        // Each driver instance and device gets its own slice of a 64-bit address space.
+        let instance_base = ((id % 0xFF) + 1) << 52;
+        for (device, &capacity) in state.config.capacities.clone().iter().enumerate() {
+            let default_pool = state.next();
+            state.pools.insert(default_pool, Pool::new(device, PoolKind::Default, 0));
+            let raw_pool = state.next();
+            state.pools.insert(raw_pool, Pool::new(device, PoolKind::Raw, 0));
+            let base = instance_base + device as u64 * DEVICE_SPAN;
+            state.devices.push(Device {
+                capacity,
+                reserved: 0,
+                space: AddressSpace::new(base, DEVICE_SPAN),
+                default_pool,
+                current_pool: default_pool,
+                raw_pool,
+            });
+            state.contexts.insert(device as u32 + 1, Context { device, retained: 0, legacy: None });
+        }
+        state
+    }
+
+    fn next(&mut self) -> u32 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    // ----- handles -------------------------------------------------------------------------------
+
+    pub(crate) fn handle(&self, kind: Kind, id: u32) -> usize {
+        encode(self.tag, kind, id)
+    }
+
+    fn require_init(&self) -> R<()> {
+        if self.initialized { Ok(()) } else { Err(NOT_INITIALIZED) }
+    }
+
+    fn require_pools(&self) -> R<()> {
+        self.require_init()?;
+        if self.config.memory_pools_supported { Ok(()) } else { Err(NOT_SUPPORTED) }
+    }
+
+    fn device(&self, ordinal: CUdevice) -> R<usize> {
+        self.require_init()?;
+        usize::try_from(ordinal).ok().filter(|&d| d < self.devices.len()).ok_or(INVALID_DEVICE)
+    }
+
+    fn context(&self, raw: CUcontext) -> R<u32> {
+        decode(self.tag, Kind::Context, raw as usize).filter(|id| self.contexts.contains_key(id)).ok_or(INVALID_CONTEXT)
+    }
+
+    /// The calling thread's current context, which must be active.
+    fn current(&self) -> R<u32> {
+        self.require_init()?;
+        let ctx = with_stack(self.id, |stack| stack.last().copied()).ok_or(INVALID_CONTEXT)?;
+        match self.contexts.get(&ctx) {
+            Some(context) if context.retained > 0 => Ok(ctx),
+            _ => Err(CONTEXT_IS_DESTROYED),
+        }
+    }
+
+    /// Resolves a stream handle, including `NULL`, `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`.
+    fn stream(&mut self, raw: CUstream) -> R<StreamId> {
+        self.require_init()?;
+        match raw as usize {
+            0 | 1 => {
+                let ctx = self.current()?;
+                self.contexts[&ctx].legacy.ok_or(CONTEXT_IS_DESTROYED)
+            }
+            2 => {
+                let ctx = self.current()?;
+                let key = (std::thread::current().id(), ctx);
+                if let Some(&id) = self.per_thread.get(&key) {
+                    return Ok(id);
+                }
+                let id = self.new_stream(ctx, StreamKind::PerThread, true);
+                self.per_thread.insert(key, id);
+                Ok(id)
+            }
+            raw => decode(self.tag, Kind::Stream, raw)
+                .filter(|id| self.streams.get(id).is_some_and(|s| !s.destroyed))
+                .ok_or(INVALID_HANDLE),
+        }
+    }
+
+    fn new_stream(&mut self, ctx: u32, kind: StreamKind, blocking: bool) -> StreamId {
+        let id = self.next();
+        let device = self.contexts[&ctx].device;
+        let stream = Stream { id, ctx, device, kind, blocking, position: 0, clock: Clock::default(), destroyed: false };
+        self.streams.insert(id, stream);
+        id
+    }
+
+    fn event(&self, raw: CUevent) -> R<u32> {
+        self.require_init()?;
+        decode(self.tag, Kind::Event, raw as usize).filter(|id| self.events.contains_key(id)).ok_or(INVALID_HANDLE)
+    }
+
+    /// A pool that may be used: created or default, not destroyed.
+    fn pool(&self, raw: CUmemoryPool) -> R<u32> {
+        self.require_pools()?;
+        decode(self.tag, Kind::Pool, raw as usize)
+            .filter(|id| self.pools.get(id).is_some_and(|p| !p.destroyed && p.kind != PoolKind::Raw))
+            .ok_or(INVALID_VALUE)
+    }
+
+    /// The pool behind `raw` for inspection, including one destroyed but not yet reclaimed.
+    pub(crate) fn pool_id_for_inspection(&self, raw: CUmemoryPool) -> Option<u32> {
+        decode(self.tag, Kind::Pool, raw as usize).filter(|id| self.pools.contains_key(id))
+    }
+
+    // ----- stream order ----------------------------------------------------------------------------
+
+    /// What the next operation on `stream` is ordered after, including the legacy stream's
+    /// implicit synchronization.
+    fn op_clock(&self, stream: StreamId) -> Clock {
+        let s = &self.streams[&stream];
+        let mut clock = s.clock.clone();
+        match s.kind {
+            StreamKind::Legacy => {
+                for other in self.streams.values() {
+                    if other.ctx == s.ctx && other.blocking && !other.destroyed {
+                        clock.join(&other.frontier());
+                    }
+                }
+            }
+            _ if s.blocking => {
+                if let Some(legacy) = self.contexts[&s.ctx].legacy {
+                    clock.join(&self.streams[&legacy].frontier());
+                }
+            }
+            _ => {}
+        }
+        clock
+    }
+
+    /// Enqueues an operation on `stream`, ordered after `clock`; returns its position.
+    fn commit(&mut self, stream: StreamId, clock: Clock) -> u64 {
+        let s = self.streams.get_mut(&stream).expect("resolved stream");
+        s.clock = clock;
+        s.position += 1;
+        s.position
+    }
+
+    /// The host has observed everything `clock` covers: frees it covers become reusable by any
+    /// stream, and destroyed objects whose work is done are reclaimed.
+    fn observe(&mut self, clock: &Clock) {
+        self.completed.join(clock);
+        for pool in self.pools.values_mut() {
+            pool.free.promote(&self.completed);
+        }
+        let completed = &self.completed;
+        self.streams.retain(|&id, s| !(s.destroyed && completed.get(id) >= s.position));
+        self.reclaim_destroyed_pools();
+    }
+
+    /// A synchronization: observe `clock`, then pools of `device` above their release threshold
+    /// give memory back to it.
+    fn synchronize(&mut self, clock: &Clock, device: usize) {
+        self.observe(clock);
+        let pools: Vec<u32> = self.pools.iter().filter(|(_, p)| p.device == device).map(|(&id, _)| id).collect();
+        for id in pools {
+            let threshold = self.pools[&id].release_threshold;
+            if self.pools[&id].reserved > threshold {
+                self.trim(id, threshold);
+            }
+        }
+    }
+
+    // ----- reservations ---------------------------------------------------------------------------
+
+    /// Reserves a new segment for at least `size` bytes in pool `id`, or `None` when the pool's
+    /// maximum size or the device's capacity does not allow it.
+    fn grow(&mut self, id: u32, size: u64) -> Option<u64> {
+        let segment = size.checked_next_multiple_of(self.config.granule)?;
+        let pool = &self.pools[&id];
+        if pool.max_size != 0 && pool.reserved + segment > pool.max_size {
+            return None;
+        }
+        let device = pool.device;
+        if self.devices[device].reserved + segment > self.devices[device].capacity {
+            self.release_idle_on_device(device);
+            if self.devices[device].reserved + segment > self.devices[device].capacity {
+                return None;
+            }
+        }
+        let base = self.devices[device].space.reserve(segment)?;
+        self.devices[device].reserved += segment;
+        let pool = self.pools.get_mut(&id).expect("pool");
+        pool.segments.insert(base, Segment { size: segment, live: 0 });
+        pool.reserved += segment;
+        pool.reserved_high = pool.reserved_high.max(pool.reserved);
+        pool.free.insert(base, segment, base, Readiness::Ready);
+        Some(base)
+    }
+
+    fn release_segment(&mut self, id: u32, base: u64) {
+        let pool = self.pools.get_mut(&id).expect("pool");
+        pool.free.remove_idle(base);
+        let segment = pool.segments.remove(&base).expect("segment");
+        pool.reserved -= segment.size;
+        let device = &mut self.devices[pool.device];
+        device.reserved -= segment.size;
+        device.space.release(base, segment.size);
+    }
+
+    /// Releases idle segments of pool `id`, largest first, while at least `keep` bytes remain.
+    fn trim(&mut self, id: u32, keep: u64) {
+        for (size, base) in self.pools[&id].idle_segments() {
+            if self.pools[&id].reserved - size >= keep {
+                self.release_segment(id, base);
+            }
+        }
+    }
+
+    /// The driver's implicit release before it reports out-of-memory: every idle segment of
+    /// every pool on the device goes back, whatever the release thresholds.
+    fn release_idle_on_device(&mut self, device: usize) {
+        let pools: Vec<u32> = self.pools.iter().filter(|(_, p)| p.device == device).map(|(&id, _)| id).collect();
+        for id in pools {
+            self.trim(id, 0);
+        }
+    }
+
+    /// Pools destroyed while they still had outstanding allocations go away once those are
+    /// freed and the frees observed.
+    fn reclaim_destroyed_pools(&mut self) {
+        let done: Vec<u32> = self
+            .pools
+            .iter()
+            .filter(|(_, p)| p.destroyed && p.used == 0 && p.idle_segments().len() == p.segments.len())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in done {
+            self.trim(id, 0);
+            self.pools.remove(&id);
+        }
+    }
+
+    // ----- allocation ----------------------------------------------------------------------------
+
+    /// Places `bytes` in pool `id` for `stream` (`None` for a synchronous allocation).
+    ///
+    /// In order: the best-fit free piece the stream may reuse; a new segment; and, if the device
+    /// is full and the pool allows internal dependencies, a piece freed on another stream, after
+    /// making the allocating stream wait for all work enqueued so far on that stream.
+    fn place(&mut self, id: u32, bytes: u64, stream: Option<StreamId>) -> R<u64> {
+        if bytes == 0 {
+            return Err(INVALID_VALUE);
+        }
+        let size = bytes.checked_next_multiple_of(ALIGNMENT).ok_or(OUT_OF_MEMORY)?;
+        let knowledge = stream.map(|s| self.op_clock(s)).unwrap_or_default();
+        let pool = &self.pools[&id];
+        let (follow, internal) = (pool.follow_event_dependencies, pool.allow_internal_dependencies);
+        let mut wait_for = None;
+        let addr = match pool.free.best_fit(size, stream, &knowledge, follow) {
+            Some(addr) => addr,
+            None => match self.grow(id, size) {
+                Some(addr) => addr,
+                None => {
+                    let elsewhere = if internal { self.pools[&id].free.best_fit_elsewhere(size, stream) } else { None };
+                    let (addr, other) = elsewhere.filter(|_| stream.is_some()).ok_or(OUT_OF_MEMORY)?;
+                    wait_for = Some(other);
+                    addr
+                }
+            },
+        };
+        if let Some(s) = stream {
+            let mut clock = knowledge;
+            if let Some(other) = wait_for {
+                clock.join(&self.streams[&other].frontier());
+            }
+            self.commit(s, clock);
+        }
+        let pool = self.pools.get_mut(&id).expect("pool");
+        let piece = pool.free.take(addr, size);
+        pool.segments.get_mut(&piece.segment).expect("segment").live += 1;
+        pool.used += size;
+        pool.used_high = pool.used_high.max(pool.used);
+        self.allocations.insert(addr, Allocation { pool: id, size, segment: piece.segment });
+        Ok(addr)
+    }
+
+    /// Returns a live allocation to its pool's free space with the given readiness.
+    fn unplace(&mut self, ptr: u64, readiness: Readiness) -> u32 {
+        let allocation = self.allocations.remove(&ptr).expect("live allocation");
+        let pool = self.pools.get_mut(&allocation.pool).expect("pool of a live allocation");
+        pool.used -= allocation.size;
+        pool.segments.get_mut(&allocation.segment).expect("segment").live -= 1;
+        pool.free.insert(ptr, allocation.size, allocation.segment, readiness);
+        allocation.pool
+    }
+
+    // ----- entry points: initialization and devices ------------------------------------------------
+
+    pub(crate) fn init(&mut self, flags: u32) -> R<()> {
+        if flags != 0 {
+            return Err(INVALID_VALUE);
+        }
+        self.initialized = true;
+        Ok(())
+    }
+
+    pub(crate) fn device_count(&self) -> R<i32> {
+        self.require_init()?;
+        Ok(self.devices.len() as i32)
+    }
+
+    pub(crate) fn device_get(&self, ordinal: i32) -> R<CUdevice> {
+        self.device(ordinal).map(|d| d as CUdevice)
+    }
+
+    pub(crate) fn device_name(&self, dev: CUdevice) -> R<String> {
+        let d = self.device(dev)?;
+        Ok(format!("steppool simulated device {d} ({})", crate::bytes::Bytes(self.devices[d].capacity)))
+    }
+
+    pub(crate) fn device_total_mem(&self, dev: CUdevice) -> R<usize> {
+        let d = self.device(dev)?;
+        Ok(self.devices[d].capacity as usize)
+    }
+
+    /// Device attributes the simulated device answers, with an H100's values where they are
+    /// hardware facts; others are refused with `CUDA_ERROR_INVALID_VALUE`.
+    pub(crate) fn device_attribute(&self, attribute: CUdevice_attribute, dev: CUdevice) -> R<i32> {
+        use CUdevice_attribute as A;
+        self.device(dev)?;
+        Ok(match attribute {
+            A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
+            A::CU_DEVICE_ATTRIBUTE_WARP_SIZE => 32,
+            A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => 132,
+            A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
+            A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR => 0,
+            A::CU_DEVICE_ATTRIBUTE_INTEGRATED => 0,
+            A::CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS => 1,
+            A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => 1,
+            A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN => MAX_SHARED_MEMORY as i32,
+            A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => 1,
+            A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => i32::from(self.config.memory_pools_supported),
+            A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES => 0,
+            _ => return Err(INVALID_VALUE),
+        })
+    }
+
+    pub(crate) fn can_access_peer(&self, dev: CUdevice, peer: CUdevice) -> R<i32> {
+        let (d, p) = (self.device(dev)?, self.device(peer)?);
+        Ok(i32::from(d != p && self.config.peer_access))
+    }
+
+    // ----- entry points: contexts --------------------------------------------------------------------
+
+    pub(crate) fn primary_ctx_retain(&mut self, dev: CUdevice) -> R<CUcontext> {
+        let d = self.device(dev)?;
+        let ctx = d as u32 + 1;
+        if self.contexts[&ctx].retained == 0 {
+            let legacy = self.new_stream(ctx, StreamKind::Legacy, false);
+            self.contexts.get_mut(&ctx).expect("context").legacy = Some(legacy);
+        }
+        self.contexts.get_mut(&ctx).expect("context").retained += 1;
+        Ok(self.handle(Kind::Context, ctx) as CUcontext)
+    }
+
+    /// Drops one retain; the last one destroys the context's streams, events and modules after
+    /// synchronizing with their work, as the real driver does.
+    pub(crate) fn primary_ctx_release(&mut self, dev: CUdevice) -> R<()> {
+        let d = self.device(dev)?;
+        let ctx = d as u32 + 1;
+        let context = self.contexts.get_mut(&ctx).expect("context");
+        if context.retained == 0 {
+            return Err(INVALID_CONTEXT);
+        }
+        context.retained -= 1;
+        if context.retained > 0 {
+            return Ok(());
+        }
+        context.legacy = None;
+        let mut clock = Clock::default();
+        for stream in self.streams.values().filter(|s| s.ctx == ctx) {
+            clock.join(&stream.frontier());
+        }
+        self.synchronize(&clock, d);
+        self.streams.retain(|_, s| s.ctx != ctx);
+        self.per_thread.retain(|&(_, c), _| c != ctx);
+        self.events.retain(|_, e| e.ctx != ctx);
+        let modules: Vec<u32> = self.modules.iter().filter(|(_, m)| m.ctx == ctx).map(|(&id, _)| id).collect();
+        for module in modules {
+            self.modules.remove(&module);
+            self.functions.retain(|_, f| f.module != module);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn ctx_get_current(&self) -> R<CUcontext> {
+        self.require_init()?;
+        let top = with_stack(self.id, |stack| stack.last().copied());
+        Ok(top.map_or(std::ptr::null_mut(), |ctx| self.handle(Kind::Context, ctx) as CUcontext))
+    }
+
+    pub(crate) fn ctx_set_current(&mut self, raw: CUcontext) -> R<()> {
+        self.require_init()?;
+        if raw.is_null() {
+            with_stack(self.id, |stack| stack.pop());
+            return Ok(());
+        }
+        let ctx = self.context(raw)?;
+        with_stack(self.id, |stack| match stack.last_mut() {
+            Some(top) => *top = ctx,
+            None => stack.push(ctx),
+        });
+        Ok(())
+    }
+
+    pub(crate) fn ctx_push_current(&mut self, raw: CUcontext) -> R<()> {
+        self.require_init()?;
+        let ctx = self.context(raw)?;
+        with_stack(self.id, |stack| stack.push(ctx));
+        Ok(())
+    }
+
+    pub(crate) fn ctx_pop_current(&mut self) -> R<CUcontext> {
+        self.require_init()?;
+        let ctx = with_stack(self.id, |stack| stack.pop()).ok_or(INVALID_CONTEXT)?;
+        Ok(self.handle(Kind::Context, ctx) as CUcontext)
+    }
+
+    pub(crate) fn ctx_get_device(&self) -> R<CUdevice> {
+        let ctx = self.current()?;
+        Ok(self.contexts[&ctx].device as CUdevice)
+    }
+
+    pub(crate) fn ctx_synchronize(&mut self) -> R<()> {
+        let ctx = self.current()?;
+        let mut clock = Clock::default();
+        for stream in self.streams.values().filter(|s| s.ctx == ctx) {
+            clock.join(&stream.frontier());
+        }
+        let device = self.contexts[&ctx].device;
+        self.synchronize(&clock, device);
+        Ok(())
+    }
+
+    // ----- entry points: streams ---------------------------------------------------------------------
+
+    pub(crate) fn stream_create(&mut self, flags: u32) -> R<CUstream> {
+        let ctx = self.current()?;
+        if flags & !CUstream_flags::CU_STREAM_NON_BLOCKING.0 != 0 {
+            return Err(INVALID_VALUE);
+        }
+        let blocking = flags & CUstream_flags::CU_STREAM_NON_BLOCKING.0 == 0;
+        let id = self.new_stream(ctx, StreamKind::Created, blocking);
+        Ok(self.handle(Kind::Stream, id) as CUstream)
+    }
+
+    pub(crate) fn stream_destroy(&mut self, raw: CUstream) -> R<()> {
+        self.require_init()?;
+        let id = decode(self.tag, Kind::Stream, raw as usize)
+            .filter(|id| self.streams.get(id).is_some_and(|s| !s.destroyed && s.kind == StreamKind::Created))
+            .ok_or(INVALID_HANDLE)?;
+        let stream = self.streams.get_mut(&id).expect("stream");
+        stream.destroyed = true;
+        if self.completed.get(id) >= stream.position {
+            self.streams.remove(&id);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn stream_synchronize(&mut self, raw: CUstream) -> R<()> {
+        let id = self.stream(raw)?;
+        let (frontier, device) = (self.streams[&id].frontier(), self.streams[&id].device);
+        self.synchronize(&frontier, device);
+        Ok(())
+    }
+
+    /// The simulated device runs work in zero time, so a query finds it complete; like a real
+    /// query that returns `CUDA_SUCCESS`, it lets later allocations reuse the stream's frees.
+    pub(crate) fn stream_query(&mut self, raw: CUstream) -> R<()> {
+        let id = self.stream(raw)?;
+        let frontier = self.streams[&id].frontier();
+        self.observe(&frontier);
+        Ok(())
+    }
+
+    pub(crate) fn stream_wait_event(&mut self, raw: CUstream, event: CUevent, flags: u32) -> R<()> {
+        let id = self.stream(raw)?;
+        let event = self.event(event)?;
+        if flags & !CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL.0 != 0 {
+            return Err(INVALID_VALUE);
+        }
+        let mut clock = self.op_clock(id);
+        if let Some(recorded) = &self.events[&event].recorded {
+            clock.join(recorded);
+        }
+        self.commit(id, clock);
+        Ok(())
+    }
+
+    pub(crate) fn stream_get_ctx(&mut self, raw: CUstream) -> R<CUcontext> {
+        let id = self.stream(raw)?;
+        Ok(self.handle(Kind::Context, self.streams[&id].ctx) as CUcontext)
+    }
+
+    // ----- entry points: events ----------------------------------------------------------------------
+
+    pub(crate) fn event_create(&mut self, flags: u32) -> R<CUevent> {
+        let ctx = self.current()?;
+        let (blocking, no_timing, interprocess) = (
+            CUevent_flags::CU_EVENT_BLOCKING_SYNC.0,
+            CUevent_flags::CU_EVENT_DISABLE_TIMING.0,
+            CUevent_flags::CU_EVENT_INTERPROCESS.0,
+        );
+        if flags & !(blocking | no_timing | interprocess) != 0 || (flags & interprocess != 0 && flags & no_timing == 0)
+        {
+            return Err(INVALID_VALUE);
+        }
+        let id = self.next();
+        let device = self.contexts[&ctx].device;
+        self.events.insert(id, Event { ctx, device, timing: flags & no_timing == 0, recorded: None });
+        Ok(self.handle(Kind::Event, id) as CUevent)
+    }
+
+    pub(crate) fn event_destroy(&mut self, raw: CUevent) -> R<()> {
+        let id = self.event(raw)?;
+        self.events.remove(&id);
+        Ok(())
+    }
+
+    pub(crate) fn event_record(&mut self, raw: CUevent, stream: CUstream) -> R<()> {
+        let event = self.event(raw)?;
+        let id = self.stream(stream)?;
+        if self.streams[&id].ctx != self.events[&event].ctx {
+            return Err(INVALID_HANDLE);
+        }
+        let clock = self.op_clock(id);
+        self.commit(id, clock);
+        let frontier = self.streams[&id].frontier();
+        self.events.get_mut(&event).expect("event").recorded = Some(frontier);
+        Ok(())
+    }
+
+    /// Like [`Self::stream_query`]: recorded work is found complete and observed.
+    pub(crate) fn event_query(&mut self, raw: CUevent) -> R<()> {
+        let id = self.event(raw)?;
+        if let Some(clock) = self.events[&id].recorded.clone() {
+            self.observe(&clock);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn event_synchronize(&mut self, raw: CUevent) -> R<()> {
+        let id = self.event(raw)?;
+        if let Some(clock) = self.events[&id].recorded.clone() {
+            let device = self.events[&id].device;
+            self.synchronize(&clock, device);
+        }
+        Ok(())
+    }
+
+    /// The simulated device runs work in zero time: any two recorded timing events are 0 ms apart.
+    pub(crate) fn event_elapsed_time(&self, start: CUevent, end: CUevent) -> R<f32> {
+        let (start, end) = (self.event(start)?, self.event(end)?);
+        let ok = |id: u32| self.events[&id].timing && self.events[&id].recorded.is_some();
+        if ok(start) && ok(end) { Ok(0.0) } else { Err(INVALID_HANDLE) }
+    }
+
+    // ----- entry points: memory ------------------------------------------------------------------------
+
+    pub(crate) fn mem_get_info(&self) -> R<(usize, usize)> {
+        let ctx = self.current()?;
+        let device = &self.devices[self.contexts[&ctx].device];
+        Ok(((device.capacity - device.reserved) as usize, device.capacity as usize))
+    }
+
+    /// `cuMemAlloc`: a synchronous allocation from the device's raw pool.
+    pub(crate) fn mem_alloc(&mut self, bytes: usize) -> R<CUdeviceptr> {
+        let ctx = self.current()?;
+        let raw_pool = self.devices[self.contexts[&ctx].device].raw_pool;
+        self.place(raw_pool, bytes as u64, None)
+    }
+
+    /// `cuMemFree`: frees any allocation at once; the driver "assumes that all accesses to the
+    /// allocation are complete". Empty raw segments go back to the device immediately.
+    pub(crate) fn mem_free(&mut self, ptr: CUdeviceptr) -> R<()> {
+        self.current()?;
+        if !self.allocations.contains_key(&ptr) {
+            return Err(INVALID_VALUE);
+        }
+        let pool = self.unplace(ptr, Readiness::Ready);
+        if self.pools[&pool].kind == PoolKind::Raw {
+            self.trim(pool, 0);
+        }
+        self.reclaim_destroyed_pools();
+        Ok(())
+    }
+
+    pub(crate) fn memset_d8_async(&mut self, ptr: CUdeviceptr, len: usize, stream: CUstream) -> R<()> {
+        let id = self.stream(stream)?;
+        if len > 0 {
+            let inside = self
+                .allocations
+                .range(..=ptr)
+                .next_back()
+                .is_some_and(|(&start, a)| ptr.checked_add(len as u64).is_some_and(|end| end <= start + a.size));
+            if !inside {
+                return Err(INVALID_VALUE);
+            }
+        }
+        let clock = self.op_clock(id);
+        self.commit(id, clock);
+        Ok(())
+    }
+
+    pub(crate) fn mem_alloc_async(&mut self, bytes: usize, stream: CUstream) -> R<CUdeviceptr> {
+        self.require_pools()?;
+        let id = self.stream(stream)?;
+        let pool = self.devices[self.streams[&id].device].current_pool;
+        self.place(pool, bytes as u64, Some(id))
+    }
+
+    pub(crate) fn mem_alloc_from_pool_async(
+        &mut self,
+        bytes: usize,
+        pool: CUmemoryPool,
+        stream: CUstream,
+    ) -> R<CUdeviceptr> {
+        let pool = self.pool(pool)?;
+        let id = self.stream(stream)?;
+        self.place(pool, bytes as u64, Some(id))
+    }
+
+    /// `cuMemFreeAsync`: the memory becomes reusable by `stream` at once and by other streams
+    /// once ordered after the free, or once the host observes it complete.
+    pub(crate) fn mem_free_async(&mut self, ptr: CUdeviceptr, stream: CUstream) -> R<()> {
+        self.require_pools()?;
+        let id = self.stream(stream)?;
+        if !self.allocations.contains_key(&ptr) {
+            return Err(INVALID_VALUE);
+        }
+        let clock = self.op_clock(id);
+        let position = self.commit(id, clock);
+        self.unplace(ptr, Readiness::Pending { stream: id, position });
+        Ok(())
+    }
+
+    // ----- entry points: pools -------------------------------------------------------------------------
+
+    pub(crate) fn mem_pool_create(&mut self, props: &CUmemPoolProps) -> R<CUmemoryPool> {
+        self.require_pools()?;
+        if props.allocType != CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED
+            || props.reserved.iter().any(|&b| b != 0)
+        {
+            return Err(INVALID_VALUE);
+        }
+        match props.location.type_ {
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE => {}
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA => return Err(NOT_SUPPORTED),
+            _ => return Err(INVALID_VALUE),
+        }
+        let device = self.device(props.location.id)?;
+        if props.handleTypes != CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE {
+            return Err(NOT_SUPPORTED);
+        }
+        let id = self.next();
+        self.pools.insert(id, Pool::new(device, PoolKind::Created, props.maxSize as u64));
+        Ok(self.handle(Kind::Pool, id) as CUmemoryPool)
+    }
+
+    /// Destroys a created pool; with allocations still outstanding it goes away once they are
+    /// freed, as `cuMemPoolDestroy` documents. The handle is invalid from now on.
+    pub(crate) fn mem_pool_destroy(&mut self, raw: CUmemoryPool) -> R<()> {
+        let id = self.pool(raw)?;
+        if self.pools[&id].kind != PoolKind::Created {
+            return Err(INVALID_VALUE);
+        }
+        let device = self.pools[&id].device;
+        if self.devices[device].current_pool == id {
+            self.devices[device].current_pool = self.devices[device].default_pool;
+        }
+        self.pools.get_mut(&id).expect("pool").destroyed = true;
+        self.reclaim_destroyed_pools();
+        Ok(())
+    }
+
+    pub(crate) fn mem_pool_trim_to(&mut self, raw: CUmemoryPool, keep: usize) -> R<()> {
+        let id = self.pool(raw)?;
+        self.trim(id, keep as u64);
+        Ok(())
+    }
+
+    pub(crate) fn mem_pool_set_attribute(
+        &mut self,
+        raw: CUmemoryPool,
+        attribute: CUmemPool_attribute,
+        value: u64,
+    ) -> R<()> {
+        use CUmemPool_attribute as A;
+        let id = self.pool(raw)?;
+        let pool = self.pools.get_mut(&id).expect("pool");
+        match attribute {
+            A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES => pool.follow_event_dependencies = value != 0,
+            A::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC => pool.allow_opportunistic = value != 0,
+            A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES => pool.allow_internal_dependencies = value != 0,
+            A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD => pool.release_threshold = value,
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH if value == 0 => pool.reserved_high = pool.reserved,
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH if value == 0 => pool.used_high = pool.used,
+            _ => return Err(INVALID_VALUE),
+        }
+        Ok(())
+    }
+
+    pub(crate) fn mem_pool_get_attribute(&self, raw: CUmemoryPool, attribute: CUmemPool_attribute) -> R<u64> {
+        use CUmemPool_attribute as A;
+        let pool = &self.pools[&self.pool(raw)?];
+        Ok(match attribute {
+            A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES => u64::from(pool.follow_event_dependencies),
+            A::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC => u64::from(pool.allow_opportunistic),
+            A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES => u64::from(pool.allow_internal_dependencies),
+            A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD => pool.release_threshold,
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT => pool.reserved,
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH => pool.reserved_high,
+            A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT => pool.used,
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH => pool.used_high,
+            _ => return Err(INVALID_VALUE),
+        })
+    }
+
+    /// Grants or revokes other devices' access. The resident device always has read-write access
+    /// and it cannot be changed; peers need `peer_access` in the configuration.
+    pub(crate) fn mem_pool_set_access(&mut self, raw: CUmemoryPool, descriptors: &[CUmemAccessDesc]) -> R<()> {
+        use CUmemAccess_flags as F;
+        let id = self.pool(raw)?;
+        let resident = self.pools[&id].device;
+        let mut changes = Vec::with_capacity(descriptors.len());
+        for descriptor in descriptors {
+            if descriptor.location.type_ != CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE {
+                return Err(INVALID_VALUE);
+            }
+            let device = self.device(descriptor.location.id)?;
+            let flags = descriptor.flags;
+            if ![
+                F::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+                F::CU_MEM_ACCESS_FLAGS_PROT_READ,
+                F::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            ]
+            .contains(&flags)
+            {
+                return Err(INVALID_VALUE);
+            }
+            if device == resident {
+                if flags != F::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
+                    return Err(INVALID_VALUE);
+                }
+                continue;
+            }
+            if !self.config.peer_access {
+                return Err(INVALID_DEVICE);
+            }
+            changes.push((device, flags));
+        }
+        let pool = self.pools.get_mut(&id).expect("pool");
+        pool.access.extend(changes);
+        Ok(())
+    }
+
+    pub(crate) fn mem_pool_get_access(&self, raw: CUmemoryPool, location: &CUmemLocation) -> R<CUmemAccess_flags> {
+        let id = self.pool(raw)?;
+        if location.type_ != CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(INVALID_VALUE);
+        }
+        let device = self.device(location.id)?;
+        let pool = &self.pools[&id];
+        Ok(if device == pool.device {
+            CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        } else {
+            pool.access.get(&device).copied().unwrap_or(CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE)
+        })
+    }
+
+    pub(crate) fn device_get_default_mem_pool(&self, dev: CUdevice) -> R<CUmemoryPool> {
+        self.require_pools()?;
+        let d = self.device(dev)?;
+        Ok(self.handle(Kind::Pool, self.devices[d].default_pool) as CUmemoryPool)
+    }
+
+    pub(crate) fn device_get_mem_pool(&self, dev: CUdevice) -> R<CUmemoryPool> {
+        self.require_pools()?;
+        let d = self.device(dev)?;
+        Ok(self.handle(Kind::Pool, self.devices[d].current_pool) as CUmemoryPool)
+    }
+
+    pub(crate) fn device_set_mem_pool(&mut self, dev: CUdevice, raw: CUmemoryPool) -> R<()> {
+        let d = self.device(dev)?;
+        let id = self.pool(raw)?;
+        if self.pools[&id].device != d {
+            return Err(INVALID_VALUE);
+        }
+        self.devices[d].current_pool = id;
+        Ok(())
+    }
+
+    // ----- entry points: modules and launches ----------------------------------------------------------
+
+    /// Loads PTX text. The simulated device does not execute kernels; it keeps the names of the
+    /// `.entry` functions so that launches can be checked and ordered.
+    pub(crate) fn module_load_data(&mut self, ptx: &[u8]) -> R<CUmodule> {
+        let ctx = self.current()?;
+        let text = std::str::from_utf8(ptx).map_err(|_| INVALID_IMAGE)?;
+        if !text.contains(".version") || !text.contains(".target") {
+            return Err(INVALID_IMAGE);
+        }
+        let entries = text
+            .split(".entry")
+            .skip(1)
+            .filter_map(|rest| {
+                let name: String = rest
+                    .trim_start()
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '$')
+                    .collect();
+                (!name.is_empty()).then_some(name)
+            })
+            .collect();
+        let id = self.next();
+        self.modules.insert(id, Module { ctx, entries });
+        Ok(self.handle(Kind::Module, id) as CUmodule)
+    }
+
+    pub(crate) fn module_unload(&mut self, raw: CUmodule) -> R<()> {
+        self.require_init()?;
+        let id = decode(self.tag, Kind::Module, raw as usize)
+            .filter(|id| self.modules.contains_key(id))
+            .ok_or(INVALID_HANDLE)?;
+        self.modules.remove(&id);
+        self.functions.retain(|_, f| f.module != id);
+        Ok(())
+    }
+
+    pub(crate) fn module_get_function(&mut self, raw: CUmodule, name: &str) -> R<CUfunction> {
+        self.require_init()?;
+        let id = decode(self.tag, Kind::Module, raw as usize)
+            .filter(|id| self.modules.contains_key(id))
+            .ok_or(INVALID_HANDLE)?;
+        if !self.modules[&id].entries.iter().any(|entry| entry == name) {
+            return Err(NOT_FOUND);
+        }
+        let function = self.next();
+        self.functions.insert(function, Function { module: id });
+        Ok(self.handle(Kind::Function, function) as CUfunction)
+    }
+
+    /// Checks a launch's configuration and enqueues it; the kernel itself does not run.
+    pub(crate) fn launch_kernel(&mut self, function: CUfunction, launch: Launch, stream: CUstream) -> R<()> {
+        self.require_init()?;
+        decode(self.tag, Kind::Function, function as usize)
+            .filter(|id| self.functions.contains_key(id))
+            .ok_or(INVALID_HANDLE)?;
+        let id = self.stream(stream)?;
+        let threads = launch.block.iter().map(|&b| u64::from(b)).product::<u64>();
+        if launch.grid.contains(&0)
+            || launch.block.contains(&0)
+            || threads > 1024
+            || launch.shared_memory > MAX_SHARED_MEMORY
+            || (launch.has_params && launch.has_extra)
+        {
+            return Err(INVALID_VALUE);
+        }
+        let clock = self.op_clock(id);
+        self.commit(id, clock);
+        Ok(())
+    }
+}
+
+/// The shape of a kernel launch, as checked by [`State::launch_kernel`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Launch {
+    pub(crate) grid: [u32; 3],
+    pub(crate) block: [u32; 3],
+    pub(crate) shared_memory: u32,
+    pub(crate) has_params: bool,
+    pub(crate) has_extra: bool,
+}

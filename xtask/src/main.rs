@@ -1,0 +1,54 @@
+//! Project automation for steppool, run as `cargo xtask <command>` (see
+//! <https://github.com/matklad/cargo-xtask/>).
+//!
+//! Commands:
+//! - `codegen [--check]`: regenerate `sys/src/bindings.rs` from NVIDIA's `cuda.h`; with `--check`,
+//!   fail when the committed file differs from a fresh generation (CI runs this).
+
+mod codegen;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  codegen [--check]   regenerate sys/src/bindings.rs from cuda.h (--check: fail if it is stale)";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let result = match args.as_slice() {
+        ["codegen"] => codegen::run(codegen::Mode::Write),
+        ["codegen", "--check"] => codegen::run(codegen::Mode::Check),
+        ["help" | "--help" | "-h"] | [] => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root: the parent of this crate's folder.
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// The cargo target folder, honouring `CARGO_TARGET_DIR`.
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| project_root().join("target"))
+}
