@@ -90,7 +90,7 @@ pub fn parse_bytes(text: &str) -> Result<u64, ParseBytesError> {
         let digits: u128 = fraction.parse().map_err(|_| not_a_number())?;
         let scale = 10u128.checked_pow(fraction.len() as u32).ok_or_else(out_of_range)?;
         let numerator = digits * u128::from(multiplier);
-        if numerator % scale != 0 {
+        if !numerator.is_multiple_of(scale) {
             return Err(out_of_range());
         }
         let extra = u64::try_from(numerator / scale).map_err(|_| out_of_range())?;

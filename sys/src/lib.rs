@@ -30,6 +30,7 @@ pub mod bindings;
 pub mod bytes;
 mod driver;
 mod error;
+pub mod kernels;
 mod loader;
 mod props;
 pub mod sim;

@@ -47,13 +47,15 @@ impl CudaLibrary {
             // loading it runs the driver's own initializers.
             return unsafe { Self::open_path(path) };
         }
+        // The first candidate is the driver's soname; its failure is the one worth reporting.
         let mut reason = String::new();
         for name in LIBRARY_CANDIDATES {
             // SAFETY: these are the sonames under which the NVIDIA driver installs libcuda;
             // whatever is installed under them is the CUDA driver, as the dynamic linker assumes.
             match unsafe { Self::open_path(name) } {
                 Ok(library) => return Ok(library),
-                Err(LoadError::LibraryNotFound { reason: why, .. }) => reason = why,
+                Err(LoadError::LibraryNotFound { reason: why, .. }) if reason.is_empty() => reason = why,
+                Err(LoadError::LibraryNotFound { .. }) => {}
                 Err(other) => return Err(other),
             }
         }

@@ -120,7 +120,7 @@ impl SimConfig {
                 return Err(SimConfigError::Capacity { device, capacity });
             }
         }
-        if self.granule == 0 || self.granule % 512 != 0 {
+        if self.granule == 0 || !self.granule.is_multiple_of(512) {
             return Err(SimConfigError::Granule { granule: self.granule });
         }
         Ok(())

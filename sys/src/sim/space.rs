@@ -86,24 +86,23 @@ impl FreeSpace {
 
     /// Adds `[addr, addr + len)` of `segment` as free, merging with compatible neighbours.
     pub(crate) fn insert(&mut self, mut addr: u64, mut len: u64, segment: u64, mut readiness: Readiness) {
-        if let Some((&prev_addr, prev)) = self.by_addr.range(..addr).next_back() {
-            if prev.segment == segment && prev_addr + prev.len == addr {
-                if let Some(merged) = prev.readiness.merge(readiness) {
-                    let prev = self.unindex(prev_addr).expect("indexed piece");
-                    addr = prev_addr;
-                    len += prev.len;
-                    readiness = merged;
-                }
-            }
+        if let Some((&prev_addr, prev)) = self.by_addr.range(..addr).next_back()
+            && prev.segment == segment
+            && prev_addr + prev.len == addr
+            && let Some(merged) = prev.readiness.merge(readiness)
+        {
+            let prev = self.unindex(prev_addr).expect("indexed piece");
+            addr = prev_addr;
+            len += prev.len;
+            readiness = merged;
         }
-        if let Some(next) = self.by_addr.get(&(addr + len)).copied() {
-            if next.segment == segment {
-                if let Some(merged) = readiness.merge(next.readiness) {
-                    self.unindex(addr + len);
-                    len += next.len;
-                    readiness = merged;
-                }
-            }
+        if let Some(next) = self.by_addr.get(&(addr + len)).copied()
+            && next.segment == segment
+            && let Some(merged) = readiness.merge(next.readiness)
+        {
+            self.unindex(addr + len);
+            len += next.len;
+            readiness = merged;
         }
         self.index(addr, Piece { len, segment, readiness });
     }
@@ -124,10 +123,10 @@ impl FreeSpace {
         for (&stream, set) in &self.pending {
             let known = completed.get(stream);
             for &(_, addr) in set {
-                if let Readiness::Pending { position, .. } = self.by_addr[&addr].readiness {
-                    if position <= known {
-                        done.push(addr);
-                    }
+                if let Readiness::Pending { position, .. } = self.by_addr[&addr].readiness
+                    && position <= known
+                {
+                    done.push(addr);
                 }
             }
         }
@@ -214,12 +213,12 @@ impl AddressSpace {
 
     /// Returns `[start, start + len)`, merging it with free neighbours.
     pub(crate) fn release(&mut self, mut start: u64, mut len: u64) {
-        if let Some((&prev, &prev_len)) = self.free.range(..start).next_back() {
-            if prev + prev_len == start {
-                self.free.remove(&prev);
-                start = prev;
-                len += prev_len;
-            }
+        if let Some((&prev, &prev_len)) = self.free.range(..start).next_back()
+            && prev + prev_len == start
+        {
+            self.free.remove(&prev);
+            start = prev;
+            len += prev_len;
         }
         if let Some(next_len) = self.free.remove(&(start + len)) {
             len += next_len;
