@@ -35,6 +35,20 @@ pub fn driver() -> Option<Driver> {
     }
 }
 
+/// A runtime on the driver [`driver`] selects.
+pub fn runtime() -> Option<steppool::Runtime> {
+    Some(steppool::Runtime::with_driver(driver()?).expect("building a runtime"))
+}
+
+/// A runtime on a simulated device of `capacity` bytes, whatever `STEPPOOL_DEVICE` says: for
+/// tests that need a device of a known size (out-of-memory) or its layout.
+pub fn simulated_runtime(capacity: u64) -> steppool::Runtime {
+    steppool::Runtime::builder()
+        .simulated(steppool_sys::sim::SimConfig::with_capacity(capacity))
+        .build()
+        .expect("building a simulated runtime")
+}
+
 /// Device 0 of the selected driver, with its primary context retained and current on the
 /// calling thread; released on drop.
 pub struct Device {

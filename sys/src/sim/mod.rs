@@ -188,6 +188,13 @@ impl Sim {
         })
     }
 
+    /// Whether work enqueued on `waiter` from now on runs after all work enqueued so far on
+    /// `other`: the stream order the model derives from events and waits. `None` for a stream
+    /// handle this driver does not know (special handles need a current context).
+    pub fn is_ordered_after(&self, waiter: CUstream, other: CUstream) -> Option<bool> {
+        self.lock().is_ordered_after(waiter, other).ok()
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // No entry point panics while holding the lock, so a poisoned state is still consistent.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)

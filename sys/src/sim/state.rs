@@ -538,6 +538,14 @@ impl State {
         allocation.pool
     }
 
+    /// Whether the next operation on `waiter` is ordered after everything enqueued so far on
+    /// `other` (through events, the legacy stream, or an inserted dependency).
+    pub(crate) fn is_ordered_after(&mut self, waiter: CUstream, other: CUstream) -> R<bool> {
+        let (waiter, other) = (self.stream(waiter)?, self.stream(other)?);
+        let position = self.streams[&other].position;
+        Ok(waiter == other || self.op_clock(waiter).get(other) >= position)
+    }
+
     // ----- entry points: initialization and devices ------------------------------------------------
 
     pub(crate) fn init(&mut self, flags: u32) -> R<()> {

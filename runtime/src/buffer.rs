@@ -1,0 +1,110 @@
+//! Buffers: owned device allocations, freed in stream order on drop.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use steppool_sys::CUdeviceptr;
+
+use crate::error::Result;
+use crate::phase::Phase;
+use crate::pool::PhasePool;
+use crate::stream::{Stream, StreamCore};
+
+/// A device allocation of one phase on one stream.
+///
+/// The lifetime ties a step-scoped buffer to its [`Step`](crate::Step) (or
+/// [`MicroStep`](crate::MicroStep)), so it cannot be used after the step ended; persistent
+/// buffers are `Buffer<'static>`. Dropping a buffer frees it in the order of its stream: work
+/// already enqueued there may still use it, later work on other streams may not, unless
+/// recorded with [`Buffer::record_use`].
+pub struct Buffer<'a> {
+    ptr: CUdeviceptr,
+    bytes: u64,
+    pool: Arc<PhasePool>,
+    uses: Vec<Arc<StreamCore>>,
+    freed: bool,
+    _scope: PhantomData<&'a ()>,
+}
+
+impl fmt::Debug for Buffer<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .field("phase", &self.pool.spec().name)
+            .field("stream", &self.pool.stream.id)
+            .finish()
+    }
+}
+
+impl Buffer<'_> {
+    pub(crate) fn new(ptr: CUdeviceptr, bytes: u64, pool: Arc<PhasePool>) -> Self {
+        Self { ptr, bytes, pool, uses: Vec::new(), freed: false, _scope: PhantomData }
+    }
+
+    /// The device pointer.
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// Its size in bytes, as requested.
+    pub fn len(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Always `false`: buffers are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Its phase.
+    pub fn phase(&self) -> Phase {
+        self.pool.phase()
+    }
+
+    /// The id of the stream it was allocated on, whose order frees it.
+    pub fn stream_id(&self) -> u32 {
+        self.pool.stream.id
+    }
+
+    /// The ordinal of its device.
+    pub fn device_ordinal(&self) -> usize {
+        self.pool.device_ordinal()
+    }
+
+    /// Records that work on `stream` uses the buffer: its free (or its memory's reuse at the
+    /// boundary) will wait for the work enqueued on `stream` up to the free. The role of
+    /// PyTorch's `record_stream`.
+    pub fn record_use(&mut self, stream: &Stream) {
+        let core = &stream.core;
+        if core.id != self.pool.stream.id && !self.uses.iter().any(|used| used.id == core.id) {
+            self.uses.push(core.clone());
+        }
+    }
+
+    /// Sets every byte to `value`, in the buffer's stream order (`cuMemsetD8Async`).
+    pub fn fill(&self, value: u8) -> Result<()> {
+        let stream = &self.pool.stream;
+        stream.prepare()?;
+        // SAFETY: the range is this live allocation, on the stream it was allocated on.
+        unsafe { stream.device.driver.memset_d8_async(self.ptr, value, self.bytes as usize, stream.raw) }?;
+        Ok(())
+    }
+
+    /// Frees the buffer now, returning an error instead of keeping it for
+    /// [`Runtime::take_errors`](crate::Runtime::take_errors).
+    pub fn free(mut self) -> Result<()> {
+        self.freed = true;
+        let mut state = self.pool.lock();
+        self.pool.free(&mut state, self.ptr, self.bytes, &self.uses)
+    }
+}
+
+impl Drop for Buffer<'_> {
+    fn drop(&mut self) {
+        if !self.freed {
+            self.pool.free_or_record(self.ptr, self.bytes, &self.uses);
+        }
+    }
+}

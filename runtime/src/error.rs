@@ -1,0 +1,320 @@
+//! Errors of the runtime, and the out-of-memory report that explains an OOM.
+
+use std::fmt;
+
+use steppool_sys::bytes::Bytes;
+use steppool_sys::{CUdeviceptr, DriverError, LoadError};
+
+use crate::phase::Scope;
+
+/// What went wrong. Every variant carries the numbers a user needs to act on it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No driver could be opened.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// A driver call failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// The device could not hold the request, even after synchronizing and trimming the
+    /// device's idle pool memory. The report says why.
+    #[error("{0}")]
+    OutOfMemory(Box<OomReport>),
+    /// A request of zero bytes.
+    #[error("a zero-byte allocation was requested in phase `{phase}`")]
+    ZeroSize {
+        /// The phase.
+        phase: String,
+    },
+    /// A request larger than the whole device; refused without trying.
+    #[error("{requested} requested in phase `{phase}` exceeds device {device}'s {total} of memory", requested = Bytes(*.requested), total = Bytes(*.device_total))]
+    ExceedsDevice {
+        /// Bytes requested.
+        requested: u64,
+        /// The phase.
+        phase: String,
+        /// The device ordinal.
+        device: usize,
+        /// The device's memory.
+        device_total: u64,
+    },
+    /// The phase's budget would be exceeded.
+    #[error("phase `{phase}` has a budget of {budget}; it holds {live} and {requested} more was requested", budget = Bytes(*.budget), live = Bytes(*.live), requested = Bytes(*.requested))]
+    BudgetExceeded {
+        /// The phase.
+        phase: String,
+        /// Its budget in bytes.
+        budget: u64,
+        /// Bytes it holds.
+        live: u64,
+        /// Bytes requested.
+        requested: u64,
+    },
+    /// A phase index this runtime does not have.
+    #[error("phase #{index} is not a phase of this runtime (it has {count})")]
+    UnknownPhase {
+        /// The index.
+        index: usize,
+        /// How many phases the runtime has.
+        count: usize,
+    },
+    /// The phase's scope does not allow allocating it here.
+    #[error("phase `{phase}` is {scope}-scoped: allocate it from {from}")]
+    PhaseScope {
+        /// The phase.
+        phase: String,
+        /// Its scope.
+        scope: Scope,
+        /// Where its allocations come from.
+        from: &'static str,
+    },
+    /// A phase name is already taken.
+    #[error("a phase named `{name}` already exists")]
+    DuplicatePhase {
+        /// The name.
+        name: String,
+    },
+    /// The phase's pools exist already; its spec can no longer change.
+    #[error("phase `{phase}` is in use: its spec can only change before its first allocation")]
+    PhaseInUse {
+        /// The phase.
+        phase: String,
+    },
+    /// More than [`MAX_PHASES`](crate::MAX_PHASES) phases.
+    #[error("a runtime has at most {max} phases")]
+    TooManyPhases {
+        /// The limit.
+        max: usize,
+    },
+    /// A step was begun while one is active.
+    #[error("step {index} is still active: end it before beginning another")]
+    StepActive {
+        /// The active step.
+        index: u64,
+    },
+    /// A step-scoped operation with no active step (for example, ending a step twice).
+    #[error("no step is active")]
+    NoActiveStep,
+    /// A micro-step was begun while one is active.
+    #[error("micro-step {index} of step {step} is still active")]
+    MicroStepActive {
+        /// The active step.
+        step: u64,
+        /// The active micro-step.
+        index: u32,
+    },
+    /// A micro-step operation with no active micro-step.
+    #[error("no micro-step is active")]
+    NoActiveMicroStep,
+    /// The raw API tried to end a step or micro-step that a [`Step`](crate::Step) guard owns.
+    #[error("step {index} is owned by a Step guard: end it with Step::end")]
+    OwnedByGuard {
+        /// The step.
+        index: u64,
+    },
+    /// A device ordinal the driver does not have.
+    #[error("device {ordinal} does not exist: the driver has {count} device(s)")]
+    NoSuchDevice {
+        /// The ordinal.
+        ordinal: usize,
+        /// How many devices there are.
+        count: usize,
+    },
+    /// A stream of another runtime.
+    #[error("the stream belongs to another runtime")]
+    ForeignStream,
+    /// A raw free or check of a pointer this runtime did not hand out (or already freed).
+    #[error("pointer {ptr:#x} was not allocated by this runtime's raw API, or is already freed")]
+    UnknownPointer {
+        /// The pointer.
+        ptr: CUdeviceptr,
+    },
+    /// Checked mode: a pointer released at a step or micro-step boundary was used again.
+    #[error("pointer {ptr:#x} of phase `{phase}` was released at the end of step {step}")]
+    UseAfterRelease {
+        /// The pointer.
+        ptr: CUdeviceptr,
+        /// Its phase.
+        phase: String,
+        /// The step that released it.
+        step: u64,
+    },
+    /// Checked mode: a range that runs past the end of its allocation.
+    #[error("range {ptr:#x}+{len} runs past its allocation {base:#x}+{size}")]
+    OutOfBounds {
+        /// Start of the range.
+        ptr: CUdeviceptr,
+        /// Its length.
+        len: u64,
+        /// Start of the allocation it starts in.
+        base: CUdeviceptr,
+        /// The allocation's size.
+        size: u64,
+    },
+}
+
+impl Error {
+    /// Whether this is an out-of-memory error (after recovery was tried).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory(_))
+    }
+
+    /// The report of an out-of-memory error.
+    pub fn oom_report(&self) -> Option<&OomReport> {
+        match self {
+            Error::OutOfMemory(report) => Some(report),
+            _ => None,
+        }
+    }
+}
+
+/// A result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why an allocation failed for lack of memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Enough memory held no live data (free on the device, or reserved by pools but unused), but
+    /// not in a piece the request could use: the memory is fragmented.
+    Fragmentation,
+    /// The live data really needs more memory than the device has.
+    Demand,
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Verdict::Fragmentation => "fragmentation",
+            Verdict::Demand => "demand",
+        })
+    }
+}
+
+/// One pool in an [`OomReport`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolUsage {
+    /// The phase.
+    pub phase: String,
+    /// The stream's id in the runtime.
+    pub stream: u32,
+    /// Bytes the pool holds from the device.
+    pub reserved: u64,
+    /// Bytes of live allocations in it, as requested.
+    pub used: u64,
+}
+
+/// What was asked, what was there, and the verdict, for an allocation that failed after the
+/// runtime synchronized the device, trimmed the idle memory of its other pools and retried once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OomReport {
+    /// Bytes requested.
+    pub requested: u64,
+    /// The phase.
+    pub phase: String,
+    /// The stream's id in the runtime.
+    pub stream: u32,
+    /// The device ordinal.
+    pub device: usize,
+    /// Free device memory, as `cuMemGetInfo` reports it.
+    pub device_free: u64,
+    /// The device's memory.
+    pub device_total: u64,
+    /// Every pool of the runtime on the device.
+    pub pools: Vec<PoolUsage>,
+    /// Why it failed.
+    pub verdict: Verdict,
+}
+
+impl OomReport {
+    /// Bytes reserved by the pools but holding no live data.
+    pub fn reserved_unused(&self) -> u64 {
+        self.pools.iter().map(|p| p.reserved.saturating_sub(p.used)).sum()
+    }
+
+    /// The verdict for these numbers: fragmentation when the free and the reserved-but-unused
+    /// memory together could have held the request.
+    pub fn judge(requested: u64, device_free: u64, pools: &[PoolUsage]) -> Verdict {
+        let unused: u64 = pools.iter().map(|p| p.reserved.saturating_sub(p.used)).sum();
+        if device_free.saturating_add(unused) >= requested { Verdict::Fragmentation } else { Verdict::Demand }
+    }
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "out of memory: {} requested in phase `{}` on stream {} of device {}",
+            Bytes(self.requested),
+            self.phase,
+            self.stream,
+            self.device
+        )?;
+        writeln!(
+            f,
+            "  device: {} free of {}; pools reserve {} of which {} hold no live data",
+            Bytes(self.device_free),
+            Bytes(self.device_total),
+            Bytes(self.pools.iter().map(|p| p.reserved).sum()),
+            Bytes(self.reserved_unused())
+        )?;
+        writeln!(f, "  {:<20} {:>6} {:>12} {:>12}", "phase", "stream", "reserved", "used")?;
+        for pool in &self.pools {
+            writeln!(
+                f,
+                "  {:<20} {:>6} {:>12} {:>12}",
+                pool.phase,
+                pool.stream,
+                Bytes(pool.reserved).to_string(),
+                Bytes(pool.used).to_string()
+            )?;
+        }
+        match self.verdict {
+            Verdict::Fragmentation => write!(
+                f,
+                "  verdict: fragmentation — {} was free or reserved without live data, but in pieces the request could not use",
+                Bytes(self.device_free + self.reserved_unused())
+            ),
+            Verdict::Demand => write!(
+                f,
+                "  verdict: demand — live data needs more than the device has ({} not live, {} requested)",
+                Bytes(self.device_free + self.reserved_unused()),
+                Bytes(self.requested)
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage(reserved: u64, used: u64) -> PoolUsage {
+        PoolUsage { phase: "activations".into(), stream: 1, reserved, used }
+    }
+
+    #[test]
+    fn verdicts_follow_free_plus_unused_reserved() {
+        assert_eq!(OomReport::judge(10, 4, &[usage(10, 3)]), Verdict::Fragmentation);
+        assert_eq!(OomReport::judge(12, 4, &[usage(10, 3)]), Verdict::Demand);
+        assert_eq!(OomReport::judge(1, 0, &[usage(10, 10)]), Verdict::Demand);
+    }
+
+    #[test]
+    fn the_report_names_what_was_asked_and_the_verdict() {
+        let report = OomReport {
+            requested: 3 << 30,
+            phase: "activations".into(),
+            stream: 2,
+            device: 0,
+            device_free: 1 << 30,
+            device_total: 80 << 30,
+            pools: vec![usage(40 << 30, 36 << 30)],
+            verdict: Verdict::Fragmentation,
+        };
+        let text = report.to_string();
+        assert!(text.contains("3 GiB requested in phase `activations`"), "{text}");
+        assert!(text.contains("1 GiB free of 80 GiB"), "{text}");
+        assert!(text.contains("verdict: fragmentation"), "{text}");
+    }
+}

@@ -1,0 +1,77 @@
+//! steppool: stream-ordered GPU memory pools, one per (device, stream, phase), with every
+//! allocation of a step-scoped phase released at once at the step boundary.
+//!
+//! Long training runs die with "CUDA out of memory" while gigabytes are free, because free memory
+//! is scattered in pieces too small for the request. Much of that comes from long-lived and
+//! short-lived tensors sharing one pool, and from one step's leftovers splitting the next step's
+//! memory. steppool separates lifetimes into [`Phase`]s, gives each (device, stream, phase) its
+//! own CUDA memory pool (`cuMemPoolCreate`, release threshold raised), and releases every
+//! allocation of a step-scoped phase at the boundary, so each step starts clean.
+//!
+//! ```
+//! use steppool::{Phase, PhaseSpec, Runtime, Scope};
+//! # fn main() -> steppool::Result<()> {
+//! # let runtime = Runtime::builder().simulated(steppool_sys::sim::SimConfig::with_capacity(16 << 30)).build()?;
+//! // let runtime = Runtime::new()?; // the GPU when one answers, else the simulated device
+//! let micro = runtime.declare_phase(PhaseSpec::new("micro_activations", Scope::MicroStep))?;
+//! let stream = runtime.device(0)?.create_stream()?;
+//! let weights = runtime.alloc(Phase::WEIGHTS, 512 << 20, &stream)?;
+//! let step = runtime.begin_step()?;
+//! let grads = step.alloc(Phase::GRADIENTS, 512 << 20, &stream)?;
+//! for _ in 0..4 {
+//!     let micro_step = step.begin_micro_step()?;
+//!     let activations = micro_step.alloc(micro, 1 << 30, &stream)?;
+//!     // ... launch kernels on `stream` with activations.ptr(), grads.ptr() ...
+//!     drop(activations);
+//!     micro_step.end()?;
+//! }
+//! drop(grads);
+//! let report = step.end()?;
+//! println!("{report}");
+//! # drop(weights);
+//! # Ok(()) }
+//! ```
+//!
+//! # What the runtime promises
+//!
+//! - A [`Buffer`] of a step borrows the [`Step`] (or [`MicroStep`]); using it after the step
+//!   ended does not compile. Dropping a buffer frees it in its stream's order; a buffer used on
+//!   another stream ([`Buffer::record_use`]) is freed after that stream's work.
+//! - [`Step::end`] releases every allocation still live in the step's phases (those handed out
+//!   through the [raw API](crate::raw)), in stream order and at once: another thread sees the step
+//!   before or after, never half released. Persistent phases are untouched.
+//! - On `CUDA_ERROR_OUT_OF_MEMORY` the runtime synchronizes the device, gives back the idle memory
+//!   of its other pools and retries once; then it fails with [`Error::OutOfMemory`], whose
+//!   [`OomReport`] says whether fragmentation or demand caused it.
+//! - Devices without memory pools (old drivers, vGPU slices, Windows TCC) get the same API over
+//!   `cuMemAlloc`/`cuMemFree`, said once on stderr.
+//! - [`Runtime`] is `Send + Sync`. Each (stream, phase) pool has its own lock and is found by index
+//!   from the stream, so threads allocating on their own streams do not contend.
+//!
+//! What it leaves to the caller: the order of work on streams (a buffer's memory is valid for
+//! work in its stream's order), and, with the raw API, the lifetime of pointers.
+
+mod buffer;
+mod device;
+mod error;
+mod phase;
+mod pool;
+pub mod raw;
+mod report;
+mod runtime;
+mod step;
+mod strategy;
+mod stream;
+
+pub use buffer::Buffer;
+pub use device::Device;
+pub use error::{Error, OomReport, PoolUsage, Result, Verdict};
+pub use phase::{MAX_PHASES, Phase, PhaseSpec, Scope, Strategy, TrimPolicy};
+pub use report::{MicroStepReport, PhaseReport, PoolStats, StepReport, fragmentation_ratio};
+pub use runtime::{Runtime, RuntimeBuilder};
+pub use step::{MicroStep, Step};
+pub use strategy::FreeSpace;
+pub use stream::{Event, Stream};
+
+/// The device layer steppool is built on: generated bindings, the loader and the simulated device.
+pub use steppool_sys as sys;

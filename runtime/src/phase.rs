@@ -1,0 +1,218 @@
+//! Phases: named lifetime classes of device memory, each with a scope, a strategy, and policies.
+//!
+//! A phase says how long its allocations live and how they are served. steppool gives each
+//! (device, stream, phase) its own CUDA memory pool, so long-lived and short-lived tensors never
+//! share one, and releases every allocation of a step-scoped phase at once at the boundary.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+
+/// How long a phase's allocations live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// Until freed; no step boundary touches them (weights, optimizer state). Allocated from the
+    /// [`Runtime`](crate::Runtime).
+    Persistent,
+    /// Until the end of the step at the latest (activations, gradients, workspace). Allocated from
+    /// a [`Step`](crate::Step) or one of its micro-steps.
+    Step,
+    /// Until the end of the micro-step at the latest (per-micro-batch activations under gradient
+    /// accumulation). Allocated from a [`MicroStep`](crate::MicroStep).
+    MicroStep,
+}
+
+impl Scope {
+    /// `persistent`, `step` or `micro-step`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Persistent => "persistent",
+            Scope::Step => "step",
+            Scope::MicroStep => "micro-step",
+        }
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a phase's allocations are served from its pools.
+///
+/// New strategies (such as planned slabs) slot in here; every strategy serves the same
+/// allocate / free / reset-at-boundary calls, so the API above does not change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Strategy {
+    /// Every allocation comes from the phase's CUDA pool (`cuMemAllocFromPoolAsync`); a free
+    /// returns it in stream order, so memory is reused within the step.
+    Pool,
+    /// Bump allocation, 512-byte aligned, in slabs taken from the phase's CUDA pool. A free does
+    /// nothing; the boundary resets the arena in O(1), keeping the slabs for the next step and
+    /// returning the surplus by the trim policy. Requests larger than a slab get a slab of their own.
+    Arena {
+        /// Size of each slab in bytes.
+        slab_bytes: u64,
+    },
+}
+
+impl Strategy {
+    /// An arena with 64 MiB slabs.
+    pub const ARENA: Strategy = Strategy::Arena { slab_bytes: 64 << 20 };
+
+    /// `pool` or `arena`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Pool => "pool",
+            Strategy::Arena { .. } => "arena",
+        }
+    }
+}
+
+/// What a phase's pools give back to the device at its boundaries.
+///
+/// Trimming never waits for the GPU: it releases memory whose frees the host has already
+/// observed complete, so a boundary does not stall the pipeline. [`Device::release_idle`]
+/// synchronizes and releases everything idle, when asked.
+///
+/// [`Device::release_idle`]: crate::Device::release_idle
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TrimPolicy {
+    /// Keep everything reserved.
+    Never,
+    /// Keep at least the largest need of the last `steps` boundaries, what the next step is
+    /// likely to need: the peak of live bytes for the pool strategy, the slabs touched for an
+    /// arena. A one-off spike is given back once it leaves the window.
+    KeepRecentPeak {
+        /// How many boundaries the window spans (at least 1).
+        steps: u32,
+    },
+    /// Keep at least this many bytes.
+    KeepBytes(u64),
+}
+
+/// The description of a phase: its name, scope, strategy and policies.
+///
+/// ```
+/// use steppool::{PhaseSpec, Scope, Strategy};
+/// let spec = PhaseSpec::new("kv_cache", Scope::Persistent).budget(8 << 30);
+/// let scratch = PhaseSpec::new("scratch", Scope::MicroStep).strategy(Strategy::ARENA);
+/// assert_eq!(spec.budget, Some(8 << 30));
+/// assert_eq!(scratch.scope, Scope::MicroStep);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PhaseSpec {
+    /// A unique name, used in reports and metrics.
+    pub name: String,
+    /// How long its allocations live.
+    pub scope: Scope,
+    /// How allocations are served.
+    pub strategy: Strategy,
+    /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD` of its pools. The driver's default, 0, gives memory
+    /// back at every synchronization and costs milliseconds to take it again; steppool's default
+    /// is `u64::MAX` and lets the trim policy decide.
+    pub release_threshold: u64,
+    /// What its pools give back at boundaries.
+    pub trim: TrimPolicy,
+    /// Most bytes its live allocations may hold, summed over devices and streams; a request past
+    /// it fails with [`Error::BudgetExceeded`](crate::Error::BudgetExceeded).
+    pub budget: Option<u64>,
+}
+
+impl PhaseSpec {
+    /// A phase with the [`Pool`](Strategy::Pool) strategy, the release threshold raised, no
+    /// budget, and a trim policy that suits its scope: [`TrimPolicy::Never`] for persistent
+    /// phases, [`TrimPolicy::KeepRecentPeak`] over 8 boundaries for the others.
+    pub fn new(name: impl Into<String>, scope: Scope) -> Self {
+        let trim = match scope {
+            Scope::Persistent => TrimPolicy::Never,
+            Scope::Step | Scope::MicroStep => TrimPolicy::KeepRecentPeak { steps: 8 },
+        };
+        Self { name: name.into(), scope, strategy: Strategy::Pool, release_threshold: u64::MAX, trim, budget: None }
+    }
+
+    /// With this strategy.
+    pub fn strategy(mut self, strategy: Strategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// With this release threshold.
+    pub fn release_threshold(mut self, bytes: u64) -> Self {
+        self.release_threshold = bytes;
+        self
+    }
+
+    /// With this trim policy.
+    pub fn trim(mut self, trim: TrimPolicy) -> Self {
+        self.trim = trim;
+        self
+    }
+
+    /// With a budget of `bytes`.
+    pub fn budget(mut self, bytes: u64) -> Self {
+        self.budget = Some(bytes);
+        self
+    }
+}
+
+/// A phase of a [`Runtime`](crate::Runtime): one of the built-in constants or a phase returned by
+/// [`Runtime::declare_phase`](crate::Runtime::declare_phase).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Phase(pub(crate) u16);
+
+impl Phase {
+    /// Model weights: persistent.
+    pub const WEIGHTS: Phase = Phase(0);
+    /// Optimizer state (moments, master weights): persistent.
+    pub const OPTIMIZER_STATE: Phase = Phase(1);
+    /// Activations kept for the backward pass: released at the step end.
+    pub const ACTIVATIONS: Phase = Phase(2);
+    /// Gradients, accumulated over micro-steps: released at the step end.
+    pub const GRADIENTS: Phase = Phase(3);
+    /// Short-lived scratch buffers: an arena reset at the step end.
+    pub const WORKSPACE: Phase = Phase(4);
+
+    /// The phases every runtime starts with.
+    pub const BUILT_IN: [Phase; 5] =
+        [Phase::WEIGHTS, Phase::OPTIMIZER_STATE, Phase::ACTIVATIONS, Phase::GRADIENTS, Phase::WORKSPACE];
+
+    /// The phase's index in its runtime, from 0.
+    pub fn index(self) -> usize {
+        usize::from(self.0)
+    }
+
+    pub(crate) fn built_in_specs() -> Vec<PhaseSpec> {
+        vec![
+            PhaseSpec::new("weights", Scope::Persistent),
+            PhaseSpec::new("optimizer_state", Scope::Persistent),
+            PhaseSpec::new("activations", Scope::Step),
+            PhaseSpec::new("gradients", Scope::Step),
+            PhaseSpec::new("workspace", Scope::Step).strategy(Strategy::ARENA),
+        ]
+    }
+}
+
+/// The most phases one runtime can have, built-in ones included.
+pub const MAX_PHASES: usize = 64;
+
+/// A phase as the runtime holds it: its spec and the bytes it holds, for its budget.
+#[derive(Debug)]
+pub(crate) struct PhaseEntry {
+    pub(crate) phase: Phase,
+    pub(crate) spec: PhaseSpec,
+    /// Live bytes over all its pools; maintained only when the spec has a budget.
+    pub(crate) live: AtomicU64,
+    /// Set once a pool of this phase exists; the spec is fixed from then on.
+    pub(crate) in_use: AtomicBool,
+}
+
+impl PhaseEntry {
+    pub(crate) fn new(phase: Phase, spec: PhaseSpec) -> Arc<Self> {
+        Arc::new(Self { phase, spec, live: AtomicU64::new(0), in_use: AtomicBool::new(false) })
+    }
+}

@@ -1,0 +1,383 @@
+//! Phase pools: the memory of one phase on one stream of one device, with its own CUDA pool.
+//!
+//! A phase pool's state sits behind its own lock. Only the threads that allocate on its stream
+//! in its phase take that lock, so threads on their own streams never contend; a boundary takes
+//! the locks of the pools it releases.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use steppool_sys::{CUdevice, CUdeviceptr, CUmemPool_attribute, PoolProps};
+
+use crate::device::read_write;
+use crate::error::{Error, Result};
+use crate::phase::{Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
+use crate::report::PoolStats;
+use crate::strategy::{Allocator, Backing, Source, SyncState, allocator};
+use crate::stream::StreamCore;
+
+/// Errors raised where they cannot be returned (in `Drop`), kept for
+/// [`Runtime::take_errors`](crate::Runtime::take_errors).
+pub(crate) type ErrorSink = Mutex<Vec<Error>>;
+
+pub(crate) fn record(sink: &ErrorSink, error: Error) {
+    sink.lock().unwrap_or_else(PoisonError::into_inner).push(error);
+}
+
+/// An allocation made through the raw API, which the boundary of its scope releases.
+#[derive(Debug)]
+pub(crate) struct RawAllocation {
+    pub(crate) bytes: u64,
+    /// Other streams it was used on; its free waits for them.
+    pub(crate) uses: Vec<Arc<StreamCore>>,
+}
+
+/// Counters of the current step (since the last `begin_step`).
+#[derive(Clone, Copy, Debug, Default)]
+struct Counters {
+    used: u64,
+    peak_used: u64,
+    allocations: u64,
+    frees: u64,
+    released: u64,
+    driver_time: Duration,
+}
+
+/// What a boundary released from one pool.
+#[derive(Debug, Default)]
+pub(crate) struct Released {
+    pub(crate) bytes: u64,
+    /// Raw pointers it released, to drop from the runtime's registry.
+    pub(crate) raw: Vec<(CUdeviceptr, u64)>,
+}
+
+pub(crate) struct PoolState {
+    allocator: Box<dyn Allocator>,
+    sync: SyncState,
+    pub(crate) raw: HashMap<CUdeviceptr, RawAllocation>,
+    counters: Counters,
+    /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
+    recent: VecDeque<u64>,
+}
+
+impl fmt::Debug for PoolState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolState").field("allocator", &self.allocator).field("counters", &self.counters).finish()
+    }
+}
+
+/// The pool of one (device, stream, phase).
+pub(crate) struct PhasePool {
+    pub(crate) entry: Arc<PhaseEntry>,
+    pub(crate) stream: Arc<StreamCore>,
+    backing: Backing,
+    state: Mutex<PoolState>,
+    errors: Arc<ErrorSink>,
+}
+
+// SAFETY: the only field that is not Send + Sync by itself is the CUmemoryPool inside `backing`,
+// an opaque driver handle usable from any thread; it is never mutated after creation.
+unsafe impl Send for PhasePool {}
+// SAFETY: as above; mutable state sits behind the mutex.
+unsafe impl Sync for PhasePool {}
+
+impl fmt::Debug for PhasePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PhasePool({} on stream {})", self.entry.spec.name, self.stream.id)
+    }
+}
+
+impl PhasePool {
+    /// Creates the pool: a CUDA pool on the stream's device with the phase's release threshold
+    /// and the device's peers granted access, or the synchronous fallback.
+    pub(crate) fn new(entry: Arc<PhaseEntry>, stream: Arc<StreamCore>, errors: Arc<ErrorSink>) -> Result<Self> {
+        let device = &stream.device;
+        let backing = if device.pools_supported {
+            let driver = &device.driver;
+            let pool = driver.mem_pool_create(&PoolProps::device(device.device).build())?;
+            let backing = Backing::Pool(pool);
+            let threshold = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            // SAFETY: the pool was just created.
+            let configured = unsafe { driver.mem_pool_set_attribute(pool, threshold, entry.spec.release_threshold) };
+            if let Err(error) = configured {
+                // SAFETY: the pool was just created and holds nothing.
+                let _ = unsafe { driver.mem_pool_destroy(pool) };
+                return Err(error.into());
+            }
+            backing
+        } else {
+            Backing::Synchronous
+        };
+        let state = PoolState {
+            allocator: allocator(entry.spec.strategy),
+            sync: SyncState::default(),
+            raw: HashMap::new(),
+            counters: Counters::default(),
+            recent: VecDeque::new(),
+        };
+        let pool = Self { entry, stream, backing, state: Mutex::new(state), errors };
+        pool.grant_access(&pool.stream.device.peers())?;
+        Ok(pool)
+    }
+
+    pub(crate) fn phase(&self) -> Phase {
+        self.entry.phase
+    }
+
+    pub(crate) fn spec(&self) -> &PhaseSpec {
+        &self.entry.spec
+    }
+
+    pub(crate) fn scope(&self) -> Scope {
+        self.entry.spec.scope
+    }
+
+    pub(crate) fn device_ordinal(&self) -> usize {
+        self.stream.device.ordinal
+    }
+
+    /// The CUDA pool, unless the device has none.
+    pub(crate) fn handle(&self) -> Option<steppool_sys::CUmemoryPool> {
+        match self.backing {
+            Backing::Pool(pool) => Some(pool),
+            Backing::Synchronous => None,
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
+        // Pool operations leave the state consistent between driver calls, so a poisoned lock
+        // (a panic elsewhere while it was held) still guards usable state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn source<'a>(&'a self, sync: &'a mut SyncState) -> Source<'a> {
+        Source { stream: &self.stream, backing: &self.backing, sync }
+    }
+
+    /// Grants `peers` read-write access to the pool's memory.
+    pub(crate) fn grant_access(&self, peers: &[CUdevice]) -> Result<()> {
+        if let (Backing::Pool(pool), false) = (&self.backing, peers.is_empty()) {
+            let access: Vec<_> = peers.iter().map(|&peer| read_write(peer)).collect();
+            // SAFETY: the pool is live while `self` is.
+            unsafe { self.stream.device.driver.mem_pool_set_access(*pool, &access) }?;
+        }
+        Ok(())
+    }
+
+    /// Allocates `bytes`, charging the phase's budget. Does not recover from out-of-memory.
+    pub(crate) fn allocate(&self, state: &mut PoolState, bytes: u64) -> Result<CUdeviceptr> {
+        let spec = &self.entry.spec;
+        if let Some(budget) = spec.budget {
+            let live = self.entry.live.fetch_add(bytes, Ordering::Relaxed);
+            if live + bytes > budget {
+                self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+                return Err(Error::BudgetExceeded { phase: spec.name.clone(), budget, live, requested: bytes });
+            }
+        }
+        let started = Instant::now();
+        let PoolState { allocator, sync, counters, .. } = state;
+        let result = allocator.allocate(&mut self.source(sync), bytes);
+        counters.driver_time += started.elapsed();
+        match result {
+            Ok(ptr) => {
+                counters.used += bytes;
+                counters.peak_used = counters.peak_used.max(counters.used);
+                counters.allocations += 1;
+                Ok(ptr)
+            }
+            Err(error) => {
+                if spec.budget.is_some() {
+                    self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Frees an allocation of `bytes`, after making the pool's stream wait for the other streams
+    /// it was used on.
+    pub(crate) fn free(
+        &self,
+        state: &mut PoolState,
+        ptr: CUdeviceptr,
+        bytes: u64,
+        uses: &[Arc<StreamCore>],
+    ) -> Result<()> {
+        for other in uses {
+            self.stream.wait_for(other)?;
+        }
+        let PoolState { allocator, sync, counters, .. } = state;
+        allocator.free(&mut self.source(sync), ptr, bytes)?;
+        counters.used -= bytes;
+        counters.frees += 1;
+        if self.entry.spec.budget.is_some() {
+            self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Frees a buffer's allocation; an error goes to the runtime's sink (called from `Drop`).
+    pub(crate) fn free_or_record(&self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) {
+        let mut state = self.lock();
+        if let Err(error) = self.free(&mut state, ptr, bytes, uses) {
+            record(&self.errors, error);
+        }
+    }
+
+    /// Starts a step's counters: peaks from the current values, counts from zero.
+    pub(crate) fn begin_step(&self, state: &mut PoolState) -> Result<()> {
+        let counters = &mut state.counters;
+        *counters = Counters { used: counters.used, peak_used: counters.used, ..Counters::default() };
+        state.sync.reserved_high = state.sync.reserved;
+        if let Backing::Pool(pool) = self.backing {
+            // SAFETY: the pool is live while `self` is. Setting a high-water mark to 0 resets it
+            // to the current value.
+            unsafe {
+                let driver = &self.stream.device.driver;
+                driver.mem_pool_set_attribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
+                driver.mem_pool_set_attribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `(reserved, peak reserved since the step began)`: the CUDA pool's attributes, or the
+    /// fallback's own accounting.
+    pub(crate) fn reserved(&self, state: &PoolState) -> Result<(u64, u64)> {
+        match self.backing {
+            Backing::Pool(pool) => {
+                // SAFETY: the pool is live while `self` is.
+                let counters = unsafe { self.stream.device.driver.mem_pool_counters(pool) }?;
+                Ok((counters.reserved, counters.reserved_high))
+            }
+            Backing::Synchronous => Ok((state.sync.reserved, state.sync.reserved_high)),
+        }
+    }
+
+    /// `CU_MEMPOOL_ATTR_USED_MEM_HIGH` since the step began (0 without a CUDA pool).
+    fn peak_pool_used(&self) -> Result<u64> {
+        match self.backing {
+            // SAFETY: the pool is live while `self` is.
+            Backing::Pool(pool) => Ok(unsafe { self.stream.device.driver.mem_pool_counters(pool) }?.used_high),
+            Backing::Synchronous => Ok(0),
+        }
+    }
+
+    /// Ends the phase's scope: frees the raw allocations still live (in stream order, after the
+    /// other streams they were used on), resets the strategy, and trims by the phase's policy.
+    pub(crate) fn end_scope(&self, state: &mut PoolState) -> Result<Released> {
+        let mut released = Released::default();
+        let raw: Vec<(CUdeviceptr, RawAllocation)> = state.raw.drain().collect();
+        for (ptr, allocation) in raw {
+            self.free(state, ptr, allocation.bytes, &allocation.uses)?;
+            released.bytes += allocation.bytes;
+            released.raw.push((ptr, allocation.bytes));
+        }
+        // What the scope needed: its peak of live bytes (as the CUDA pool counts them, rounded),
+        // or the slabs an arena touched. Not its peak reservation, which counts kept memory.
+        let needed = match self.entry.spec.strategy {
+            crate::Strategy::Pool => state.counters.peak_used.max(self.peak_pool_used()?),
+            _ => state.allocator.touched(),
+        };
+        let keep = match self.entry.spec.trim {
+            TrimPolicy::Never => u64::MAX,
+            TrimPolicy::KeepBytes(bytes) => bytes,
+            TrimPolicy::KeepRecentPeak { steps } => {
+                state.recent.push_back(needed);
+                while state.recent.len() > steps.max(1) as usize {
+                    state.recent.pop_front();
+                }
+                state.recent.iter().copied().max().unwrap_or(0)
+            }
+        };
+        // An arena reclaims everything it handed out, including buffers leaked with `forget`.
+        let PoolState { allocator, sync, counters, .. } = state;
+        if self.entry.spec.strategy != crate::Strategy::Pool && counters.used > 0 {
+            released.bytes += counters.used;
+            if self.entry.spec.budget.is_some() {
+                self.entry.live.fetch_sub(counters.used, Ordering::Relaxed);
+            }
+            counters.used = 0;
+        }
+        allocator.reset(&mut self.source(sync), keep)?;
+        counters.released += released.bytes;
+        if keep != u64::MAX {
+            self.trim_to(state, keep)?;
+        }
+        Ok(released)
+    }
+
+    /// Gives back what the pool holds beyond `keep` bytes and without live data, as far as the
+    /// host has observed its frees complete. Returns the bytes released.
+    pub(crate) fn trim_to(&self, state: &mut PoolState, keep: u64) -> Result<u64> {
+        match self.backing {
+            Backing::Pool(pool) => {
+                let (before, _) = self.reserved(state)?;
+                // SAFETY: the pool is live while `self` is.
+                unsafe { self.stream.device.driver.mem_pool_trim_to(pool, keep) }?;
+                let (after, _) = self.reserved(state)?;
+                Ok(before.saturating_sub(after))
+            }
+            Backing::Synchronous => self.source(&mut state.sync).reclaim(false),
+        }
+    }
+
+    /// After the device was synchronized: gives back everything idle (out-of-memory recovery,
+    /// [`Device::release_idle`](crate::Device::release_idle)).
+    pub(crate) fn release_idle(&self, state: &mut PoolState) -> Result<u64> {
+        match self.backing {
+            Backing::Pool(_) => self.trim_to(state, 0),
+            Backing::Synchronous => self.source(&mut state.sync).reclaim(true),
+        }
+    }
+
+    /// The pool's numbers now.
+    pub(crate) fn stats(&self, state: &PoolState) -> Result<PoolStats> {
+        let (reserved, peak_reserved) = self.reserved(state)?;
+        let c = &state.counters;
+        Ok(PoolStats {
+            phase: self.entry.phase,
+            phase_name: self.entry.spec.name.clone(),
+            scope: self.entry.spec.scope,
+            strategy: self.entry.spec.strategy,
+            device: self.stream.device.ordinal,
+            stream: self.stream.id,
+            used: c.used,
+            peak_used: c.peak_used,
+            reserved,
+            peak_reserved,
+            allocations: c.allocations,
+            frees: c.frees,
+            released: c.released,
+            driver_time: c.driver_time,
+            free_space: state.allocator.free_space(),
+        })
+    }
+}
+
+impl Drop for PhasePool {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let PoolState { allocator, sync, raw, .. } = state;
+        let mut source = Source { stream: &self.stream, backing: &self.backing, sync };
+        let mut outcome = Ok(());
+        for (ptr, allocation) in raw.drain() {
+            outcome = outcome.and(source.free(ptr, allocation.bytes));
+        }
+        outcome = outcome.and(allocator.release_all(&mut source));
+        match self.backing {
+            Backing::Pool(pool) => {
+                // SAFETY: nothing allocates from the pool any more; allocations still
+                // outstanding keep their memory until freed, as cuMemPoolDestroy documents.
+                outcome = outcome.and(unsafe { self.stream.device.driver.mem_pool_destroy(pool) }.map_err(Error::from));
+            }
+            Backing::Synchronous => outcome = outcome.and(source.reclaim(true).map(drop)),
+        }
+        if let Err(error) = outcome {
+            record(&self.errors, error);
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! What a step did: per-pool numbers and their sums per phase.
+
+use std::fmt;
+use std::time::Duration;
+
+use steppool_sys::bytes::Bytes;
+
+use crate::phase::{Phase, Scope, Strategy};
+use crate::strategy::FreeSpace;
+
+/// The numbers of one pool (one phase on one stream of one device), over the current step.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// The phase.
+    pub phase: Phase,
+    /// The phase's name.
+    pub phase_name: String,
+    /// The phase's scope.
+    pub scope: Scope,
+    /// The phase's strategy.
+    pub strategy: Strategy,
+    /// The device ordinal.
+    pub device: usize,
+    /// The stream's id.
+    pub stream: u32,
+    /// Bytes of live allocations, as requested.
+    pub used: u64,
+    /// Highest `used` in the step.
+    pub peak_used: u64,
+    /// Bytes the pool holds from the device (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
+    pub reserved: u64,
+    /// Highest `reserved` in the step (`CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`).
+    pub peak_reserved: u64,
+    /// Allocations in the step.
+    pub allocations: u64,
+    /// Frees in the step.
+    pub frees: u64,
+    /// Bytes still live at a boundary of the step, which the boundary released.
+    pub released: u64,
+    /// Time spent in the allocator's driver calls in the step.
+    pub driver_time: Duration,
+    /// Free space inside what the strategy holds, where it knows the layout (arenas).
+    pub free_space: Option<FreeSpace>,
+}
+
+/// The sum of a phase's pools over a step.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct PhaseReport {
+    /// The phase.
+    pub phase: Phase,
+    /// Its name.
+    pub name: String,
+    /// Its scope.
+    pub scope: Scope,
+    /// Its strategy.
+    pub strategy: Strategy,
+    /// Sum over its pools of their peak live bytes (an upper bound of the phase's peak).
+    pub peak_used: u64,
+    /// Sum over its pools of their peak reservations.
+    pub peak_reserved: u64,
+    /// Bytes its pools hold at the end of the step.
+    pub reserved: u64,
+    /// Bytes released at the step's boundaries.
+    pub released: u64,
+    /// Allocations in the step.
+    pub allocations: u64,
+    /// Frees in the step.
+    pub frees: u64,
+}
+
+impl PhaseReport {
+    /// `1 - peak_used / peak_reserved`: the share of the peak reservation that never held live
+    /// data at the peak. 0 when nothing was reserved.
+    pub fn fragmentation_ratio(&self) -> f64 {
+        fragmentation_ratio(self.peak_used, self.peak_reserved)
+    }
+}
+
+/// `1 - peak_used / peak_reserved`, 0 when nothing was reserved.
+pub fn fragmentation_ratio(peak_used: u64, peak_reserved: u64) -> f64 {
+    if peak_reserved == 0 { 0.0 } else { 1.0 - peak_used.min(peak_reserved) as f64 / peak_reserved as f64 }
+}
+
+/// What ending a step did.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct StepReport {
+    /// The step's index, from 0.
+    pub index: u64,
+    /// From `begin_step` to the end of the release.
+    pub duration: Duration,
+    /// Time spent releasing step-scoped memory at the end.
+    pub release_time: Duration,
+    /// Micro-steps the step had.
+    pub micro_steps: u32,
+    /// Every pool of the runtime, persistent ones included.
+    pub pools: Vec<PoolStats>,
+    /// The pools summed per phase, in phase order.
+    pub phases: Vec<PhaseReport>,
+    /// Errors raised in `Drop` during the step (see [`Runtime::take_errors`](crate::Runtime::take_errors)).
+    pub deferred_errors: usize,
+}
+
+impl StepReport {
+    pub(crate) fn new(
+        index: u64,
+        duration: Duration,
+        release_time: Duration,
+        micro_steps: u32,
+        pools: Vec<PoolStats>,
+        deferred_errors: usize,
+    ) -> Self {
+        let mut phases: Vec<PhaseReport> = Vec::new();
+        for pool in &pools {
+            let report = match phases.iter_mut().find(|p| p.phase == pool.phase) {
+                Some(report) => report,
+                None => {
+                    phases.push(PhaseReport {
+                        phase: pool.phase,
+                        name: pool.phase_name.clone(),
+                        scope: pool.scope,
+                        strategy: pool.strategy,
+                        peak_used: 0,
+                        peak_reserved: 0,
+                        reserved: 0,
+                        released: 0,
+                        allocations: 0,
+                        frees: 0,
+                    });
+                    phases.last_mut().expect("just pushed")
+                }
+            };
+            report.peak_used += pool.peak_used;
+            report.peak_reserved += pool.peak_reserved;
+            report.reserved += pool.reserved;
+            report.released += pool.released;
+            report.allocations += pool.allocations;
+            report.frees += pool.frees;
+        }
+        phases.sort_by_key(|p| p.phase);
+        Self { index, duration, release_time, micro_steps, pools, phases, deferred_errors }
+    }
+
+    /// Sum of the phases' peak live bytes.
+    pub fn peak_used(&self) -> u64 {
+        self.phases.iter().map(|p| p.peak_used).sum()
+    }
+
+    /// Sum of the phases' peak reservations.
+    pub fn peak_reserved(&self) -> u64 {
+        self.phases.iter().map(|p| p.peak_reserved).sum()
+    }
+
+    /// Bytes released at the step's boundaries.
+    pub fn released(&self) -> u64 {
+        self.phases.iter().map(|p| p.released).sum()
+    }
+
+    /// The report of one phase.
+    pub fn phase(&self, phase: Phase) -> Option<&PhaseReport> {
+        self.phases.iter().find(|p| p.phase == phase)
+    }
+}
+
+impl fmt::Display for StepReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "step {}: {:.3} ms, release {:.1} µs, {} micro-step(s)",
+            self.index,
+            self.duration.as_secs_f64() * 1e3,
+            self.release_time.as_secs_f64() * 1e6,
+            self.micro_steps
+        )?;
+        writeln!(
+            f,
+            "  {:<18} {:>11} {:>11} {:>11} {:>6} {:>8}",
+            "phase", "peak used", "peak resv", "released", "frag", "allocs"
+        )?;
+        for p in &self.phases {
+            writeln!(
+                f,
+                "  {:<18} {:>11} {:>11} {:>11} {:>5.1}% {:>8}",
+                p.name,
+                Bytes(p.peak_used).to_string(),
+                Bytes(p.peak_reserved).to_string(),
+                Bytes(p.released).to_string(),
+                p.fragmentation_ratio() * 100.0,
+                p.allocations
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What ending a micro-step did.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct MicroStepReport {
+    /// The step it belonged to.
+    pub step: u64,
+    /// Its index in the step, from 0.
+    pub index: u32,
+    /// From its beginning to the end of its release.
+    pub duration: Duration,
+    /// Time spent releasing its memory.
+    pub release_time: Duration,
+    /// Bytes still live at its end, which it released.
+    pub released: u64,
+}

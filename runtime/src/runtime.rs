@@ -1,0 +1,685 @@
+//! The runtime: devices, phases, the pools of each (device, stream, phase), and the step
+//! boundaries that release step-scoped memory at once.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use steppool_sys::{CUdeviceptr, Driver};
+
+use crate::buffer::Buffer;
+use crate::device::{Device, DeviceCore};
+use crate::error::{Error, OomReport, PoolUsage, Result};
+use crate::phase::{MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope};
+use crate::pool::{ErrorSink, PhasePool, PoolState, RawAllocation};
+use crate::report::{MicroStepReport, PoolStats, StepReport};
+use crate::step::Step;
+use crate::stream::Stream;
+
+/// Set in [`RuntimeInner::activity`] while a step is active.
+pub(crate) const STEP_ACTIVE: u8 = 1;
+/// Set in [`RuntimeInner::activity`] while a micro-step is active.
+pub(crate) const MICRO_ACTIVE: u8 = 2;
+
+/// Where an allocation request comes from; decides which scopes it may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Caller {
+    /// [`Runtime::alloc`]: persistent phases.
+    Runtime,
+    /// [`Step::alloc`]: step-scoped phases.
+    Step,
+    /// [`MicroStep::alloc`](crate::MicroStep::alloc): step- and micro-step-scoped phases.
+    MicroStep,
+    /// The raw API: any scope, while that scope is active.
+    Raw,
+}
+
+#[derive(Debug)]
+struct ActiveMicro {
+    index: u32,
+    guarded: bool,
+    started: Instant,
+}
+
+#[derive(Debug)]
+struct ActiveStep {
+    index: u64,
+    guarded: bool,
+    started: Instant,
+    micro: Option<ActiveMicro>,
+    micro_steps: u32,
+    release_time: Duration,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Control {
+    step: Option<ActiveStep>,
+    next_step: u64,
+}
+
+/// Raw pointers released at boundaries, for checked mode's use-after-release reports.
+#[derive(Debug, Default)]
+pub(crate) struct ReleasedLog {
+    ranges: BTreeMap<CUdeviceptr, (u64, Phase, u64)>,
+    order: VecDeque<CUdeviceptr>,
+}
+
+/// How many released ranges checked mode remembers.
+const RELEASED_LOG_CAPACITY: usize = 1 << 20;
+
+impl ReleasedLog {
+    fn forget_overlaps(&mut self, ptr: CUdeviceptr, len: u64) {
+        let overlapping: Vec<CUdeviceptr> = self
+            .ranges
+            .range(..ptr + len.max(1))
+            .rev()
+            .take_while(|&(&base, &(size, _, _))| base + size > ptr)
+            .map(|(&base, _)| base)
+            .collect();
+        for base in overlapping {
+            self.ranges.remove(&base);
+        }
+    }
+
+    fn insert(&mut self, ptr: CUdeviceptr, size: u64, phase: Phase, step: u64) {
+        self.ranges.insert(ptr, (size, phase, step));
+        self.order.push_back(ptr);
+        while self.order.len() > RELEASED_LOG_CAPACITY {
+            if let Some(old) = self.order.pop_front() {
+                self.ranges.remove(&old);
+            }
+        }
+    }
+
+    pub(crate) fn find(&self, ptr: CUdeviceptr) -> Option<(CUdeviceptr, u64, Phase, u64)> {
+        let (&base, &(size, phase, step)) = self.ranges.range(..=ptr).next_back()?;
+        (ptr < base + size.max(1)).then_some((base, size, phase, step))
+    }
+}
+
+/// The shared state of a runtime.
+pub(crate) struct RuntimeInner {
+    pub(crate) driver: Driver,
+    pub(crate) checked: bool,
+    devices: Vec<OnceLock<Arc<DeviceCore>>>,
+    phases: RwLock<Vec<Arc<PhaseEntry>>>,
+    pools: RwLock<Vec<Arc<PhasePool>>>,
+    /// Serializes pool creation (rare); the hot path reads a stream's pool slots without it.
+    creating: Mutex<()>,
+    /// Pointers handed out by the raw API, and their pools.
+    pub(crate) raw: DashMap<CUdeviceptr, Arc<PhasePool>>,
+    /// Checked mode: live raw allocations by address, for range checks.
+    pub(crate) raw_ranges: Mutex<BTreeMap<CUdeviceptr, (u64, Phase)>>,
+    /// Checked mode: raw allocations released at boundaries.
+    pub(crate) released: Mutex<ReleasedLog>,
+    control: Mutex<Control>,
+    /// [`STEP_ACTIVE`] and [`MICRO_ACTIVE`], cleared at the start of a boundary's release; read
+    /// by raw allocations under their pool's lock.
+    pub(crate) activity: AtomicU8,
+    pub(crate) errors: Arc<ErrorSink>,
+    pub(crate) oom_recoveries: AtomicU64,
+}
+
+impl fmt::Debug for RuntimeInner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Runtime").field("driver", &self.driver).field("checked", &self.checked).finish_non_exhaustive()
+    }
+}
+
+/// The process's steppool: its devices, phases and pools. Cheap to clone; `Send + Sync`.
+///
+/// ```
+/// use steppool::{Phase, Runtime};
+/// # fn main() -> steppool::Result<()> {
+/// let runtime = Runtime::builder().simulated(steppool_sys::sim::SimConfig::with_capacity(8 << 30)).build()?;
+/// let stream = runtime.device(0)?.create_stream()?;
+/// let weights = runtime.alloc(Phase::WEIGHTS, 64 << 20, &stream)?;
+/// for _ in 0..3 {
+///     let step = runtime.begin_step()?;
+///     let activations = step.alloc(Phase::ACTIVATIONS, 256 << 20, &stream)?;
+///     drop(activations);
+///     let report = step.end()?;
+///     assert_eq!(report.phase(Phase::ACTIVATIONS).unwrap().peak_used, 256 << 20);
+/// }
+/// drop(weights);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Runtime {
+    pub(crate) inner: Arc<RuntimeInner>,
+}
+
+/// Builds a [`Runtime`].
+#[derive(Debug, Default)]
+pub struct RuntimeBuilder {
+    driver: Option<std::result::Result<Driver, steppool_sys::LoadError>>,
+    checked: Option<bool>,
+    specs: Vec<(Phase, PhaseSpec)>,
+}
+
+impl RuntimeBuilder {
+    /// Uses `driver` instead of the one `STEPPOOL_DEVICE` selects.
+    pub fn driver(mut self, driver: Driver) -> Self {
+        self.driver = Some(Ok(driver));
+        self
+    }
+
+    /// Uses a simulated device with this configuration.
+    pub fn simulated(mut self, config: steppool_sys::sim::SimConfig) -> Self {
+        self.driver = Some(Driver::simulated(config));
+        self
+    }
+
+    /// Turns checked mode on or off (default: `STEPPOOL_CHECKED=1`). In checked mode the raw
+    /// API reports frees of unknown or released pointers and uses after a step release precisely.
+    pub fn checked(mut self, checked: bool) -> Self {
+        self.checked = Some(checked);
+        self
+    }
+
+    /// Replaces the spec of a built-in phase.
+    pub fn phase(mut self, phase: Phase, spec: PhaseSpec) -> Self {
+        self.specs.push((phase, spec));
+        self
+    }
+
+    /// Builds the runtime.
+    pub fn build(self) -> Result<Runtime> {
+        let driver = match self.driver {
+            Some(driver) => driver?,
+            None => Driver::from_env()?,
+        };
+        let checked = self.checked.unwrap_or_else(|| std::env::var("STEPPOOL_CHECKED").is_ok_and(|v| v == "1"));
+        let runtime = Runtime::with_config(driver, checked)?;
+        for (phase, spec) in self.specs {
+            runtime.set_phase_spec(phase, spec)?;
+        }
+        Ok(runtime)
+    }
+}
+
+impl Runtime {
+    /// A runtime on the driver `STEPPOOL_DEVICE` selects (the real one when a GPU answers,
+    /// otherwise the simulated device).
+    pub fn new() -> Result<Self> {
+        Self::builder().build()
+    }
+
+    /// A builder, to choose the driver, checked mode and phase specs.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+
+    /// A runtime on `driver`.
+    pub fn with_driver(driver: Driver) -> Result<Self> {
+        Self::builder().driver(driver).build()
+    }
+
+    fn with_config(driver: Driver, checked: bool) -> Result<Self> {
+        let count = driver.device_count()?;
+        let phases = Phase::built_in_specs()
+            .into_iter()
+            .enumerate()
+            .map(|(index, spec)| PhaseEntry::new(Phase(index as u16), spec))
+            .collect();
+        let inner = RuntimeInner {
+            driver,
+            checked,
+            devices: (0..count).map(|_| OnceLock::new()).collect(),
+            phases: RwLock::new(phases),
+            pools: RwLock::new(Vec::new()),
+            creating: Mutex::new(()),
+            raw: DashMap::new(),
+            raw_ranges: Mutex::new(BTreeMap::new()),
+            released: Mutex::new(ReleasedLog::default()),
+            control: Mutex::new(Control::default()),
+            activity: AtomicU8::new(0),
+            errors: Arc::new(Mutex::new(Vec::new())),
+            oom_recoveries: AtomicU64::new(0),
+        };
+        Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// The driver: the real one or the simulated device.
+    pub fn driver(&self) -> &Driver {
+        &self.inner.driver
+    }
+
+    /// Whether checked mode is on.
+    pub fn is_checked(&self) -> bool {
+        self.inner.checked
+    }
+
+    /// How many devices the driver has.
+    pub fn device_count(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// Device `ordinal`, its primary context retained on first use.
+    pub fn device(&self, ordinal: usize) -> Result<Device> {
+        let core = self.inner.device_core(ordinal)?;
+        Ok(Device { core, runtime: self.inner.clone() })
+    }
+
+    /// Declares a new phase.
+    pub fn declare_phase(&self, spec: PhaseSpec) -> Result<Phase> {
+        let mut phases = write(&self.inner.phases);
+        if phases.iter().any(|entry| entry.spec.name == spec.name) {
+            return Err(Error::DuplicatePhase { name: spec.name });
+        }
+        if phases.len() >= MAX_PHASES {
+            return Err(Error::TooManyPhases { max: MAX_PHASES });
+        }
+        let phase = Phase(phases.len() as u16);
+        phases.push(PhaseEntry::new(phase, spec));
+        Ok(phase)
+    }
+
+    /// Replaces a phase's spec; only before its first allocation.
+    pub fn set_phase_spec(&self, phase: Phase, spec: PhaseSpec) -> Result<()> {
+        let mut phases = write(&self.inner.phases);
+        let count = phases.len();
+        let entry = phases.get(phase.index()).ok_or(Error::UnknownPhase { index: phase.index(), count })?;
+        if entry.in_use.load(Ordering::Acquire) {
+            return Err(Error::PhaseInUse { phase: entry.spec.name.clone() });
+        }
+        if phases.iter().any(|other| other.phase != phase && other.spec.name == spec.name) {
+            return Err(Error::DuplicatePhase { name: spec.name });
+        }
+        phases[phase.index()] = PhaseEntry::new(phase, spec);
+        Ok(())
+    }
+
+    /// A phase's spec.
+    pub fn phase_spec(&self, phase: Phase) -> Result<PhaseSpec> {
+        Ok(self.inner.phase_entry(phase)?.spec.clone())
+    }
+
+    /// The phase with this name.
+    pub fn phase_named(&self, name: &str) -> Option<Phase> {
+        read(&self.inner.phases).iter().find(|entry| entry.spec.name == name).map(|entry| entry.phase)
+    }
+
+    /// Every phase, in order.
+    pub fn phases(&self) -> Vec<(Phase, PhaseSpec)> {
+        read(&self.inner.phases).iter().map(|entry| (entry.phase, entry.spec.clone())).collect()
+    }
+
+    /// Allocates `bytes` of a persistent phase on `stream`; freed (in stream order) on drop.
+    pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'static>> {
+        let (pool, ptr) = self.inner.allocate(phase, bytes, stream, Caller::Runtime)?;
+        Ok(Buffer::new(ptr, bytes, pool))
+    }
+
+    /// The CUDA memory pool serving `phase` on `stream`, created if needed; `None` on devices
+    /// without memory pools. Frameworks that allocate with `cuMemAllocAsync` (cudarc, candle,
+    /// cubecl) can be routed to it with `cuDeviceSetMemPool` without code changes.
+    ///
+    /// The handle stays valid as long as `stream` or a clone of it does.
+    pub fn pool_handle(&self, phase: Phase, stream: &Stream) -> Result<Option<steppool_sys::CUmemoryPool>> {
+        if stream.core.runtime != Arc::as_ptr(&self.inner) as usize {
+            return Err(Error::ForeignStream);
+        }
+        Ok(self.inner.pool(stream, phase)?.handle())
+    }
+
+    /// Begins a step. Step-scoped allocations borrow the returned [`Step`]; ending it releases
+    /// everything of its step-scoped phases at once.
+    pub fn begin_step(&self) -> Result<Step> {
+        let index = self.inner.begin_step(true)?;
+        Ok(Step::new(self.inner.clone(), index))
+    }
+
+    /// The numbers of every pool now. Taken between boundaries: never half-way through a release.
+    pub fn stats(&self) -> Result<Vec<PoolStats>> {
+        let _control = self.inner.control();
+        self.inner.all_pools().iter().map(|pool| pool.stats(&pool.lock())).collect()
+    }
+
+    /// Errors raised where they could not be returned (in `Drop`), oldest first.
+    pub fn take_errors(&self) -> Vec<Error> {
+        std::mem::take(&mut *self.inner.errors.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// How many allocations succeeded only after out-of-memory recovery.
+    pub fn oom_recoveries(&self) -> u64 {
+        self.inner.oom_recoveries.load(Ordering::Relaxed)
+    }
+}
+
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl RuntimeInner {
+    pub(crate) fn device_core(&self, ordinal: usize) -> Result<Arc<DeviceCore>> {
+        let slot = self.devices.get(ordinal).ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
+        if let Some(core) = slot.get() {
+            return Ok(core.clone());
+        }
+        let _creating = self.creating.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(core) = slot.get() {
+            return Ok(core.clone());
+        }
+        let core = Arc::new(DeviceCore::open(&self.driver, ordinal)?);
+        let _ = slot.set(core.clone());
+        Ok(core)
+    }
+
+    pub(crate) fn control(&self) -> MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn phase_entry(&self, phase: Phase) -> Result<Arc<PhaseEntry>> {
+        let phases = read(&self.phases);
+        let count = phases.len();
+        phases.get(phase.index()).cloned().ok_or(Error::UnknownPhase { index: phase.index(), count })
+    }
+
+    pub(crate) fn all_pools(&self) -> Vec<Arc<PhasePool>> {
+        read(&self.pools).clone()
+    }
+
+    pub(crate) fn pools_on(&self, device: usize) -> Vec<Arc<PhasePool>> {
+        read(&self.pools).iter().filter(|pool| pool.device_ordinal() == device).cloned().collect()
+    }
+
+    /// The pool of `phase` on `stream`, created on first use.
+    pub(crate) fn pool(&self, stream: &Stream, phase: Phase) -> Result<Arc<PhasePool>> {
+        let slot = stream
+            .pools
+            .get(phase.index())
+            .ok_or(Error::UnknownPhase { index: phase.index(), count: read(&self.phases).len() })?;
+        if let Some(pool) = slot.get() {
+            return Ok(pool.clone());
+        }
+        let entry = self.phase_entry(phase)?;
+        let _creating = self.creating.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(pool) = slot.get() {
+            return Ok(pool.clone());
+        }
+        entry.in_use.store(true, Ordering::Release);
+        let pool = Arc::new(PhasePool::new(entry, stream.core.clone(), self.errors.clone())?);
+        // A step in progress measures the new pool from its creation.
+        if self.activity.load(Ordering::Acquire) & STEP_ACTIVE != 0 {
+            pool.begin_step(&mut pool.lock())?;
+        }
+        write(&self.pools).push(pool.clone());
+        let _ = slot.set(pool.clone());
+        Ok(pool)
+    }
+
+    /// Allocates from the pool of (`stream`, `phase`) for `caller`, recovering once from
+    /// out-of-memory: synchronize the device, trim its other pools, retry.
+    pub(crate) fn allocate(
+        &self,
+        phase: Phase,
+        bytes: u64,
+        stream: &Stream,
+        caller: Caller,
+    ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
+        if stream.core.runtime != self as *const Self as usize {
+            return Err(Error::ForeignStream);
+        }
+        let pool = self.pool(stream, phase)?;
+        let spec = pool.spec();
+        let allowed = matches!(
+            (spec.scope, caller),
+            (Scope::Persistent, Caller::Runtime | Caller::Raw)
+                | (Scope::Step, Caller::Step | Caller::MicroStep | Caller::Raw)
+                | (Scope::MicroStep, Caller::MicroStep | Caller::Raw)
+        );
+        if !allowed {
+            let from = match spec.scope {
+                Scope::Persistent => "the Runtime",
+                Scope::Step => "a Step",
+                Scope::MicroStep => "a MicroStep",
+            };
+            return Err(Error::PhaseScope { phase: spec.name.clone(), scope: spec.scope, from });
+        }
+        if bytes == 0 {
+            return Err(Error::ZeroSize { phase: spec.name.clone() });
+        }
+        let device = &stream.core.device;
+        if bytes > device.total_memory {
+            return Err(Error::ExceedsDevice {
+                requested: bytes,
+                phase: spec.name.clone(),
+                device: device.ordinal,
+                device_total: device.total_memory,
+            });
+        }
+        let raw = caller == Caller::Raw;
+        match self.try_allocate(&pool, bytes, raw) {
+            Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                self.recover(&pool)?;
+                match self.try_allocate(&pool, bytes, raw) {
+                    Ok(ptr) => {
+                        self.oom_recoveries.fetch_add(1, Ordering::Relaxed);
+                        Ok((pool, ptr))
+                    }
+                    Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                        Err(Error::OutOfMemory(Box::new(self.oom_report(&pool, bytes)?)))
+                    }
+                    Err(other) => Err(other),
+                }
+            }
+            Ok(ptr) => Ok((pool, ptr)),
+            Err(other) => Err(other),
+        }
+    }
+
+    fn try_allocate(&self, pool: &Arc<PhasePool>, bytes: u64, raw: bool) -> Result<CUdeviceptr> {
+        let mut state = pool.lock();
+        if raw {
+            // Under the pool's lock: a boundary clears the flag before taking this lock, so an
+            // allocation either lands before the release (and is released) or is refused.
+            let activity = self.activity.load(Ordering::Acquire);
+            match pool.scope() {
+                Scope::Step if activity & STEP_ACTIVE == 0 => return Err(Error::NoActiveStep),
+                Scope::MicroStep if activity & MICRO_ACTIVE == 0 => return Err(Error::NoActiveMicroStep),
+                _ => {}
+            }
+        }
+        let ptr = pool.allocate(&mut state, bytes)?;
+        if raw {
+            state.raw.insert(ptr, RawAllocation { bytes, uses: Vec::new() });
+            self.raw.insert(ptr, pool.clone());
+            if self.checked {
+                self.raw_ranges.lock().unwrap_or_else(PoisonError::into_inner).insert(ptr, (bytes, pool.phase()));
+                self.released.lock().unwrap_or_else(PoisonError::into_inner).forget_overlaps(ptr, bytes);
+            }
+        }
+        Ok(ptr)
+    }
+
+    /// Out-of-memory recovery: synchronize the device so every pending free is observed, then
+    /// give back the idle memory of the device's other pools.
+    fn recover(&self, failing: &Arc<PhasePool>) -> Result<()> {
+        let device = &failing.stream.device;
+        device.make_current()?;
+        self.driver.context_synchronize()?;
+        self.trim_device(device.ordinal, Some(failing))?;
+        Ok(())
+    }
+
+    /// Gives back the idle memory of every pool on `device` (but `except`), after a
+    /// synchronization. Returns the bytes released.
+    pub(crate) fn trim_device(&self, device: usize, except: Option<&Arc<PhasePool>>) -> Result<u64> {
+        let mut released = 0;
+        for pool in self.pools_on(device) {
+            if except.is_some_and(|failing| Arc::ptr_eq(failing, &pool)) {
+                continue;
+            }
+            released += pool.release_idle(&mut pool.lock())?;
+        }
+        Ok(released)
+    }
+
+    fn oom_report(&self, failing: &Arc<PhasePool>, bytes: u64) -> Result<OomReport> {
+        let device = &failing.stream.device;
+        device.make_current()?;
+        let (device_free, device_total) = self.driver.mem_get_info()?;
+        let mut pools = Vec::new();
+        for pool in self.pools_on(device.ordinal) {
+            let state = pool.lock();
+            let stats = pool.stats(&state)?;
+            pools.push(PoolUsage {
+                phase: stats.phase_name,
+                stream: stats.stream,
+                reserved: stats.reserved,
+                used: stats.used,
+            });
+        }
+        let verdict = OomReport::judge(bytes, device_free, &pools);
+        Ok(OomReport {
+            requested: bytes,
+            phase: failing.spec().name.clone(),
+            stream: failing.stream.id,
+            device: device.ordinal,
+            device_free,
+            device_total,
+            pools,
+            verdict,
+        })
+    }
+
+    // ----- boundaries --------------------------------------------------------------------------------
+
+    pub(crate) fn begin_step(&self, guarded: bool) -> Result<u64> {
+        let mut control = self.control();
+        if let Some(step) = &control.step {
+            return Err(Error::StepActive { index: step.index });
+        }
+        for pool in self.all_pools() {
+            pool.begin_step(&mut pool.lock())?;
+        }
+        let index = control.next_step;
+        control.next_step += 1;
+        control.step = Some(ActiveStep {
+            index,
+            guarded,
+            started: Instant::now(),
+            micro: None,
+            micro_steps: 0,
+            release_time: Duration::ZERO,
+        });
+        self.activity.store(STEP_ACTIVE, Ordering::Release);
+        Ok(index)
+    }
+
+    pub(crate) fn begin_micro_step(&self, guarded: bool) -> Result<(u64, u32)> {
+        let mut control = self.control();
+        let step = control.step.as_mut().ok_or(Error::NoActiveStep)?;
+        if let Some(micro) = &step.micro {
+            return Err(Error::MicroStepActive { step: step.index, index: micro.index });
+        }
+        let index = step.micro_steps;
+        step.micro_steps += 1;
+        step.micro = Some(ActiveMicro { index, guarded, started: Instant::now() });
+        self.activity.store(STEP_ACTIVE | MICRO_ACTIVE, Ordering::Release);
+        Ok((step.index, index))
+    }
+
+    /// Ends the active micro-step. `guarded` says whether a [`MicroStep`](crate::MicroStep) guard
+    /// asks; the raw API may not end a guard's micro-step.
+    pub(crate) fn end_micro_step(&self, guarded: bool) -> Result<MicroStepReport> {
+        let mut control = self.control();
+        let step = control.step.as_mut().ok_or(Error::NoActiveStep)?;
+        let micro = step.micro.as_ref().ok_or(Error::NoActiveMicroStep)?;
+        if micro.guarded && !guarded {
+            return Err(Error::OwnedByGuard { index: step.index });
+        }
+        let micro = step.micro.take().expect("checked above");
+        self.activity.store(STEP_ACTIVE, Ordering::Release);
+        let started = Instant::now();
+        let released = self.release(&[Scope::MicroStep], step.index)?;
+        let release_time = started.elapsed();
+        step.release_time += release_time;
+        Ok(MicroStepReport {
+            step: step.index,
+            index: micro.index,
+            duration: micro.started.elapsed(),
+            release_time,
+            released,
+        })
+    }
+
+    /// Ends the active step, and its micro-step if one is still active.
+    pub(crate) fn end_step(&self, guarded: bool) -> Result<StepReport> {
+        let mut control = self.control();
+        let step = control.step.as_ref().ok_or(Error::NoActiveStep)?;
+        if step.guarded && !guarded {
+            return Err(Error::OwnedByGuard { index: step.index });
+        }
+        let mut step = control.step.take().expect("checked above");
+        self.activity.store(0, Ordering::Release);
+        let started = Instant::now();
+        let released = self.release(&[Scope::MicroStep, Scope::Step], step.index);
+        step.release_time += started.elapsed();
+        released?;
+        let pools: Vec<PoolStats> =
+            self.all_pools().iter().map(|pool| pool.stats(&pool.lock())).collect::<Result<_>>()?;
+        let deferred = self.errors.lock().unwrap_or_else(PoisonError::into_inner).len();
+        Ok(StepReport::new(step.index, step.started.elapsed(), step.release_time, step.micro_steps, pools, deferred))
+    }
+
+    /// Releases every pool of the given scopes at once: all their locks are taken (in registry
+    /// order) before anything is released and given back after, so no allocation or statistic
+    /// sees the release half done. Returns the bytes released.
+    fn release(&self, scopes: &[Scope], step: u64) -> Result<u64> {
+        let pools: Vec<Arc<PhasePool>> =
+            self.all_pools().into_iter().filter(|pool| scopes.contains(&pool.scope())).collect();
+        let mut states: Vec<MutexGuard<'_, PoolState>> = pools.iter().map(|pool| pool.lock()).collect();
+        let mut total = 0;
+        let mut first_error = None;
+        for (pool, state) in pools.iter().zip(states.iter_mut()) {
+            match pool.end_scope(state) {
+                Ok(released) => {
+                    total += released.bytes;
+                    self.forget_raw(pool, &released.raw, Some(step));
+                }
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        drop(states);
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(total),
+        }
+    }
+
+    /// Drops released raw pointers from the registry; checked mode remembers them.
+    pub(crate) fn forget_raw(&self, pool: &PhasePool, pointers: &[(CUdeviceptr, u64)], step: Option<u64>) {
+        if pointers.is_empty() {
+            return;
+        }
+        for (ptr, _) in pointers {
+            self.raw.remove(ptr);
+        }
+        if self.checked {
+            let mut ranges = self.raw_ranges.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut log = self.released.lock().unwrap_or_else(PoisonError::into_inner);
+            for &(ptr, bytes) in pointers {
+                ranges.remove(&ptr);
+                if let Some(step) = step {
+                    log.insert(ptr, bytes, pool.phase(), step);
+                }
+            }
+        }
+    }
+
+    /// The index of the active step, if any.
+    pub(crate) fn active_step(&self) -> Option<u64> {
+        self.control().step.as_ref().map(|step| step.index)
+    }
+}

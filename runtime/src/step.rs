@@ -1,0 +1,122 @@
+//! Steps and micro-steps: the boundaries at which step-scoped memory is released at once.
+//!
+//! A buffer of a step borrows the [`Step`]; [`Step::end`] takes the step by value, so a buffer
+//! used after its step ended does not compile. The same holds for micro-steps. Ending releases
+//! every allocation still live in the scope's phases (those made through the raw API), in stream
+//! order, under the locks of all the pools concerned: another thread sees the step before or
+//! after, never half released.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::buffer::Buffer;
+use crate::error::Result;
+use crate::phase::Phase;
+use crate::pool::record;
+use crate::report::{MicroStepReport, StepReport};
+use crate::runtime::{Caller, RuntimeInner};
+use crate::stream::Stream;
+
+/// An active step of a [`Runtime`](crate::Runtime). `Send + Sync`: threads may allocate from it
+/// at once (scoped threads borrow it). Dropping it without [`Step::end`] ends it, keeping any
+/// error for [`Runtime::take_errors`](crate::Runtime::take_errors).
+pub struct Step {
+    runtime: Arc<RuntimeInner>,
+    index: u64,
+    ended: bool,
+}
+
+impl fmt::Debug for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Step({})", self.index)
+    }
+}
+
+impl Step {
+    pub(crate) fn new(runtime: Arc<RuntimeInner>, index: u64) -> Self {
+        Self { runtime, index, ended: false }
+    }
+
+    /// The step's index, from 0.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// Allocates `bytes` of a step-scoped phase on `stream`. The buffer borrows the step; freed
+    /// in stream order on drop, and reusable within the step.
+    pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
+        let (pool, ptr) = self.runtime.allocate(phase, bytes, stream, Caller::Step)?;
+        Ok(Buffer::new(ptr, bytes, pool))
+    }
+
+    /// Begins a micro-step (one micro-batch of gradient accumulation).
+    pub fn begin_micro_step(&self) -> Result<MicroStep<'_>> {
+        let (_, index) = self.runtime.begin_micro_step(true)?;
+        Ok(MicroStep { step: self, index, ended: false })
+    }
+
+    /// Ends the step: releases everything still live in its step-scoped phases at once, applies
+    /// the trim policies, and reports.
+    pub fn end(mut self) -> Result<StepReport> {
+        self.ended = true;
+        self.runtime.end_step(true)
+    }
+}
+
+impl Drop for Step {
+    fn drop(&mut self) {
+        if !self.ended
+            && let Err(error) = self.runtime.end_step(true)
+        {
+            record(&self.runtime.errors, error);
+        }
+    }
+}
+
+/// An active micro-step of a [`Step`]. Dropping it without [`MicroStep::end`] ends it.
+pub struct MicroStep<'s> {
+    step: &'s Step,
+    index: u32,
+    ended: bool,
+}
+
+impl fmt::Debug for MicroStep<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MicroStep({}.{})", self.step.index, self.index)
+    }
+}
+
+impl<'s> MicroStep<'s> {
+    /// The micro-step's index in its step, from 0.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The step it belongs to.
+    pub fn step(&self) -> &'s Step {
+        self.step
+    }
+
+    /// Allocates `bytes` of a micro-step-scoped (or step-scoped) phase on `stream`. The buffer
+    /// borrows the micro-step.
+    pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
+        let (pool, ptr) = self.step.runtime.allocate(phase, bytes, stream, Caller::MicroStep)?;
+        Ok(Buffer::new(ptr, bytes, pool))
+    }
+
+    /// Ends the micro-step: releases everything still live in its micro-step-scoped phases.
+    pub fn end(mut self) -> Result<MicroStepReport> {
+        self.ended = true;
+        self.step.runtime.end_micro_step(true)
+    }
+}
+
+impl Drop for MicroStep<'_> {
+    fn drop(&mut self) {
+        if !self.ended
+            && let Err(error) = self.step.runtime.end_micro_step(true)
+        {
+            record(&self.step.runtime.errors, error);
+        }
+    }
+}

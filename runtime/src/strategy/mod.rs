@@ -1,0 +1,178 @@
+//! Strategies: how a phase pool serves allocations from the memory it takes from the device.
+//!
+//! Every strategy implements [`Allocator`]: allocate, free, and reset at the boundary of the
+//! phase's scope. A strategy takes memory only through a [`Source`], which hides whether it comes
+//! from a CUDA memory pool in stream order or, on devices without pools, from `cuMemAlloc`.
+
+mod arena;
+mod pool;
+
+use std::fmt;
+
+use steppool_sys::{CUdeviceptr, CUevent, CUevent_flags, CUmemoryPool};
+
+pub(crate) use arena::Arena;
+pub(crate) use pool::Direct;
+
+use crate::error::Result;
+use crate::phase::Strategy;
+use crate::stream::StreamCore;
+
+/// Alignment of every allocation a strategy hands out.
+pub(crate) const ALIGNMENT: u64 = 512;
+
+/// Where a phase pool's memory comes from.
+#[derive(Debug)]
+pub(crate) enum Backing {
+    /// A CUDA memory pool of its own, allocated from in the stream's order.
+    Pool(CUmemoryPool),
+    /// `cuMemAlloc`/`cuMemFree`, for devices without pools.
+    Synchronous,
+}
+
+/// Bookkeeping of the synchronous fallback: frees wait for the stream's work before `cuMemFree`.
+#[derive(Debug, Default)]
+pub(crate) struct SyncState {
+    /// Freed allocations waiting for an event recorded on the stream at their free.
+    deferred: Vec<(CUdeviceptr, u64, CUevent)>,
+    /// Bytes allocated with `cuMemAlloc` and not yet given back.
+    pub(crate) reserved: u64,
+    pub(crate) reserved_high: u64,
+}
+
+/// A strategy's access to device memory, in the order of the pool's stream.
+pub(crate) struct Source<'a> {
+    pub(crate) stream: &'a StreamCore,
+    pub(crate) backing: &'a Backing,
+    pub(crate) sync: &'a mut SyncState,
+}
+
+impl Source<'_> {
+    /// `bytes` of device memory, usable in stream order.
+    pub(crate) fn alloc(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+        let device = &self.stream.device;
+        match self.backing {
+            Backing::Pool(pool) => {
+                self.stream.prepare()?;
+                // SAFETY: the pool and the stream are live while the phase pool that owns this
+                // source is; the stream belongs to the pool's device.
+                Ok(unsafe { device.driver.mem_alloc_from_pool_async(bytes as usize, *pool, self.stream.raw) }?)
+            }
+            Backing::Synchronous => {
+                device.make_current()?;
+                self.reclaim(false)?;
+                let ptr = device.driver.mem_alloc(bytes as usize)?;
+                self.sync.reserved += bytes;
+                self.sync.reserved_high = self.sync.reserved_high.max(self.sync.reserved);
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// Gives back `bytes` at `ptr` once the stream's work enqueued so far is done.
+    pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        let device = &self.stream.device;
+        match self.backing {
+            Backing::Pool(_) => {
+                self.stream.prepare()?;
+                // SAFETY: `ptr` was allocated from this source and is freed once; the caller
+                // guarantees nothing enqueued after this uses it.
+                unsafe { device.driver.mem_free_async(ptr, self.stream.raw) }?;
+            }
+            Backing::Synchronous => {
+                device.make_current()?;
+                let event = device.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+                self.stream.prepare()?;
+                // SAFETY: both handles are live.
+                unsafe { device.driver.event_record(event, self.stream.raw) }?;
+                self.sync.deferred.push((ptr, bytes, event));
+            }
+        }
+        Ok(())
+    }
+
+    /// Fallback only: `cuMemFree`s the deferred allocations whose stream work is done, or all of
+    /// them after waiting when `wait` is set. Returns the bytes given back.
+    pub(crate) fn reclaim(&mut self, wait: bool) -> Result<u64> {
+        let driver = &self.stream.device.driver;
+        let mut released = 0;
+        let mut index = 0;
+        while index < self.sync.deferred.len() {
+            let (ptr, bytes, event) = self.sync.deferred[index];
+            // SAFETY: `event` is live until destroyed below; once it completes, no work enqueued
+            // before the free uses `ptr`, and nothing after it may.
+            let done = unsafe {
+                if wait {
+                    driver.event_synchronize(event)?;
+                    true
+                } else {
+                    driver.event_query(event)?
+                }
+            };
+            if done {
+                // SAFETY: as above: the allocation's last use is complete.
+                unsafe {
+                    driver.mem_free(ptr)?;
+                    driver.event_destroy(event)?;
+                }
+                self.sync.deferred.swap_remove(index);
+                self.sync.reserved -= bytes;
+                released += bytes;
+            } else {
+                index += 1;
+            }
+        }
+        Ok(released)
+    }
+}
+
+/// Free space a strategy knows the layout of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FreeSpace {
+    /// The largest piece a request could still get without new memory.
+    pub largest_free: u64,
+    /// All bytes held but not handed out.
+    pub total_free: u64,
+}
+
+impl FreeSpace {
+    /// `1 - largest_free / total_free`: 0 when the free space is one piece (or there is none).
+    pub fn fragmentation(&self) -> f64 {
+        if self.total_free == 0 { 0.0 } else { 1.0 - self.largest_free as f64 / self.total_free as f64 }
+    }
+}
+
+/// A strategy's state in one phase pool. Called under the pool's lock.
+pub(crate) trait Allocator: Send + fmt::Debug {
+    /// Memory for `bytes` (more than 0) in the pool's stream order, [`ALIGNMENT`]-aligned.
+    fn allocate(&mut self, source: &mut Source<'_>, bytes: u64) -> Result<CUdeviceptr>;
+
+    /// Gives back an allocation of `bytes` made by [`Allocator::allocate`].
+    fn free(&mut self, source: &mut Source<'_>, ptr: CUdeviceptr, bytes: u64) -> Result<()>;
+
+    /// The phase's scope has ended and every allocation of it is gone: start over, keeping at
+    /// least `keep` bytes of what the strategy holds for the next scope.
+    fn reset(&mut self, source: &mut Source<'_>, keep: u64) -> Result<()>;
+
+    /// Bytes held from the source beyond what the source itself tracks (an arena's slabs count
+    /// as allocated in the CUDA pool); the high-water mark of what the scope touched.
+    fn touched(&self) -> u64 {
+        0
+    }
+
+    /// The free space inside what the strategy holds, where it knows the layout.
+    fn free_space(&self) -> Option<FreeSpace> {
+        None
+    }
+
+    /// The pool is going away: give everything back.
+    fn release_all(&mut self, source: &mut Source<'_>) -> Result<()>;
+}
+
+/// The allocator state for a strategy.
+pub(crate) fn allocator(strategy: Strategy) -> Box<dyn Allocator> {
+    match strategy {
+        Strategy::Pool => Box::new(Direct),
+        Strategy::Arena { slab_bytes } => Box::new(Arena::new(slab_bytes)),
+    }
+}
