@@ -461,6 +461,30 @@ fn the_arena_bumps_resets_keeps_slabs_and_returns_the_surplus() {
     assert_eq!(stats_of(&rt, scratch, &stream).reserved, 64 * MIB, "and its memory, once the free was observed");
 }
 
+#[test]
+fn arena_frees_in_stack_order_give_memory_back_across_slabs() {
+    let rt = simulated_runtime(GIB);
+    let stack =
+        rt.declare_phase(PhaseSpec::new("stack", Scope::Step).strategy(Strategy::Arena { slab_bytes: MIB })).unwrap();
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let step = rt.begin_step().unwrap();
+    let first = step.alloc(stack, 600 << 10, &stream).unwrap();
+    let base = first.ptr();
+    let second = step.alloc(stack, 600 << 10, &stream).unwrap();
+    let third = step.alloc(stack, 600 << 10, &stream).unwrap();
+    assert_eq!(layout(&rt, stack, &stream).allocations.len(), 3, "one slab each: two do not fit in 1 MiB");
+    let space = stats_of(&rt, stack, &stream).free_space.unwrap();
+    assert_eq!((space.total_free, space.largest_free), (3 * (424 << 10), 424 << 10), "two tails passed over");
+    drop(third);
+    drop(second);
+    let again = step.alloc(stack, 300 << 10, &stream).unwrap();
+    assert_eq!(again.ptr(), base + (600 << 10), "back in the first slab, right after `first`");
+    drop(again);
+    drop(first);
+    assert_eq!(step.alloc(stack, 4096, &stream).unwrap().ptr(), base, "the whole stack unwound");
+    step.end().unwrap();
+}
+
 // ----- raw API and checked mode ---------------------------------------------------------------------------
 
 #[test]

@@ -50,8 +50,10 @@ pub enum Strategy {
     /// returns it in stream order, so memory is reused within the step.
     Pool,
     /// Bump allocation, 512-byte aligned, in slabs taken from the phase's CUDA pool. A free does
-    /// nothing; the boundary resets the arena in O(1), keeping the slabs for the next step and
-    /// returning the surplus by the trim policy. Requests larger than a slab get a slab of their own.
+    /// nothing, except in stack order: freeing the most recent allocation moves the bump pointer
+    /// back, so scratch buffers allocated and freed in turn share memory. The boundary resets the
+    /// arena in O(1), keeping the slabs for the next step and returning the surplus by the trim
+    /// policy. Requests larger than a slab get a slab of their own, reusable once freed.
     Arena {
         /// Size of each slab in bytes.
         slab_bytes: u64,

@@ -8,7 +8,6 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
 
 use steppool_sys::{CUdevice, CUdeviceptr, CUmemPool_attribute, PoolProps};
 
@@ -16,7 +15,7 @@ use crate::device::read_write;
 use crate::error::{Error, Result};
 use crate::phase::{Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::PoolStats;
-use crate::strategy::{Allocator, Backing, Source, SyncState, allocator};
+use crate::strategy::{Allocator, Backing, Source, SourceState, allocator};
 use crate::stream::StreamCore;
 
 /// Errors raised where they cannot be returned (in `Drop`), kept for
@@ -43,7 +42,6 @@ struct Counters {
     allocations: u64,
     frees: u64,
     released: u64,
-    driver_time: Duration,
 }
 
 /// What a boundary released from one pool.
@@ -56,7 +54,7 @@ pub(crate) struct Released {
 
 pub(crate) struct PoolState {
     allocator: Box<dyn Allocator>,
-    sync: SyncState,
+    source: SourceState,
     pub(crate) raw: HashMap<CUdeviceptr, RawAllocation>,
     counters: Counters,
     /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
@@ -113,7 +111,7 @@ impl PhasePool {
         };
         let state = PoolState {
             allocator: allocator(entry.spec.strategy),
-            sync: SyncState::default(),
+            source: SourceState::default(),
             raw: HashMap::new(),
             counters: Counters::default(),
             recent: VecDeque::new(),
@@ -153,8 +151,8 @@ impl PhasePool {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn source<'a>(&'a self, sync: &'a mut SyncState) -> Source<'a> {
-        Source { stream: &self.stream, backing: &self.backing, sync }
+    fn source<'a>(&'a self, state: &'a mut SourceState) -> Source<'a> {
+        Source { stream: &self.stream, backing: &self.backing, state }
     }
 
     /// Grants `peers` read-write access to the pool's memory.
@@ -177,11 +175,8 @@ impl PhasePool {
                 return Err(Error::BudgetExceeded { phase: spec.name.clone(), budget, live, requested: bytes });
             }
         }
-        let started = Instant::now();
-        let PoolState { allocator, sync, counters, .. } = state;
-        let result = allocator.allocate(&mut self.source(sync), bytes);
-        counters.driver_time += started.elapsed();
-        match result {
+        let PoolState { allocator, source, counters, .. } = state;
+        match allocator.allocate(&mut self.source(source), bytes) {
             Ok(ptr) => {
                 counters.used += bytes;
                 counters.peak_used = counters.peak_used.max(counters.used);
@@ -209,8 +204,8 @@ impl PhasePool {
         for other in uses {
             self.stream.wait_for(other)?;
         }
-        let PoolState { allocator, sync, counters, .. } = state;
-        allocator.free(&mut self.source(sync), ptr, bytes)?;
+        let PoolState { allocator, source, counters, .. } = state;
+        allocator.free(&mut self.source(source), ptr, bytes)?;
         counters.used -= bytes;
         counters.frees += 1;
         if self.entry.spec.budget.is_some() {
@@ -231,7 +226,7 @@ impl PhasePool {
     pub(crate) fn begin_step(&self, state: &mut PoolState) -> Result<()> {
         let counters = &mut state.counters;
         *counters = Counters { used: counters.used, peak_used: counters.used, ..Counters::default() };
-        state.sync.reserved_high = state.sync.reserved;
+        state.source.reserved_high = state.source.reserved;
         if let Backing::Pool(pool) = self.backing {
             // SAFETY: the pool is live while `self` is. Setting a high-water mark to 0 resets it
             // to the current value.
@@ -253,7 +248,7 @@ impl PhasePool {
                 let counters = unsafe { self.stream.device.driver.mem_pool_counters(pool) }?;
                 Ok((counters.reserved, counters.reserved_high))
             }
-            Backing::Synchronous => Ok((state.sync.reserved, state.sync.reserved_high)),
+            Backing::Synchronous => Ok((state.source.reserved, state.source.reserved_high)),
         }
     }
 
@@ -294,7 +289,7 @@ impl PhasePool {
             }
         };
         // An arena reclaims everything it handed out, including buffers leaked with `forget`.
-        let PoolState { allocator, sync, counters, .. } = state;
+        let PoolState { allocator, source, counters, .. } = state;
         if self.entry.spec.strategy != crate::Strategy::Pool && counters.used > 0 {
             released.bytes += counters.used;
             if self.entry.spec.budget.is_some() {
@@ -302,7 +297,7 @@ impl PhasePool {
             }
             counters.used = 0;
         }
-        allocator.reset(&mut self.source(sync), keep)?;
+        allocator.reset(&mut self.source(source), keep)?;
         counters.released += released.bytes;
         if keep != u64::MAX {
             self.trim_to(state, keep)?;
@@ -321,7 +316,7 @@ impl PhasePool {
                 let (after, _) = self.reserved(state)?;
                 Ok(before.saturating_sub(after))
             }
-            Backing::Synchronous => self.source(&mut state.sync).reclaim(false),
+            Backing::Synchronous => self.source(&mut state.source).reclaim(false),
         }
     }
 
@@ -330,7 +325,7 @@ impl PhasePool {
     pub(crate) fn release_idle(&self, state: &mut PoolState) -> Result<u64> {
         match self.backing {
             Backing::Pool(_) => self.trim_to(state, 0),
-            Backing::Synchronous => self.source(&mut state.sync).reclaim(true),
+            Backing::Synchronous => self.source(&mut state.source).reclaim(true),
         }
     }
 
@@ -352,7 +347,6 @@ impl PhasePool {
             allocations: c.allocations,
             frees: c.frees,
             released: c.released,
-            driver_time: c.driver_time,
             free_space: state.allocator.free_space(),
         })
     }
@@ -361,8 +355,8 @@ impl PhasePool {
 impl Drop for PhasePool {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
-        let PoolState { allocator, sync, raw, .. } = state;
-        let mut source = Source { stream: &self.stream, backing: &self.backing, sync };
+        let PoolState { allocator, source, raw, .. } = state;
+        let mut source = Source { stream: &self.stream, backing: &self.backing, state: source };
         let mut outcome = Ok(());
         for (ptr, allocation) in raw.drain() {
             outcome = outcome.and(source.free(ptr, allocation.bytes));

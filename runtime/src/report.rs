@@ -38,8 +38,6 @@ pub struct PoolStats {
     pub frees: u64,
     /// Bytes still live at a boundary of the step, which the boundary released.
     pub released: u64,
-    /// Time spent in the allocator's driver calls in the step.
-    pub driver_time: Duration,
     /// Free space inside what the strategy holds, where it knows the layout (arenas).
     pub free_space: Option<FreeSpace>,
 }

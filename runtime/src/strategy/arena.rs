@@ -14,25 +14,83 @@ struct Slab {
 /// Bump allocation in slabs of `slab_bytes`, used front to back: `current` is the slab being
 /// bumped and `offset` its first free byte; slabs after it are untouched in this scope. A request
 /// larger than a slab gets an oversize slab of its own, so it never wastes the current slab's
-/// tail; oversize slabs are reused by later scopes (best fit) like the others.
+/// tail; oversize slabs are reused (best fit) once freed or at the next scope.
+///
+/// A free gives memory back only in stack order: freeing the most recent allocation moves the
+/// bump pointer back (across slabs), so buffers freed in the reverse order of their allocation,
+/// as scratch space and a backward pass's activations are, share their memory. Every other free
+/// waits for the reset. Reuse happens in the pool's stream order, which is what makes it safe;
+/// uses on other streams were made to precede the free.
 #[derive(Debug)]
 pub(crate) struct Arena {
     slab_bytes: u64,
     slabs: Vec<Slab>,
+    /// For each slab before `current`: the bytes used when the bump moved past it.
+    extents: Vec<u64>,
     current: usize,
     offset: u64,
     /// Oversize slabs and whether the current scope uses each.
     oversize: Vec<(Slab, bool)>,
+    /// The most slab bytes the current scope has had in use at once.
+    peak_touched: u64,
 }
 
 impl Arena {
     pub(crate) fn new(slab_bytes: u64) -> Self {
         let slab_bytes = slab_bytes.max(ALIGNMENT).next_multiple_of(ALIGNMENT);
-        Self { slab_bytes, slabs: Vec::new(), current: 0, offset: 0, oversize: Vec::new() }
+        Self {
+            slab_bytes,
+            slabs: Vec::new(),
+            extents: Vec::new(),
+            current: 0,
+            offset: 0,
+            oversize: Vec::new(),
+            peak_touched: 0,
+        }
     }
 
     fn held(&self) -> u64 {
         self.slabs.iter().map(|s| s.size).sum::<u64>() + self.oversize.iter().map(|(s, _)| s.size).sum::<u64>()
+    }
+
+    /// Slab bytes in use now: the regular slabs up to the current one, and the used oversize ones.
+    fn touched_now(&self) -> u64 {
+        let regular = if self.current == 0 && self.offset == 0 {
+            0
+        } else {
+            self.slabs[..=self.current].iter().map(|s| s.size).sum()
+        };
+        regular + self.oversize.iter().filter(|(_, used)| *used).map(|(s, _)| s.size).sum::<u64>()
+    }
+
+    /// Moves the bump to the next slab, remembering how far the current one was used.
+    fn advance(&mut self) {
+        self.extents.push(self.offset);
+        self.current += 1;
+        self.offset = 0;
+    }
+
+    fn bump(&mut self, source: &mut Source<'_>, size: u64) -> Result<CUdeviceptr> {
+        // The current slab, else the next kept one (the current one's tail stays unused until
+        // the bump comes back to it), else a new slab.
+        while let Some(slab) = self.slabs.get(self.current) {
+            if slab.size - self.offset >= size {
+                let ptr = slab.base + self.offset;
+                self.offset += size;
+                return Ok(ptr);
+            }
+            if self.current + 1 == self.slabs.len() {
+                break;
+            }
+            self.advance();
+        }
+        let base = source.alloc(self.slab_bytes)?;
+        self.slabs.push(Slab { base, size: self.slab_bytes });
+        if self.slabs.len() > 1 {
+            self.advance();
+        }
+        self.offset = size;
+        Ok(base)
     }
 
     fn allocate_oversize(&mut self, source: &mut Source<'_>, size: u64) -> Result<CUdeviceptr> {
@@ -56,31 +114,31 @@ impl Arena {
 impl Allocator for Arena {
     fn allocate(&mut self, source: &mut Source<'_>, bytes: u64) -> Result<CUdeviceptr> {
         let size = bytes.next_multiple_of(ALIGNMENT);
-        if size > self.slab_bytes {
-            return self.allocate_oversize(source, size);
-        }
-        // The current slab, else the next kept one (the current one's tail stays unused until
-        // the reset), else a new slab.
-        while let Some(slab) = self.slabs.get(self.current) {
-            if slab.size - self.offset >= size {
-                let ptr = slab.base + self.offset;
-                self.offset += size;
-                return Ok(ptr);
-            }
-            if self.current + 1 == self.slabs.len() {
-                break;
-            }
-            self.current += 1;
-            self.offset = 0;
-        }
-        let base = source.alloc(self.slab_bytes)?;
-        self.slabs.push(Slab { base, size: self.slab_bytes });
-        self.current = self.slabs.len() - 1;
-        self.offset = size;
-        Ok(base)
+        let ptr = if size > self.slab_bytes { self.allocate_oversize(source, size)? } else { self.bump(source, size)? };
+        self.peak_touched = self.peak_touched.max(self.touched_now());
+        Ok(ptr)
     }
 
-    fn free(&mut self, _: &mut Source<'_>, _: CUdeviceptr, _: u64) -> Result<()> {
+    fn free(&mut self, _: &mut Source<'_>, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        let size = bytes.next_multiple_of(ALIGNMENT);
+        if size > self.slab_bytes {
+            if let Some(slab) = self.oversize.iter_mut().find(|(slab, used)| *used && slab.base == ptr) {
+                slab.1 = false;
+            }
+        } else if let Some(slab) = self.slabs.get(self.current)
+            && self.offset >= size
+            && slab.base + self.offset - size == ptr
+        {
+            self.offset -= size;
+            // An emptied slab hands the bump back to the one before it, so the stack order
+            // continues across slabs.
+            if self.offset == 0
+                && let Some(extent) = self.extents.pop()
+            {
+                self.current -= 1;
+                self.offset = extent;
+            }
+        }
         Ok(())
     }
 
@@ -89,6 +147,8 @@ impl Allocator for Arena {
     fn reset(&mut self, source: &mut Source<'_>, keep: u64) -> Result<()> {
         self.current = 0;
         self.offset = 0;
+        self.extents.clear();
+        self.peak_touched = 0;
         let mut held = self.held();
         self.oversize.sort_unstable_by_key(|(slab, _)| std::cmp::Reverse(slab.size));
         let mut index = 0;
@@ -115,30 +175,38 @@ impl Allocator for Arena {
     }
 
     fn touched(&self) -> u64 {
-        let regular = if self.current == 0 && self.offset == 0 {
-            0
-        } else {
-            self.slabs[..=self.current].iter().map(|s| s.size).sum()
-        };
-        regular + self.oversize.iter().filter(|(_, used)| *used).map(|(s, _)| s.size).sum::<u64>()
+        self.peak_touched
     }
 
+    /// Free bytes are the tails of the slabs, untouched slabs and unused oversize slabs; the
+    /// tails the bump has moved past count as free but not as available, until it comes back.
     fn free_space(&self) -> Option<FreeSpace> {
-        let regular = self.slabs.iter().enumerate().map(|(index, slab)| match index.cmp(&self.current) {
-            std::cmp::Ordering::Less => 0,
-            std::cmp::Ordering::Equal => slab.size - self.offset,
-            std::cmp::Ordering::Greater => slab.size,
-        });
-        let oversize = self.oversize.iter().map(|(slab, used)| if *used { 0 } else { slab.size });
-        let (largest_free, total_free) =
-            regular.chain(oversize).fold((0, 0), |(largest, total), free| (largest.max(free), total + free));
-        Some(FreeSpace { largest_free, total_free })
+        let mut space = FreeSpace::default();
+        for (index, slab) in self.slabs.iter().enumerate() {
+            let (free, available) = match index.cmp(&self.current) {
+                std::cmp::Ordering::Less => (slab.size - self.extents[index], false),
+                std::cmp::Ordering::Equal => (slab.size - self.offset, true),
+                std::cmp::Ordering::Greater => (slab.size, true),
+            };
+            space.total_free += free;
+            if available {
+                space.largest_free = space.largest_free.max(free);
+            }
+        }
+        for (slab, used) in &self.oversize {
+            if !used {
+                space.total_free += slab.size;
+                space.largest_free = space.largest_free.max(slab.size);
+            }
+        }
+        Some(space)
     }
 
     fn release_all(&mut self, source: &mut Source<'_>) -> Result<()> {
         for slab in self.slabs.drain(..).chain(self.oversize.drain(..).map(|(slab, _)| slab)) {
             source.free(slab.base, slab.size)?;
         }
+        self.extents.clear();
         self.current = 0;
         self.offset = 0;
         Ok(())

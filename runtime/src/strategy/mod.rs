@@ -30,12 +30,13 @@ pub(crate) enum Backing {
     Synchronous,
 }
 
-/// Bookkeeping of the synchronous fallback: frees wait for the stream's work before `cuMemFree`.
+/// What a [`Source`] keeps between calls: the bookkeeping of the synchronous fallback, whose
+/// frees wait for the stream's work before `cuMemFree`.
 #[derive(Debug, Default)]
-pub(crate) struct SyncState {
-    /// Freed allocations waiting for an event recorded on the stream at their free.
+pub(crate) struct SourceState {
+    /// Fallback: freed allocations waiting for an event recorded on the stream at their free.
     deferred: Vec<(CUdeviceptr, u64, CUevent)>,
-    /// Bytes allocated with `cuMemAlloc` and not yet given back.
+    /// Fallback: bytes allocated with `cuMemAlloc` and not yet given back.
     pub(crate) reserved: u64,
     pub(crate) reserved_high: u64,
 }
@@ -44,7 +45,7 @@ pub(crate) struct SyncState {
 pub(crate) struct Source<'a> {
     pub(crate) stream: &'a StreamCore,
     pub(crate) backing: &'a Backing,
-    pub(crate) sync: &'a mut SyncState,
+    pub(crate) state: &'a mut SourceState,
 }
 
 impl Source<'_> {
@@ -62,8 +63,8 @@ impl Source<'_> {
                 device.make_current()?;
                 self.reclaim(false)?;
                 let ptr = device.driver.mem_alloc(bytes as usize)?;
-                self.sync.reserved += bytes;
-                self.sync.reserved_high = self.sync.reserved_high.max(self.sync.reserved);
+                self.state.reserved += bytes;
+                self.state.reserved_high = self.state.reserved_high.max(self.state.reserved);
                 Ok(ptr)
             }
         }
@@ -85,7 +86,7 @@ impl Source<'_> {
                 self.stream.prepare()?;
                 // SAFETY: both handles are live.
                 unsafe { device.driver.event_record(event, self.stream.raw) }?;
-                self.sync.deferred.push((ptr, bytes, event));
+                self.state.deferred.push((ptr, bytes, event));
             }
         }
         Ok(())
@@ -97,8 +98,8 @@ impl Source<'_> {
         let driver = &self.stream.device.driver;
         let mut released = 0;
         let mut index = 0;
-        while index < self.sync.deferred.len() {
-            let (ptr, bytes, event) = self.sync.deferred[index];
+        while index < self.state.deferred.len() {
+            let (ptr, bytes, event) = self.state.deferred[index];
             // SAFETY: `event` is live until destroyed below; once it completes, no work enqueued
             // before the free uses `ptr`, and nothing after it may.
             let done = unsafe {
@@ -115,8 +116,8 @@ impl Source<'_> {
                     driver.mem_free(ptr)?;
                     driver.event_destroy(event)?;
                 }
-                self.sync.deferred.swap_remove(index);
-                self.sync.reserved -= bytes;
+                self.state.deferred.swap_remove(index);
+                self.state.reserved -= bytes;
                 released += bytes;
             } else {
                 index += 1;
