@@ -3,15 +3,6 @@
 //! Each method makes one driver call and turns its `CUresult` into a `Result`; names follow the
 //! entry points (`mem_pool_trim_to` calls `cuMemPoolTrimTo`). The same arguments reach `libcuda`
 //! or the [simulated device](crate::sim), so code above this layer has one path for both.
-//!
-//! # Handles
-//!
-//! Methods that take a context, stream, event, pool, module, function or device pointer are
-//! `unsafe`: the real driver's behaviour on a destroyed or made-up handle is undefined (it may
-//! crash), so the caller promises that each handle is live and belongs to this driver. Stream
-//! arguments may also be the special handles `NULL`, [`CU_STREAM_LEGACY`] and
-//! [`CU_STREAM_PER_THREAD`]. The simulated device checks every handle and returns the driver's
-//! error code, which the conformance tests rely on; that is a courtesy, not the contract.
 
 use std::borrow::Cow;
 use std::ffi::{CStr, c_char, c_int, c_void};
@@ -91,6 +82,15 @@ enum Backend {
 ///
 /// A `Driver` is initialized (`cuInit` has succeeded). Contexts, streams and pools made through
 /// it belong to it; handles of one simulated driver mean nothing to another.
+///
+/// # Handles
+///
+/// Methods that take a context, stream, event, pool, module, function or device pointer are
+/// `unsafe`: the real driver's behaviour on a destroyed or made-up handle is undefined (it may
+/// crash), so the caller promises that each handle is live and belongs to this driver. Stream
+/// arguments may also be the special handles `NULL`, [`CU_STREAM_LEGACY`] and
+/// [`CU_STREAM_PER_THREAD`]. The simulated device checks every handle and returns the driver's
+/// error code, which the conformance tests rely on; that is a courtesy, not the contract.
 #[derive(Clone)]
 pub struct Driver {
     backend: Arc<Backend>,
@@ -373,7 +373,7 @@ impl Driver {
     ///
     /// # Safety
     ///
-    /// `ctx` is null or a live context of this driver (see [Handles](self#handles)).
+    /// `ctx` is null or a live context of this driver (see [Handles](Driver#handles)).
     pub unsafe fn context_set_current(&self, ctx: CUcontext) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees the handle.
         unsafe { call!(self, cuCtxSetCurrent(ctx)) }
