@@ -39,10 +39,10 @@ impl fmt::Debug for CudaLibrary {
 }
 
 impl CudaLibrary {
-    /// Opens the library named by `STEPPOOL_CUDA_LIBRARY`, or else the first of
-    /// [`LIBRARY_CANDIDATES`] that opens.
+    /// Opens the library named by `STEPPOOL_CUDA_LIBRARY` (when set and not empty), or else the
+    /// first of [`LIBRARY_CANDIDATES`] that opens.
     pub fn open() -> Result<Self, LoadError> {
-        if let Some(path) = std::env::var_os(LIBRARY_VARIABLE) {
+        if let Some(path) = std::env::var_os(LIBRARY_VARIABLE).filter(|path| !path.is_empty()) {
             // SAFETY: the user names the CUDA driver library to use, as with LD_LIBRARY_PATH;
             // loading it runs the driver's own initializers.
             return unsafe { Self::open_path(path) };

@@ -28,10 +28,12 @@
 //!   freed on stream A is reusable at once on A; on another stream B once B is ordered after the
 //!   free by an event wait (`REUSE_FOLLOW_EVENT_DEPENDENCIES`); and on any stream once the host
 //!   has observed the free complete (a stream, event or context synchronize, or a query). The
-//!   simulated device runs work in zero time, so queries find work complete and opportunistic
-//!   reuse (`REUSE_ALLOW_OPPORTUNISTIC`) coincides with observed completion. When the device is
-//!   full and `REUSE_ALLOW_INTERNAL_DEPENDENCIES` is set, an allocation on B may take memory
-//!   freed on A after making B wait for all work enqueued on A so far. The legacy default stream
+//!   simulated device runs work in zero time, so a query finds work complete; what a query
+//!   observes becomes reusable by other streams only in pools with `REUSE_ALLOW_OPPORTUNISTIC`
+//!   (a free the GPU has already executed), what a synchronization observes in every pool. When
+//!   a pool cannot grow (the device is full, or the pool is at its `maxSize`) and
+//!   `REUSE_ALLOW_INTERNAL_DEPENDENCIES` is set, an allocation on B may take memory freed on A
+//!   after making B wait for all work enqueued on A so far. The legacy default stream
 //!   orders with every blocking stream of its context, both ways; the per-thread default stream
 //!   is one blocking stream per thread.
 //! - **Giving memory back.** At a synchronization, each pool on the synchronized device whose
@@ -42,7 +44,11 @@
 //! - **Counters.** `USED_MEM_*` count allocated bytes after rounding to 512; `RESERVED_MEM_*`
 //!   count segments; `cuMemGetInfo` reports capacity minus everything reserved on the device.
 //! - **`cuMemAlloc`.** Synchronous allocations come from a hidden per-device pool with the same
-//!   placement; `cuMemFree` returns empty segments to the device at once.
+//!   placement; `cuMemFree` returns empty segments to the device at once. Releasing the last
+//!   retain of the primary context resets it: its streams, events, modules and `cuMemAlloc`
+//!   allocations are destroyed; pool allocations, which no context owns, stay.
+//! - **Kernels.** Launches are checked against an H100's limits (block 1024 × 1024 × 64 and 1024
+//!   threads, grid 2³¹−1 × 65535 × 65535, 48 KiB of dynamic shared memory) and ordered, not run.
 //! - **Not modelled.** IPC export and import return `CUDA_ERROR_NOT_SUPPORTED`, and pools with
 //!   export handle types are refused with it; stream capture and graphs are not bound.
 
@@ -227,6 +233,20 @@ impl Sim {
     }
 }
 
+/// Writes `text` through `out`, or NULL for a code without one (as `cuGetErrorName` documents).
+///
+/// # Safety
+///
+/// `out` must be null or valid for a write.
+unsafe fn error_text(out: *mut *const c_char, text: Option<&'static CStr>) -> CUresult {
+    if out.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: `out` is not null and the caller guarantees it is valid for a write.
+    unsafe { out.write(text.map_or(std::ptr::null(), CStr::as_ptr)) };
+    if text.is_some() { SUCCESS } else { INVALID_VALUE }
+}
+
 /// Descriptions the simulated driver gives for codes, in the spirit of `cuGetErrorString`.
 fn describe(code: CUresult) -> Option<&'static CStr> {
     use CUresult as C;
@@ -263,12 +283,12 @@ fn describe(code: CUresult) -> Option<&'static CStr> {
 impl Sim {
     pub unsafe fn cuGetErrorName(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
         // SAFETY: forwarded contract: `pStr` is null or valid for a write.
-        unsafe { self.out(pStr, |_| error.c_name().map(CStr::as_ptr).ok_or(INVALID_VALUE)) }
+        unsafe { error_text(pStr, error.c_name()) }
     }
 
     pub unsafe fn cuGetErrorString(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
         // SAFETY: forwarded contract: `pStr` is null or valid for a write.
-        unsafe { self.out(pStr, |_| describe(error).map(CStr::as_ptr).ok_or(INVALID_VALUE)) }
+        unsafe { error_text(pStr, describe(error)) }
     }
 
     pub unsafe fn cuInit(&self, Flags: c_uint) -> CUresult {

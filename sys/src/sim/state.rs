@@ -17,8 +17,14 @@ pub(crate) type R<T> = Result<T, CUresult>;
 pub(crate) const ALIGNMENT: u64 = 512;
 /// Size of each device's slice of the simulated address space.
 const DEVICE_SPAN: u64 = 1 << 46;
-/// Largest dynamic shared memory a launch may ask for (an H100's 227 KiB).
-const MAX_SHARED_MEMORY: u32 = 227 << 10;
+/// Largest dynamic shared memory a launch may ask for without the `cuFuncSetAttribute` opt-in,
+/// which steppool does not bind.
+const MAX_SHARED_MEMORY: u32 = 48 << 10;
+/// Largest block dimensions (x, y, z) and threads per block.
+const MAX_BLOCK: [u32; 3] = [1024, 1024, 64];
+const MAX_THREADS: u64 = 1024;
+/// Largest grid dimensions (x, y, z).
+const MAX_GRID: [u32; 3] = [i32::MAX as u32, 65535, 65535];
 
 pub(crate) const SUCCESS: CUresult = CUresult::CUDA_SUCCESS;
 pub(crate) const INVALID_VALUE: CUresult = CUresult::CUDA_ERROR_INVALID_VALUE;
@@ -389,12 +395,16 @@ impl State {
         s.position
     }
 
-    /// The host has observed everything `clock` covers: frees it covers become reusable by any
-    /// stream, and destroyed objects whose work is done are reclaimed.
-    fn observe(&mut self, clock: &Clock) {
+    /// The host has observed everything `clock` covers (a query found it complete, or a
+    /// synchronization waited for it). Frees it covers become reusable by any stream: after a
+    /// synchronization in every pool, after a query only in pools that allow opportunistic
+    /// reuse. Destroyed objects whose work is done are reclaimed.
+    fn observe(&mut self, clock: &Clock, synchronized: bool) {
         self.completed.join(clock);
         for pool in self.pools.values_mut() {
-            pool.free.promote(&self.completed);
+            if synchronized || pool.allow_opportunistic {
+                pool.free.promote(&self.completed);
+            }
         }
         let completed = &self.completed;
         self.streams.retain(|&id, s| !(s.destroyed && completed.get(id) >= s.position));
@@ -404,7 +414,7 @@ impl State {
     /// A synchronization: observe `clock`, then pools of `device` above their release threshold
     /// give memory back to it.
     fn synchronize(&mut self, clock: &Clock, device: usize) {
-        self.observe(clock);
+        self.observe(clock, true);
         let pools: Vec<u32> = self.pools.iter().filter(|(_, p)| p.device == device).map(|(&id, _)| id).collect();
         for id in pools {
             let threshold = self.pools[&id].release_threshold;
@@ -576,12 +586,20 @@ impl State {
     }
 
     /// Device attributes the simulated device answers, with an H100's values where they are
-    /// hardware facts; others are refused with `CUDA_ERROR_INVALID_VALUE`.
+    /// hardware facts. Unlike a real device, which answers every attribute of the enum, it
+    /// refuses the others with `CUDA_ERROR_INVALID_VALUE` rather than invent values.
     pub(crate) fn device_attribute(&self, attribute: CUdevice_attribute, dev: CUdevice) -> R<i32> {
         use CUdevice_attribute as A;
         self.device(dev)?;
         Ok(match attribute {
-            A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
+            A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK => MAX_THREADS as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X => MAX_BLOCK[0] as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y => MAX_BLOCK[1] as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z => MAX_BLOCK[2] as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X => MAX_GRID[0] as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y => MAX_GRID[1] as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z => MAX_GRID[2] as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK => MAX_SHARED_MEMORY as i32,
             A::CU_DEVICE_ATTRIBUTE_WARP_SIZE => 32,
             A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => 132,
             A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
@@ -589,10 +607,11 @@ impl State {
             A::CU_DEVICE_ATTRIBUTE_INTEGRATED => 0,
             A::CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS => 1,
             A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => 1,
-            A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN => MAX_SHARED_MEMORY as i32,
+            A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN => 227 << 10,
             A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => 1,
             A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => i32::from(self.config.memory_pools_supported),
-            A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES => 0,
+            // Added in 11.3; older drivers refuse it.
+            A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES if self.config.driver_version >= 11030 => 0,
             _ => return Err(INVALID_VALUE),
         })
     }
@@ -642,6 +661,15 @@ impl State {
             self.modules.remove(&module);
             self.functions.retain(|_, f| f.module != module);
         }
+        // The reset destroys the context's allocations: everything `cuMemAlloc` made on the
+        // device. Pool memory is not tied to a context and stays (to be confirmed on a GPU).
+        let raw_pool = self.devices[d].raw_pool;
+        let doomed: Vec<u64> =
+            self.allocations.iter().filter(|(_, a)| a.pool == raw_pool).map(|(&ptr, _)| ptr).collect();
+        for ptr in doomed {
+            self.unplace(ptr, Readiness::Ready);
+        }
+        self.trim(raw_pool, 0);
         Ok(())
     }
 
@@ -731,14 +759,15 @@ impl State {
     pub(crate) fn stream_query(&mut self, raw: CUstream) -> R<()> {
         let id = self.stream(raw)?;
         let frontier = self.streams[&id].frontier();
-        self.observe(&frontier);
+        self.observe(&frontier, false);
         Ok(())
     }
 
     pub(crate) fn stream_wait_event(&mut self, raw: CUstream, event: CUevent, flags: u32) -> R<()> {
         let id = self.stream(raw)?;
         let event = self.event(event)?;
-        if flags & !CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL.0 != 0 {
+        // CU_EVENT_WAIT_EXTERNAL is only valid during stream capture, which is not modelled.
+        if flags != CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT.0 {
             return Err(INVALID_VALUE);
         }
         let mut clock = self.op_clock(id);
@@ -796,7 +825,7 @@ impl State {
     pub(crate) fn event_query(&mut self, raw: CUevent) -> R<()> {
         let id = self.event(raw)?;
         if let Some(clock) = self.events[&id].recorded.clone() {
-            self.observe(&clock);
+            self.observe(&clock, false);
         }
         Ok(())
     }
@@ -900,8 +929,11 @@ impl State {
 
     pub(crate) fn mem_pool_create(&mut self, props: &CUmemPoolProps) -> R<CUmemoryPool> {
         self.require_pools()?;
+        // Before 12.2 `maxSize` was part of the reserved bytes, which must be zero.
+        let max_size_known = self.config.driver_version >= 12020;
         if props.allocType != CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED
             || props.reserved.iter().any(|&b| b != 0)
+            || (props.maxSize != 0 && !max_size_known)
         {
             return Err(INVALID_VALUE);
         }
@@ -910,8 +942,8 @@ impl State {
             CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA => return Err(NOT_SUPPORTED),
             _ => return Err(INVALID_VALUE),
         }
-        let device = self.device(props.location.id)?;
-        if props.handleTypes != CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE {
+        let device = self.device(props.location.id).map_err(|_| INVALID_VALUE)?;
+        if props.handleTypes != CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE || props.usage != 0 {
             return Err(NOT_SUPPORTED);
         }
         let id = self.next();
@@ -1038,12 +1070,12 @@ impl State {
 
     pub(crate) fn device_get_mem_pool(&self, dev: CUdevice) -> R<CUmemoryPool> {
         self.require_pools()?;
-        let d = self.device(dev)?;
+        let d = self.device(dev).map_err(|_| INVALID_VALUE)?;
         Ok(self.handle(Kind::Pool, self.devices[d].current_pool) as CUmemoryPool)
     }
 
     pub(crate) fn device_set_mem_pool(&mut self, dev: CUdevice, raw: CUmemoryPool) -> R<()> {
-        let d = self.device(dev)?;
+        let d = self.device(dev).map_err(|_| INVALID_VALUE)?;
         let id = self.pool(raw)?;
         if self.pools[&id].device != d {
             return Err(INVALID_VALUE);
@@ -1110,9 +1142,10 @@ impl State {
             .ok_or(INVALID_HANDLE)?;
         let id = self.stream(stream)?;
         let threads = launch.block.iter().map(|&b| u64::from(b)).product::<u64>();
-        if launch.grid.contains(&0)
-            || launch.block.contains(&0)
-            || threads > 1024
+        let within = |dims: [u32; 3], max: [u32; 3]| dims.iter().zip(max).all(|(&d, m)| (1..=m).contains(&d));
+        if !within(launch.grid, MAX_GRID)
+            || !within(launch.block, MAX_BLOCK)
+            || threads > MAX_THREADS
             || launch.shared_memory > MAX_SHARED_MEMORY
             || (launch.has_params && launch.has_extra)
         {

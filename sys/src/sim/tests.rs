@@ -583,3 +583,96 @@ fn ipc_is_not_modelled() {
     // SAFETY: the pool comes from this driver.
     assert_eq!(code(unsafe { f.driver.mem_pool_export_posix_fd(f.pool) }), CUresult::CUDA_ERROR_NOT_SUPPORTED);
 }
+
+#[test]
+fn releasing_the_last_primary_context_reference_destroys_its_allocations() {
+    let driver = Driver::simulated(SimConfig::with_capacity(1 << 30)).unwrap();
+    let ctx = driver.primary_context_retain(0).unwrap();
+    // SAFETY: `ctx` was retained from this driver.
+    unsafe { driver.context_set_current(ctx) }.unwrap();
+    let raw = driver.mem_alloc(MIB as usize).unwrap();
+    let stream = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
+    let pool = driver.mem_pool_create(&PoolProps::device(0).build()).unwrap();
+    // SAFETY: handles of this driver; the simulated device checks them after the reset.
+    unsafe {
+        let pooled = driver.mem_alloc_from_pool_async(MIB as usize, pool, stream).unwrap();
+        driver.primary_context_release(0).unwrap();
+        let again = driver.primary_context_retain(0).unwrap();
+        driver.context_set_current(again).unwrap();
+        assert_eq!(code(driver.mem_free(raw)), CUresult::CUDA_ERROR_INVALID_VALUE, "reset destroyed it");
+        let fresh = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
+        driver.mem_free_async(pooled, fresh).expect("pool allocations belong to no context");
+        driver.stream_synchronize(fresh).unwrap();
+    }
+    assert_eq!(driver.mem_get_info().unwrap().0, 1 << 30);
+}
+
+#[test]
+fn launches_respect_the_device_limits() {
+    let f = Fixture::with_capacity(1 << 30);
+    let ptx = c".version 8.0\n.target sm_90\n.visible .entry k()\n{ ret; }\n";
+    let module = f.driver.module_load_ptx(ptx).unwrap();
+    // SAFETY: handles of this driver; the kernel takes no parameters and does not run.
+    unsafe {
+        let function = f.driver.module_function(module, c"k").unwrap();
+        let launch = |grid, block, shared| f.driver.launch_kernel(function, grid, block, shared, f.stream, &mut []);
+        launch([65535, 65535, 65535], [32, 32, 1], 48 << 10).unwrap();
+        assert_eq!(code(launch([1, 1, 1], [1, 1, 128], 0)), CUresult::CUDA_ERROR_INVALID_VALUE, "block z ≤ 64");
+        assert_eq!(code(launch([1, 70_000, 1], [32, 1, 1], 0)), CUresult::CUDA_ERROR_INVALID_VALUE, "grid y ≤ 65535");
+        assert_eq!(code(launch([1, 1, 1], [32, 1, 1], 64 << 10)), CUresult::CUDA_ERROR_INVALID_VALUE, "48 KiB shared");
+    }
+    let attribute = |a| f.driver.device_attribute(0, a).unwrap();
+    assert_eq!(attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z), 64);
+}
+
+#[test]
+fn without_opportunistic_reuse_only_a_synchronization_shares_frees() {
+    let f = Fixture::with_capacity(1 << 30);
+    f.keep_everything();
+    f.set(CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, 0);
+    let a = f.alloc(MIB, f.stream);
+    f.free(a, f.stream);
+    // SAFETY: the stream comes from this driver.
+    assert!(unsafe { f.driver.stream_query(f.stream) }.unwrap());
+    let b = f.alloc(MIB, f.other);
+    assert_ne!(a, b, "a query is not enough without the policy");
+    f.free(b, f.other);
+    f.sync(f.stream);
+    assert_eq!(f.alloc(MIB, f.other), a, "a synchronization is");
+}
+
+#[test]
+fn pool_props_are_checked_against_the_driver_version() {
+    let f = Fixture::with_capacity(1 << 30);
+    let mut props = PoolProps::device(7).build();
+    assert_eq!(code(f.driver.mem_pool_create(&props)), CUresult::CUDA_ERROR_INVALID_VALUE, "no device 7");
+    props.location.id = 0;
+    props.usage = 0x2;
+    assert_eq!(code(f.driver.mem_pool_create(&props)), CUresult::CUDA_ERROR_NOT_SUPPORTED, "no decompression");
+    let old = Driver::simulated(SimConfig { driver_version: 12010, ..SimConfig::default() }).unwrap();
+    let capped = PoolProps::device(0).max_size(1 << 30).build();
+    assert_eq!(code(old.mem_pool_create(&capped)), CUresult::CUDA_ERROR_INVALID_VALUE, "maxSize is 12.2+");
+    old.mem_pool_create(&PoolProps::device(0).build()).unwrap();
+    let attribute = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES;
+    let v11_2 = Driver::simulated(SimConfig { driver_version: 11020, ..SimConfig::default() }).unwrap();
+    assert_eq!(
+        code(v11_2.device_attribute(0, attribute)),
+        CUresult::CUDA_ERROR_INVALID_VALUE,
+        "attribute 119 is 11.3+"
+    );
+}
+
+#[test]
+fn waits_take_no_external_flag_and_unknown_codes_have_no_name() {
+    let f = Fixture::with_capacity(1 << 30);
+    let event = f.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
+    let sim = f.driver.sim().unwrap();
+    let external = CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL.0;
+    let mut name: *const std::ffi::c_char = 0x1 as *const _;
+    // SAFETY: live handles of this driver; `name` is a valid out-pointer.
+    unsafe {
+        assert_eq!(sim.cuStreamWaitEvent(f.stream, event, external), CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sim.cuGetErrorName(CUresult(123_456), &mut name), CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    assert!(name.is_null(), "set to NULL, as documented");
+}
