@@ -668,7 +668,7 @@ fn waits_take_no_external_flag_and_unknown_codes_have_no_name() {
     let event = f.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
     let sim = f.driver.sim().unwrap();
     let external = CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL.0;
-    let mut name: *const std::ffi::c_char = 0x1 as *const _;
+    let mut name: *const std::ffi::c_char = std::ptr::dangling();
     // SAFETY: live handles of this driver; `name` is a valid out-pointer.
     unsafe {
         assert_eq!(sim.cuStreamWaitEvent(f.stream, event, external), CUresult::CUDA_ERROR_INVALID_VALUE);
