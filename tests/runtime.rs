@@ -741,3 +741,131 @@ fn runtimes_share_one_driver_without_sharing_pools() {
     assert_ne!(one.pool_handle(Phase::WEIGHTS, &s1).unwrap(), two.pool_handle(Phase::WEIGHTS, &s2).unwrap());
     drop((a, b));
 }
+
+// ----- regressions ----------------------------------------------------------------------------------
+
+#[test]
+fn a_wrapped_streams_pools_go_with_it_while_it_is_still_live() {
+    let rt = simulated_runtime(GIB);
+    let device = rt.device(0).unwrap();
+    let raw = rt.driver().stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
+    // SAFETY: a live stream of the device's primary context, destroyed only after the wrapper,
+    // its clones and its buffers are gone, as the contract asks.
+    let stream = unsafe { device.wrap_stream(raw) }.unwrap();
+    let step = rt.begin_step().unwrap();
+    drop(step.alloc(Phase::WORKSPACE, MIB, &stream).unwrap());
+    step.end().unwrap();
+    assert_eq!(rt.stats().unwrap().len(), 1);
+    drop(stream);
+    assert!(rt.stats().unwrap().is_empty(), "the pool went with its stream");
+    // SAFETY: nothing of steppool uses the stream any more.
+    unsafe { rt.driver().stream_destroy(raw) }.unwrap();
+    for _ in 0..10 {
+        rt.begin_step().unwrap().end().expect("later boundaries never touch the destroyed stream");
+    }
+    assert!(rt.take_errors().is_empty());
+}
+
+#[test]
+fn threads_freeing_raw_pointers_on_one_stream_never_free_each_other() {
+    let rt = simulated_runtime(GIB);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                for _ in 0..40_000 {
+                    // SAFETY: each thread frees only what it allocated; nothing uses the memory.
+                    unsafe {
+                        let ptr = rt.alloc_raw(Phase::WEIGHTS, 4096, &stream).unwrap();
+                        rt.free_raw(ptr).expect("a thread's own pointer is never unregistered by another");
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(stats_of(&rt, Phase::WEIGHTS, &stream).used, 0);
+}
+
+#[test]
+fn uses_and_waits_across_devices_record_in_the_other_devices_context() {
+    let rt =
+        Runtime::builder().simulated(SimConfig { capacities: vec![GIB; 2], ..SimConfig::default() }).build().unwrap();
+    let (d0, d1) = (rt.device(0).unwrap(), rt.device(1).unwrap());
+    d0.enable_peer_access(&d1).unwrap();
+    let (s0, s1) = (d0.create_stream().unwrap(), d1.create_stream().unwrap());
+    s0.wait_stream(&s1).unwrap();
+    let mut buffer = rt.alloc(Phase::WEIGHTS, 4096, &s0).unwrap();
+    buffer.record_use(&s1);
+    drop(buffer);
+    assert!(rt.take_errors().is_empty());
+    assert_eq!(stats_of(&rt, Phase::WEIGHTS, &s0).used, 0);
+    assert_eq!(rt.driver().sim().unwrap().is_ordered_after(s0.raw(), s1.raw()), Some(true));
+}
+
+#[test]
+fn a_failing_release_still_ends_the_step_and_forgets_every_pointer() {
+    let rt = Runtime::builder().simulated(SimConfig::with_capacity(GIB)).checked(true).build().unwrap();
+    let device = rt.device(0).unwrap();
+    let healthy = device.create_stream().unwrap();
+    let raw = rt.driver().stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
+    // SAFETY: a live stream; it is destroyed early below on purpose, breaking the contract, so
+    // that the simulated device (which checks handles) fails the release's frees.
+    let doomed = unsafe { device.wrap_stream(raw) }.unwrap();
+    rt.begin_step_raw().unwrap();
+    // SAFETY: the runtime checks the pointers; nothing uses them on the device.
+    let (lost, kept) = unsafe {
+        let lost: Vec<_> = (0..3).map(|_| rt.alloc_raw(Phase::ACTIVATIONS, MIB, &doomed).unwrap()).collect();
+        (lost, rt.alloc_raw(Phase::ACTIVATIONS, MIB, &healthy).unwrap())
+    };
+    // SAFETY: breaking the wrap contract on purpose (see above).
+    unsafe { rt.driver().stream_destroy(raw) }.unwrap();
+    // SAFETY: nothing uses the released pointers.
+    let error = unsafe { rt.end_step_raw() }.unwrap_err();
+    assert!(error.to_string().contains("cuMemFreeAsync"), "{error}");
+    assert_eq!(rt.active_step(), None, "the step ended anyway");
+    for ptr in lost.into_iter().chain([kept]) {
+        assert!(matches!(rt.check_range(ptr, 1), Err(Error::UseAfterRelease { step: 0, .. })), "forgotten");
+    }
+    assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &healthy).used, 0, "the healthy stream's memory was released");
+    rt.begin_step_raw().unwrap();
+    // SAFETY: as above.
+    unsafe { rt.end_step_raw() }.unwrap();
+}
+
+#[test]
+fn a_new_runtime_never_accepts_a_stream_of_a_dropped_one() {
+    let first = simulated_runtime(GIB);
+    let stream = first.device(0).unwrap().create_stream().unwrap();
+    drop(first);
+    for _ in 0..8 {
+        let next = simulated_runtime(GIB);
+        assert!(matches!(next.alloc(Phase::WEIGHTS, MIB, &stream), Err(Error::ForeignStream)));
+    }
+}
+
+#[test]
+fn phase_specs_the_runtime_cannot_serve_are_refused() {
+    let rt = simulated_runtime(GIB);
+    for slab_bytes in [0, u64::MAX] {
+        let spec = PhaseSpec::new("huge", Scope::Step).strategy(Strategy::Arena { slab_bytes });
+        assert!(matches!(rt.declare_phase(spec), Err(Error::InvalidPhaseSpec { phase, .. }) if phase == "huge"));
+    }
+    let unnamed = rt.set_phase_spec(Phase::WORKSPACE, PhaseSpec::new("", Scope::Step));
+    assert!(matches!(unnamed, Err(Error::InvalidPhaseSpec { .. })));
+}
+
+#[test]
+fn an_arena_waits_for_streams_that_used_a_leaked_buffer_before_reusing_it() {
+    let rt = simulated_runtime(GIB);
+    let device = rt.device(0).unwrap();
+    let (owner, reader) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let step = rt.begin_step().unwrap();
+    let mut scratch = step.alloc(Phase::WORKSPACE, MIB, &owner).unwrap();
+    // SAFETY: the range is the live buffer; the reader stream uses it.
+    unsafe { rt.driver().memset_d8_async(scratch.ptr(), 0, MIB as usize, reader.raw()) }.unwrap();
+    scratch.record_use(&reader);
+    std::mem::forget(scratch);
+    step.end().unwrap();
+    assert_eq!(rt.driver().sim().unwrap().is_ordered_after(owner.raw(), reader.raw()), Some(true));
+    assert_eq!(stats_of(&rt, Phase::WORKSPACE, &owner).used, 0, "the arena reclaimed the leaked buffer");
+}

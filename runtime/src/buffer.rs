@@ -80,6 +80,7 @@ impl Buffer<'_> {
         let core = &stream.core;
         if core.id != self.pool.stream.id && !self.uses.iter().any(|used| used.id == core.id) {
             self.uses.push(core.clone());
+            self.pool.note_use(core);
         }
     }
 

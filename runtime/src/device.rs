@@ -186,19 +186,18 @@ impl Device {
     }
 
     /// Lets `peer` access the memory of this device's pools, present and future
-    /// (`cuMemPoolSetAccess`); the devices must be peer-capable.
+    /// (`cuMemPoolSetAccess`); the devices must be peer-capable (`cuDeviceCanAccessPeer`).
     pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
         let driver = &self.core.driver;
         if peer.core.device == self.core.device {
             return Ok(());
         }
         if !driver.device_can_access_peer(peer.core.device, self.core.device)? {
-            return Err(Error::Driver(steppool_sys::DriverError::Call {
-                call: "cuDeviceCanAccessPeer",
-                code: steppool_sys::CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
-                description: format!("device {} cannot access device {}", peer.core.ordinal, self.core.ordinal).into(),
-            }));
+            return Err(Error::PeerAccessUnsupported { device: self.core.ordinal, peer: peer.core.ordinal });
         }
+        // Under the creation lock: a pool created meanwhile either sees the new peer or is in
+        // the list granted below.
+        let _creating = self.runtime.creating.lock().unwrap_or_else(PoisonError::into_inner);
         {
             let mut peers = self.core.peers.lock().unwrap_or_else(PoisonError::into_inner);
             if !peers.contains(&peer.core.device) {

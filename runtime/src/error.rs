@@ -69,6 +69,14 @@ pub enum Error {
         /// Where its allocations come from.
         from: &'static str,
     },
+    /// A phase spec the runtime cannot serve.
+    #[error("phase `{phase}`: {reason}")]
+    InvalidPhaseSpec {
+        /// The phase.
+        phase: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A phase name is already taken.
     #[error("a phase named `{name}` already exists")]
     DuplicatePhase {
@@ -120,6 +128,14 @@ pub enum Error {
         ordinal: usize,
         /// How many devices there are.
         count: usize,
+    },
+    /// The driver says `peer` cannot access `device`'s memory.
+    #[error("device {peer} cannot access the memory of device {device} (cuDeviceCanAccessPeer)")]
+    PeerAccessUnsupported {
+        /// The device whose pools were to be shared.
+        device: usize,
+        /// The device that was to access them.
+        peer: usize,
     },
     /// A stream of another runtime.
     #[error("the stream belongs to another runtime")]

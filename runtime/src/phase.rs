@@ -160,7 +160,25 @@ impl PhaseSpec {
         self.budget = Some(bytes);
         self
     }
+
+    /// Checks what a runtime relies on: a name, and arena slabs of 512 bytes to 64 TiB.
+    pub fn validate(&self) -> Result<(), crate::Error> {
+        let invalid = |reason: String| Err(crate::Error::InvalidPhaseSpec { phase: self.name.clone(), reason });
+        if self.name.is_empty() {
+            return invalid("a phase needs a name".to_owned());
+        }
+        if let Strategy::Arena { slab_bytes } = self.strategy
+            && !(MIN_SLAB..=MAX_SLAB).contains(&slab_bytes)
+        {
+            return invalid(format!("arena slabs of {slab_bytes} bytes: use 512 bytes to 64 TiB"));
+        }
+        Ok(())
+    }
 }
+
+/// The smallest and largest arena slab.
+const MIN_SLAB: u64 = 512;
+const MAX_SLAB: u64 = 1 << 46;
 
 /// A phase of a [`Runtime`](crate::Runtime): one of the built-in constants or a phase returned by
 /// [`Runtime::declare_phase`](crate::Runtime::declare_phase).

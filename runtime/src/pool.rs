@@ -48,14 +48,21 @@ struct Counters {
 #[derive(Debug, Default)]
 pub(crate) struct Released {
     pub(crate) bytes: u64,
-    /// Raw pointers it released, to drop from the runtime's registry.
+    /// Raw pointers it took out of the pool, to drop from the runtime's registry: freed, or
+    /// left allocated (and reported) when the free failed.
     pub(crate) raw: Vec<(CUdeviceptr, u64)>,
+    /// The first error, if a free, the reset or the trim failed; the rest still ran.
+    pub(crate) error: Option<Error>,
 }
 
 pub(crate) struct PoolState {
     allocator: Box<dyn Allocator>,
     source: SourceState,
     pub(crate) raw: HashMap<CUdeviceptr, RawAllocation>,
+    /// Other streams that used this pool's buffers since the last boundary; the boundary makes
+    /// the pool's stream wait for them before memory is reused (covers buffers leaked with
+    /// `mem::forget`, whose memory an arena reclaims).
+    cross_uses: Vec<Arc<StreamCore>>,
     counters: Counters,
     /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
     recent: VecDeque<u64>,
@@ -76,8 +83,9 @@ pub(crate) struct PhasePool {
     errors: Arc<ErrorSink>,
 }
 
-// SAFETY: the only field that is not Send + Sync by itself is the CUmemoryPool inside `backing`,
-// an opaque driver handle usable from any thread; it is never mutated after creation.
+// SAFETY: the fields that are not Send + Sync by themselves are driver handles: the CUmemoryPool
+// inside `backing`, never mutated after creation, and the CUevents of the fallback's deferred
+// frees, behind the mutex. Driver handles may be used from any thread.
 unsafe impl Send for PhasePool {}
 // SAFETY: as above; mutable state sits behind the mutex.
 unsafe impl Sync for PhasePool {}
@@ -113,6 +121,7 @@ impl PhasePool {
             allocator: allocator(entry.spec.strategy),
             source: SourceState::default(),
             raw: HashMap::new(),
+            cross_uses: Vec::new(),
             counters: Counters::default(),
             recent: VecDeque::new(),
         };
@@ -261,20 +270,44 @@ impl PhasePool {
         }
     }
 
+    /// Notes that a buffer of this pool is used on `other` (see [`PoolState::cross_uses`]).
+    pub(crate) fn note_use(&self, other: &Arc<StreamCore>) {
+        let mut state = self.lock();
+        if !state.cross_uses.iter().any(|used| used.id == other.id) {
+            state.cross_uses.push(other.clone());
+        }
+    }
+
     /// Ends the phase's scope: frees the raw allocations still live (in stream order, after the
     /// other streams they were used on), resets the strategy, and trims by the phase's policy.
-    pub(crate) fn end_scope(&self, state: &mut PoolState) -> Result<Released> {
+    /// A failure does not stop the rest: every step runs and the first error is reported.
+    pub(crate) fn end_scope(&self, state: &mut PoolState) -> Released {
         let mut released = Released::default();
+        let failed = |released: &mut Released, result: Result<()>| {
+            if let Err(error) = result {
+                released.error.get_or_insert(error);
+            }
+        };
         let raw: Vec<(CUdeviceptr, RawAllocation)> = state.raw.drain().collect();
         for (ptr, allocation) in raw {
-            self.free(state, ptr, allocation.bytes, &allocation.uses)?;
-            released.bytes += allocation.bytes;
+            let freed = self.free(state, ptr, allocation.bytes, &allocation.uses);
+            if freed.is_ok() {
+                released.bytes += allocation.bytes;
+            }
             released.raw.push((ptr, allocation.bytes));
+            failed(&mut released, freed);
+        }
+        let waits: Vec<Arc<StreamCore>> = std::mem::take(&mut state.cross_uses);
+        for other in waits {
+            failed(&mut released, self.stream.wait_for(&other));
         }
         // What the scope needed: its peak of live bytes (as the CUDA pool counts them, rounded),
         // or the slabs an arena touched. Not its peak reservation, which counts kept memory.
         let needed = match self.entry.spec.strategy {
-            crate::Strategy::Pool => state.counters.peak_used.max(self.peak_pool_used()?),
+            crate::Strategy::Pool => {
+                let pool_peak = self.peak_pool_used().unwrap_or(0);
+                state.counters.peak_used.max(pool_peak)
+            }
             _ => state.allocator.touched(),
         };
         let keep = match self.entry.spec.trim {
@@ -297,12 +330,13 @@ impl PhasePool {
             }
             counters.used = 0;
         }
-        allocator.reset(&mut self.source(source), keep)?;
+        failed(&mut released, allocator.reset(&mut self.source(source), keep));
         counters.released += released.bytes;
         if keep != u64::MAX {
-            self.trim_to(state, keep)?;
+            let trimmed = self.trim_to(state, keep).map(drop);
+            failed(&mut released, trimmed);
         }
-        Ok(released)
+        released
     }
 
     /// Gives back what the pool holds beyond `keep` bytes and without live data, as far as the

@@ -31,7 +31,7 @@ impl Runtime {
     /// The caller uses the memory only in `stream` order (or after making another stream wait,
     /// and recording that use with [`Runtime::record_use_raw`]), and not after the pointer is
     /// released: by [`Runtime::free_raw`], or, for a step- or micro-step-scoped phase, at the
-    /// end of the scope it was allocated in.
+    /// end of the scope it was allocated in. A wrapped `stream` must stay live until then.
     pub unsafe fn alloc_raw(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<CUdeviceptr> {
         let (_, ptr) = self.inner.allocate(phase, bytes, stream, Caller::Raw)?;
         Ok(ptr)
@@ -44,26 +44,25 @@ impl Runtime {
     ///
     /// No work enqueued after this call, on any stream, uses the memory.
     pub unsafe fn free_raw(&self, ptr: CUdeviceptr) -> Result<()> {
-        let Some((_, pool)) = self.inner.raw.remove(&ptr) else {
-            return Err(self.unknown(ptr));
-        };
+        // Find the pool without holding the registry entry, then do everything under the pool's
+        // lock: take the allocation out, unregister it, free it. Until the free, the address
+        // cannot serve anyone else, so the registry entry removed is this allocation's.
+        let pool = self.inner.raw.get(&ptr).map(|entry| entry.value().clone()).ok_or_else(|| self.unknown(ptr))?;
         let mut state = pool.lock();
         let Some(allocation) = state.raw.remove(&ptr) else {
-            // Released by a boundary between the registry lookup and the lock.
+            // A boundary released it after the lookup.
             drop(state);
             return Err(self.unknown(ptr));
         };
-        let freed = pool.free(&mut state, ptr, allocation.bytes, &allocation.uses);
-        drop(state);
         self.inner.forget_raw(&pool, &[(ptr, allocation.bytes)], None);
-        freed
+        pool.free(&mut state, ptr, allocation.bytes, &allocation.uses)
     }
 
     /// Records that work on `stream` uses the raw allocation at `ptr`: its release waits for it.
     ///
     /// # Safety
     ///
-    /// As for [`Runtime::alloc_raw`]; `stream` must not be destroyed before the release.
+    /// As for [`Runtime::alloc_raw`]; `stream` must stay live until the release.
     pub unsafe fn record_use_raw(&self, ptr: CUdeviceptr, stream: &Stream) -> Result<()> {
         let pool = self.inner.raw.get(&ptr).map(|entry| entry.value().clone()).ok_or_else(|| self.unknown(ptr))?;
         let mut state = pool.lock();

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
@@ -100,15 +100,22 @@ impl ReleasedLog {
     }
 }
 
+static NEXT_RUNTIME: AtomicU64 = AtomicU64::new(1);
+
 /// The shared state of a runtime.
 pub(crate) struct RuntimeInner {
+    /// Unique in the process, never reused: streams carry it to refuse other runtimes.
+    pub(crate) id: u64,
     pub(crate) driver: Driver,
     pub(crate) checked: bool,
     devices: Vec<OnceLock<Arc<DeviceCore>>>,
     phases: RwLock<Vec<Arc<PhaseEntry>>>,
-    pools: RwLock<Vec<Arc<PhasePool>>>,
-    /// Serializes pool creation (rare); the hot path reads a stream's pool slots without it.
-    creating: Mutex<()>,
+    /// Every pool, weakly: a pool belongs to its stream (and the buffers and raw allocations
+    /// on it), and goes away with them while the stream is still live.
+    pools: RwLock<Vec<Weak<PhasePool>>>,
+    /// Serializes pool creation, phase spec changes and peer grants (all rare); the hot path
+    /// reads a stream's pool slots without it.
+    pub(crate) creating: Mutex<()>,
     /// Pointers handed out by the raw API, and their pools.
     pub(crate) raw: DashMap<CUdeviceptr, Arc<PhasePool>>,
     /// Checked mode: live raw allocations by address, for range checks.
@@ -226,6 +233,7 @@ impl Runtime {
             .map(|(index, spec)| PhaseEntry::new(Phase(index as u16), spec))
             .collect();
         let inner = RuntimeInner {
+            id: NEXT_RUNTIME.fetch_add(1, Ordering::Relaxed),
             driver,
             checked,
             devices: (0..count).map(|_| OnceLock::new()).collect(),
@@ -266,6 +274,7 @@ impl Runtime {
 
     /// Declares a new phase.
     pub fn declare_phase(&self, spec: PhaseSpec) -> Result<Phase> {
+        spec.validate()?;
         let mut phases = write(&self.inner.phases);
         if phases.iter().any(|entry| entry.spec.name == spec.name) {
             return Err(Error::DuplicatePhase { name: spec.name });
@@ -280,6 +289,8 @@ impl Runtime {
 
     /// Replaces a phase's spec; only before its first allocation.
     pub fn set_phase_spec(&self, phase: Phase, spec: PhaseSpec) -> Result<()> {
+        spec.validate()?;
+        let _creating = self.inner.creating.lock().unwrap_or_else(PoisonError::into_inner);
         let mut phases = write(&self.inner.phases);
         let count = phases.len();
         let entry = phases.get(phase.index()).ok_or(Error::UnknownPhase { index: phase.index(), count })?;
@@ -320,7 +331,7 @@ impl Runtime {
     ///
     /// The handle stays valid as long as `stream` or a clone of it does.
     pub fn pool_handle(&self, phase: Phase, stream: &Stream) -> Result<Option<steppool_sys::CUmemoryPool>> {
-        if stream.core.runtime != Arc::as_ptr(&self.inner) as usize {
+        if stream.core.runtime != self.inner.id {
             return Err(Error::ForeignStream);
         }
         Ok(self.inner.pool(stream, phase)?.handle())
@@ -383,12 +394,13 @@ impl RuntimeInner {
         phases.get(phase.index()).cloned().ok_or(Error::UnknownPhase { index: phase.index(), count })
     }
 
+    /// Every live pool, in creation order.
     pub(crate) fn all_pools(&self) -> Vec<Arc<PhasePool>> {
-        read(&self.pools).clone()
+        read(&self.pools).iter().filter_map(Weak::upgrade).collect()
     }
 
     pub(crate) fn pools_on(&self, device: usize) -> Vec<Arc<PhasePool>> {
-        read(&self.pools).iter().filter(|pool| pool.device_ordinal() == device).cloned().collect()
+        self.all_pools().into_iter().filter(|pool| pool.device_ordinal() == device).collect()
     }
 
     /// The pool of `phase` on `stream`, created on first use.
@@ -396,22 +408,27 @@ impl RuntimeInner {
         let slot = stream
             .pools
             .get(phase.index())
-            .ok_or(Error::UnknownPhase { index: phase.index(), count: read(&self.phases).len() })?;
+            .ok_or_else(|| Error::UnknownPhase { index: phase.index(), count: read(&self.phases).len() })?;
         if let Some(pool) = slot.get() {
             return Ok(pool.clone());
         }
-        let entry = self.phase_entry(phase)?;
         let _creating = self.creating.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(pool) = slot.get() {
             return Ok(pool.clone());
         }
+        // Read under the creation lock, which `set_phase_spec` takes too: the spec cannot
+        // change between this read and marking the phase in use.
+        let entry = self.phase_entry(phase)?;
         entry.in_use.store(true, Ordering::Release);
         let pool = Arc::new(PhasePool::new(entry, stream.core.clone(), self.errors.clone())?);
         // A step in progress measures the new pool from its creation.
         if self.activity.load(Ordering::Acquire) & STEP_ACTIVE != 0 {
             pool.begin_step(&mut pool.lock())?;
         }
-        write(&self.pools).push(pool.clone());
+        let mut pools = write(&self.pools);
+        pools.retain(|pool| pool.strong_count() > 0);
+        pools.push(Arc::downgrade(&pool));
+        drop(pools);
         let _ = slot.set(pool.clone());
         Ok(pool)
     }
@@ -425,7 +442,7 @@ impl RuntimeInner {
         stream: &Stream,
         caller: Caller,
     ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
-        if stream.core.runtime != self as *const Self as usize {
+        if stream.core.runtime != self.id {
             return Err(Error::ForeignStream);
         }
         let pool = self.pool(stream, phase)?;
@@ -641,14 +658,11 @@ impl RuntimeInner {
         let mut total = 0;
         let mut first_error = None;
         for (pool, state) in pools.iter().zip(states.iter_mut()) {
-            match pool.end_scope(state) {
-                Ok(released) => {
-                    total += released.bytes;
-                    self.forget_raw(pool, &released.raw, Some(step));
-                }
-                Err(error) => {
-                    first_error.get_or_insert(error);
-                }
+            let released = pool.end_scope(state);
+            total += released.bytes;
+            self.forget_raw(pool, &released.raw, Some(step));
+            if let Some(error) = released.error {
+                first_error.get_or_insert(error);
             }
         }
         drop(states);
@@ -664,7 +678,8 @@ impl RuntimeInner {
             return;
         }
         for (ptr, _) in pointers {
-            self.raw.remove(ptr);
+            // Only this pool's entry: the address may already serve another pool's allocation.
+            self.raw.remove_if(ptr, |_, owner| std::ptr::eq(Arc::as_ptr(owner), pool));
         }
         if self.checked {
             let mut ranges = self.raw_ranges.lock().unwrap_or_else(PoisonError::into_inner);

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use steppool_sys::{CUevent, CUevent_flags, CUstream};
 
 use crate::device::DeviceCore;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::phase::MAX_PHASES;
 use crate::pool::PhasePool;
 use crate::runtime::RuntimeInner;
@@ -22,8 +22,8 @@ pub(crate) struct StreamCore {
     owned: bool,
     /// Unique in the process; names the stream in reports.
     pub(crate) id: u32,
-    /// The runtime it belongs to (the address of its shared state), to refuse foreign streams.
-    pub(crate) runtime: usize,
+    /// The id of the runtime it belongs to, to refuse foreign streams.
+    pub(crate) runtime: u64,
 }
 
 // SAFETY: a CUstream is an opaque driver handle that may be used from any thread (the driver API
@@ -35,7 +35,7 @@ unsafe impl Sync for StreamCore {}
 impl StreamCore {
     pub(crate) fn new(device: Arc<DeviceCore>, raw: CUstream, owned: bool, runtime: &Arc<RuntimeInner>) -> Self {
         let id = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
-        Self { device, raw, owned, id, runtime: Arc::as_ptr(runtime) as usize }
+        Self { device, raw, owned, id, runtime: runtime.id }
     }
 
     /// Readies the calling thread for a call on this stream: the special handles (`NULL`, legacy,
@@ -47,21 +47,25 @@ impl StreamCore {
         Ok(())
     }
 
-    /// Makes later work on this stream wait for the work enqueued so far on `other`.
+    /// Makes later work on this stream wait for the work enqueued so far on `other`, which may be
+    /// on another device: the event is made and recorded in `other`'s context, as
+    /// `cuEventRecord` requires, and a stream may wait on an event of any context.
     pub(crate) fn wait_for(&self, other: &StreamCore) -> Result<()> {
         let driver = &self.device.driver;
-        self.device.make_current()?;
-        other.prepare()?;
+        other.device.make_current()?;
         let event = driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
-        // SAFETY: `event` was just created; both streams are live (their cores are alive). An
-        // event may be destroyed while a wait on it is pending: the wait keeps what it needs.
-        unsafe {
-            let ordered =
-                driver.event_record(event, other.raw).and_then(|()| driver.stream_wait_event(self.raw, event));
-            let destroyed = driver.event_destroy(event);
-            ordered?;
-            destroyed?;
-        }
+        // SAFETY: `event` was just created in `other`'s (now current) context, and `other` is
+        // live while its core is.
+        let recorded = unsafe { driver.event_record(event, other.raw) }.map_err(Error::from);
+        let ordered = recorded.and_then(|()| {
+            self.prepare()?;
+            // SAFETY: this stream is live while its core is; the event was recorded above.
+            Ok(unsafe { driver.stream_wait_event(self.raw, event) }?)
+        });
+        // SAFETY: the event is not used after this; a pending wait keeps what it needs.
+        let destroyed = unsafe { driver.event_destroy(event) };
+        ordered?;
+        destroyed?;
         Ok(())
     }
 }

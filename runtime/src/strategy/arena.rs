@@ -36,8 +36,12 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
+    /// An arena of `slab_bytes` slabs, rounded up to the alignment ([`PhaseSpec::validate`]
+    /// keeps them between 512 bytes and 64 TiB).
+    ///
+    /// [`PhaseSpec::validate`]: crate::PhaseSpec::validate
     pub(crate) fn new(slab_bytes: u64) -> Self {
-        let slab_bytes = slab_bytes.max(ALIGNMENT).next_multiple_of(ALIGNMENT);
+        let slab_bytes = slab_bytes.clamp(ALIGNMENT, 1 << 46).next_multiple_of(ALIGNMENT);
         Self {
             slab_bytes,
             slabs: Vec::new(),
