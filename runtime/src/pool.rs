@@ -305,8 +305,10 @@ impl PhasePool {
         // or the slabs an arena touched. Not its peak reservation, which counts kept memory.
         let needed = match self.entry.spec.strategy {
             crate::Strategy::Pool => {
-                let pool_peak = self.peak_pool_used().unwrap_or(0);
-                state.counters.peak_used.max(pool_peak)
+                let pool_peak = self.peak_pool_used();
+                let peak = state.counters.peak_used.max(*pool_peak.as_ref().unwrap_or(&0));
+                failed(&mut released, pool_peak.map(drop));
+                peak
             }
             _ => state.allocator.touched(),
         };
