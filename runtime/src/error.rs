@@ -218,6 +218,9 @@ pub struct PoolUsage {
     pub reserved: u64,
     /// Bytes of live allocations in it, as requested.
     pub used: u64,
+    /// The largest free piece inside what it holds, where steppool knows the layout (arenas,
+    /// the simulated device).
+    pub largest_free: Option<u64>,
 }
 
 /// What was asked, what was there, and the verdict, for an allocation that failed after the
@@ -236,6 +239,8 @@ pub struct OomReport {
     pub device_free: u64,
     /// The device's memory.
     pub device_total: u64,
+    /// The step active when it failed.
+    pub step: Option<u64>,
     /// Every pool of the runtime on the device.
     pub pools: Vec<PoolUsage>,
     /// Why it failed.
@@ -258,7 +263,7 @@ impl OomReport {
 
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
+        write!(
             f,
             "out of memory: {} requested in phase `{}` on stream {} of device {}",
             Bytes(self.requested),
@@ -266,6 +271,10 @@ impl fmt::Display for OomReport {
             self.stream,
             self.device
         )?;
+        match self.step {
+            Some(step) => writeln!(f, " in step {step}")?,
+            None => writeln!(f)?,
+        }
         writeln!(
             f,
             "  device: {} free of {}; pools reserve {} of which {} hold no live data",
@@ -274,15 +283,21 @@ impl fmt::Display for OomReport {
             Bytes(self.pools.iter().map(|p| p.reserved).sum()),
             Bytes(self.reserved_unused())
         )?;
-        writeln!(f, "  {:<20} {:>6} {:>12} {:>12}", "phase", "stream", "reserved", "used")?;
+        writeln!(
+            f,
+            "  {:<20} {:>6} {:>12} {:>12} {:>12} {:>12}",
+            "phase", "stream", "reserved", "used", "not live", "largest free"
+        )?;
         for pool in &self.pools {
             writeln!(
                 f,
-                "  {:<20} {:>6} {:>12} {:>12}",
+                "  {:<20} {:>6} {:>12} {:>12} {:>12} {:>12}",
                 pool.phase,
                 pool.stream,
                 Bytes(pool.reserved).to_string(),
-                Bytes(pool.used).to_string()
+                Bytes(pool.used).to_string(),
+                Bytes(pool.reserved.saturating_sub(pool.used)).to_string(),
+                pool.largest_free.map_or_else(|| "-".to_owned(), |bytes| Bytes(bytes).to_string()),
             )?;
         }
         match self.verdict {
@@ -306,7 +321,7 @@ mod tests {
     use super::*;
 
     fn usage(reserved: u64, used: u64) -> PoolUsage {
-        PoolUsage { phase: "activations".into(), stream: 1, reserved, used }
+        PoolUsage { phase: "activations".into(), stream: 1, reserved, used, largest_free: None }
     }
 
     #[test]
@@ -323,6 +338,7 @@ mod tests {
             phase: "activations".into(),
             stream: 2,
             device: 0,
+            step: Some(4),
             device_free: 1 << 30,
             device_total: 80 << 30,
             pools: vec![usage(40 << 30, 36 << 30)],

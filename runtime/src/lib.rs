@@ -62,6 +62,7 @@ mod runtime;
 mod step;
 mod strategy;
 mod stream;
+pub mod telemetry;
 
 pub use buffer::Buffer;
 pub use device::Device;

@@ -15,8 +15,9 @@ use crate::device::read_write;
 use crate::error::{Error, Result};
 use crate::phase::{Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::PoolStats;
-use crate::strategy::{Allocator, Backing, Source, SourceState, allocator};
+use crate::strategy::{Allocator, Backing, FreeSpace, Source, SourceState, allocator};
 use crate::stream::StreamCore;
+use crate::telemetry::{self, EventKind, PoolKey, PoolMetrics, Recorder, Usage, thread_number};
 
 /// Errors raised where they cannot be returned (in `Drop`), kept for
 /// [`Runtime::take_errors`](crate::Runtime::take_errors).
@@ -42,6 +43,7 @@ struct Counters {
     allocations: u64,
     frees: u64,
     released: u64,
+    largest_request: u64,
 }
 
 /// What a boundary released from one pool.
@@ -64,6 +66,10 @@ pub(crate) struct PoolState {
     /// `mem::forget`, whose memory an arena reclaims).
     cross_uses: Vec<Arc<StreamCore>>,
     counters: Counters,
+    /// Counters over the pool's life, for [`Runtime::metrics`](crate::Runtime::metrics).
+    totals: Usage,
+    /// Raw cycle-counter ticks spent allocating (converted to nanoseconds when read).
+    alloc_ticks: u64,
     /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
     recent: VecDeque<u64>,
 }
@@ -81,6 +87,7 @@ pub(crate) struct PhasePool {
     backing: Backing,
     state: Mutex<PoolState>,
     errors: Arc<ErrorSink>,
+    recorder: Arc<Recorder>,
 }
 
 // SAFETY: the fields that are not Send + Sync by themselves are driver handles: the CUmemoryPool
@@ -99,7 +106,12 @@ impl fmt::Debug for PhasePool {
 impl PhasePool {
     /// Creates the pool: a CUDA pool on the stream's device with the phase's release threshold
     /// and the device's peers granted access, or the synchronous fallback.
-    pub(crate) fn new(entry: Arc<PhaseEntry>, stream: Arc<StreamCore>, errors: Arc<ErrorSink>) -> Result<Self> {
+    pub(crate) fn new(
+        entry: Arc<PhaseEntry>,
+        stream: Arc<StreamCore>,
+        errors: Arc<ErrorSink>,
+        recorder: Arc<Recorder>,
+    ) -> Result<Self> {
         let device = &stream.device;
         let backing = if device.pools_supported {
             let driver = &device.driver;
@@ -123,9 +135,11 @@ impl PhasePool {
             raw: HashMap::new(),
             cross_uses: Vec::new(),
             counters: Counters::default(),
+            totals: Usage::default(),
+            alloc_ticks: 0,
             recent: VecDeque::new(),
         };
-        let pool = Self { entry, stream, backing, state: Mutex::new(state), errors };
+        let pool = Self { entry, stream, backing, state: Mutex::new(state), errors, recorder };
         pool.grant_access(&pool.stream.device.peers())?;
         Ok(pool)
     }
@@ -161,7 +175,24 @@ impl PhasePool {
     }
 
     fn source<'a>(&'a self, state: &'a mut SourceState) -> Source<'a> {
-        Source { stream: &self.stream, backing: &self.backing, state }
+        Source { stream: &self.stream, backing: &self.backing, state, recorder: &self.recorder, key: self.key() }
+    }
+
+    /// The pool's (device, stream, phase).
+    pub(crate) fn key(&self) -> PoolKey {
+        PoolKey { device: self.stream.device.ordinal, stream: self.stream.id, phase: self.entry.phase }
+    }
+
+    /// Counts an allocation that succeeded after out-of-memory recovery, or one that failed
+    /// for lack of memory after it.
+    pub(crate) fn note_oom(&self, recovered: bool) {
+        let mut state = self.lock();
+        if recovered {
+            state.totals.oom_recoveries += 1;
+        } else {
+            state.totals.ooms += 1;
+            state.totals.failures += 1;
+        }
     }
 
     /// Grants `peers` read-write access to the pool's memory.
@@ -181,20 +212,39 @@ impl PhasePool {
             let live = self.entry.live.fetch_add(bytes, Ordering::Relaxed);
             if live + bytes > budget {
                 self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+                state.totals.failures += 1;
                 return Err(Error::BudgetExceeded { phase: spec.name.clone(), budget, live, requested: bytes });
             }
         }
-        let PoolState { allocator, source, counters, .. } = state;
-        match allocator.allocate(&mut self.source(source), bytes) {
+        let clock = telemetry::clock();
+        let started = clock.raw();
+        let PoolState { allocator, source, counters, totals, alloc_ticks, .. } = state;
+        let result = allocator.allocate(&mut self.source(source), bytes);
+        *alloc_ticks += clock.raw().saturating_sub(started);
+        match result {
             Ok(ptr) => {
                 counters.used += bytes;
                 counters.peak_used = counters.peak_used.max(counters.used);
                 counters.allocations += 1;
+                counters.largest_request = counters.largest_request.max(bytes);
+                totals.used += bytes;
+                totals.used_high = totals.used_high.max(totals.used);
+                totals.allocations += 1;
+                totals.requested_bytes += bytes;
+                if self.recorder.is_on() {
+                    let step = self.recorder.step();
+                    let thread = thread_number();
+                    self.recorder.record(EventKind::Alloc { pool: self.key(), ptr, bytes, step, thread });
+                }
                 Ok(ptr)
             }
             Err(error) => {
                 if spec.budget.is_some() {
                     self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+                }
+                // Out of memory may still be recovered from; the runtime counts its outcome.
+                if !matches!(&error, Error::Driver(e) if e.is_out_of_memory()) {
+                    totals.failures += 1;
                 }
                 Err(error)
             }
@@ -210,15 +260,35 @@ impl PhasePool {
         bytes: u64,
         uses: &[Arc<StreamCore>],
     ) -> Result<()> {
+        self.free_inner(state, ptr, bytes, uses, false)
+    }
+
+    /// [`PhasePool::free`]; `release` says a boundary frees it.
+    fn free_inner(
+        &self,
+        state: &mut PoolState,
+        ptr: CUdeviceptr,
+        bytes: u64,
+        uses: &[Arc<StreamCore>],
+        release: bool,
+    ) -> Result<()> {
         for other in uses {
             self.stream.wait_for(other)?;
         }
-        let PoolState { allocator, source, counters, .. } = state;
+        let PoolState { allocator, source, counters, totals, .. } = state;
         allocator.free(&mut self.source(source), ptr, bytes)?;
         counters.used -= bytes;
         counters.frees += 1;
+        totals.used -= bytes;
+        if !release {
+            totals.frees += 1;
+        }
         if self.entry.spec.budget.is_some() {
             self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+        }
+        if self.recorder.is_on() {
+            let (step, thread) = (self.recorder.step(), thread_number());
+            self.recorder.record(EventKind::Free { pool: self.key(), ptr, bytes, step, thread, release });
         }
         Ok(())
     }
@@ -290,7 +360,7 @@ impl PhasePool {
         };
         let raw: Vec<(CUdeviceptr, RawAllocation)> = state.raw.drain().collect();
         for (ptr, allocation) in raw {
-            let freed = self.free(state, ptr, allocation.bytes, &allocation.uses);
+            let freed = self.free_inner(state, ptr, allocation.bytes, &allocation.uses, true);
             if freed.is_ok() {
                 released.bytes += allocation.bytes;
             }
@@ -324,21 +394,33 @@ impl PhasePool {
             }
         };
         // An arena reclaims everything it handed out, including buffers leaked with `forget`.
-        let PoolState { allocator, source, counters, .. } = state;
+        let PoolState { allocator, source, counters, totals, .. } = state;
         if self.entry.spec.strategy != crate::Strategy::Pool && counters.used > 0 {
             released.bytes += counters.used;
             if self.entry.spec.budget.is_some() {
                 self.entry.live.fetch_sub(counters.used, Ordering::Relaxed);
             }
+            totals.used -= counters.used;
             counters.used = 0;
+            self.recorder.release_pool(self.key());
         }
         failed(&mut released, allocator.reset(&mut self.source(source), keep));
         counters.released += released.bytes;
+        totals.released_bytes += released.bytes;
         if keep != u64::MAX {
             let trimmed = self.trim_to(state, keep).map(drop);
             failed(&mut released, trimmed);
         }
+        self.record_reserved(state);
         released
+    }
+
+    /// Records the pool's reservation in the history, if it records.
+    pub(crate) fn record_reserved(&self, state: &mut PoolState) {
+        if self.recorder.is_on() {
+            let pool_reserved = self.source(&mut state.source).reserved();
+            self.recorder.record(EventKind::Reserved { pool: self.key(), pool_reserved });
+        }
     }
 
     /// Gives back what the pool holds beyond `keep` bytes and without live data, as far as the
@@ -359,10 +441,48 @@ impl PhasePool {
     /// After the device was synchronized: gives back everything idle (out-of-memory recovery,
     /// [`Device::release_idle`](crate::Device::release_idle)).
     pub(crate) fn release_idle(&self, state: &mut PoolState) -> Result<u64> {
+        let PoolState { allocator, source, .. } = state;
+        allocator.release_unused(&mut self.source(source))?;
         match self.backing {
             Backing::Pool(_) => self.trim_to(state, 0),
             Backing::Synchronous => self.source(&mut state.source).reclaim(true),
         }
+        .inspect(|_| self.record_reserved(state))
+    }
+
+    /// Free space inside what the pool holds: the strategy's own layout (arenas), else the
+    /// CUDA pool's where the device publishes it (the simulated device; the real driver does not).
+    fn free_space(&self, state: &PoolState) -> Option<FreeSpace> {
+        if let Some(space) = state.allocator.free_space() {
+            return Some(space);
+        }
+        let (Backing::Pool(pool), crate::Strategy::Pool) = (&self.backing, self.entry.spec.strategy) else {
+            return None;
+        };
+        let layout = self.stream.device.driver.sim()?.pool_layout(*pool)?;
+        Some(FreeSpace {
+            largest_free: layout.free.iter().map(|piece| piece.len).max().unwrap_or(0),
+            total_free: layout.free.iter().map(|piece| piece.len).sum(),
+        })
+    }
+
+    /// The pool's lifetime counters now.
+    pub(crate) fn metrics(&self, state: &mut PoolState) -> Result<PoolMetrics> {
+        let (reserved, peak_reserved) = self.reserved(state)?;
+        let totals = &mut state.totals;
+        totals.reserved = reserved;
+        totals.reserved_high = totals.reserved_high.max(peak_reserved).max(reserved);
+        totals.alloc_nanos = telemetry::clock().delta_as_nanos(0, state.alloc_ticks);
+        Ok(PoolMetrics {
+            phase: self.entry.phase,
+            phase_name: self.entry.spec.name.clone(),
+            scope: self.entry.spec.scope,
+            strategy: self.entry.spec.strategy,
+            device: self.stream.device.ordinal,
+            stream: self.stream.id,
+            usage: state.totals,
+            free_space: self.free_space(state),
+        })
     }
 
     /// The pool's numbers now.
@@ -383,16 +503,19 @@ impl PhasePool {
             allocations: c.allocations,
             frees: c.frees,
             released: c.released,
-            free_space: state.allocator.free_space(),
+            largest_request: c.largest_request,
+            free_space: self.free_space(state),
         })
     }
 }
 
 impl Drop for PhasePool {
     fn drop(&mut self) {
+        let key = self.key();
         let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         let PoolState { allocator, source, raw, .. } = state;
-        let mut source = Source { stream: &self.stream, backing: &self.backing, state: source };
+        let mut source =
+            Source { stream: &self.stream, backing: &self.backing, state: source, recorder: &self.recorder, key };
         let mut outcome = Ok(());
         for (ptr, allocation) in raw.drain() {
             outcome = outcome.and(source.free(ptr, allocation.bytes));

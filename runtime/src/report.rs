@@ -7,6 +7,7 @@ use steppool_sys::bytes::Bytes;
 
 use crate::phase::{Phase, Scope, Strategy};
 use crate::strategy::FreeSpace;
+use crate::telemetry::Warning;
 
 /// The numbers of one pool (one phase on one stream of one device), over the current step.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,7 +39,10 @@ pub struct PoolStats {
     pub frees: u64,
     /// Bytes still live at a boundary of the step, which the boundary released.
     pub released: u64,
-    /// Free space inside what the strategy holds, where it knows the layout (arenas).
+    /// The largest allocation requested in the step.
+    pub largest_request: u64,
+    /// Free space inside what the pool holds, where steppool knows the layout (arenas, the
+    /// simulated device).
     pub free_space: Option<FreeSpace>,
 }
 
@@ -66,9 +70,17 @@ pub struct PhaseReport {
     pub allocations: u64,
     /// Frees in the step.
     pub frees: u64,
+    /// Free space inside what its pools hold at the end of the step, where steppool knows the
+    /// layout (arenas, the simulated device): the largest piece over its pools, and their sum.
+    pub free_space: Option<FreeSpace>,
 }
 
 impl PhaseReport {
+    /// `1 - largest_free / total_free` at the end of the step, where the layout is known.
+    pub fn free_space_fragmentation(&self) -> Option<f64> {
+        self.free_space.map(|space| space.fragmentation())
+    }
+
     /// `1 - peak_used / peak_reserved`: the share of the peak reservation that never held live
     /// data at the peak. 0 when nothing was reserved.
     pub fn fragmentation_ratio(&self) -> f64 {
@@ -99,6 +111,8 @@ pub struct StepReport {
     pub phases: Vec<PhaseReport>,
     /// Errors raised in `Drop` during the step (see [`Runtime::take_errors`](crate::Runtime::take_errors)).
     pub deferred_errors: usize,
+    /// Early warnings that fired at this step's end.
+    pub warnings: Vec<Warning>,
 }
 
 impl StepReport {
@@ -126,6 +140,7 @@ impl StepReport {
                         released: 0,
                         allocations: 0,
                         frees: 0,
+                        free_space: None,
                     });
                     phases.last_mut().expect("just pushed")
                 }
@@ -136,9 +151,14 @@ impl StepReport {
             report.released += pool.released;
             report.allocations += pool.allocations;
             report.frees += pool.frees;
+            if let Some(space) = pool.free_space {
+                let sum = report.free_space.get_or_insert_with(FreeSpace::default);
+                sum.largest_free = sum.largest_free.max(space.largest_free);
+                sum.total_free += space.total_free;
+            }
         }
         phases.sort_by_key(|p| p.phase);
-        Self { index, duration, release_time, micro_steps, pools, phases, deferred_errors }
+        Self { index, duration, release_time, micro_steps, pools, phases, deferred_errors, warnings: Vec::new() }
     }
 
     /// Sum of the phases' peak live bytes.
@@ -174,20 +194,31 @@ impl fmt::Display for StepReport {
         )?;
         writeln!(
             f,
-            "  {:<18} {:>11} {:>11} {:>11} {:>6} {:>8}",
-            "phase", "peak used", "peak resv", "released", "frag", "allocs"
+            "  {:<18} {:>11} {:>11} {:>11} {:>6} {:>12} {:>9} {:>8}",
+            "phase", "peak used", "peak resv", "released", "frag", "largest free", "free frag", "allocs"
         )?;
         for p in &self.phases {
+            let (largest, free_frag) = match p.free_space {
+                Some(space) => {
+                    (Bytes(space.largest_free).to_string(), format!("{:.1}%", space.fragmentation() * 100.0))
+                }
+                None => ("-".into(), "-".into()),
+            };
             writeln!(
                 f,
-                "  {:<18} {:>11} {:>11} {:>11} {:>5.1}% {:>8}",
+                "  {:<18} {:>11} {:>11} {:>11} {:>5.1}% {:>12} {:>9} {:>8}",
                 p.name,
                 Bytes(p.peak_used).to_string(),
                 Bytes(p.peak_reserved).to_string(),
                 Bytes(p.released).to_string(),
                 p.fragmentation_ratio() * 100.0,
+                largest,
+                free_frag,
                 p.allocations
             )?;
+        }
+        for warning in &self.warnings {
+            writeln!(f, "  warning [{}] {warning}", warning.rule())?;
         }
         Ok(())
     }

@@ -18,6 +18,7 @@ use crate::pool::{ErrorSink, PhasePool, PoolState, RawAllocation};
 use crate::report::{MicroStepReport, PoolStats, StepReport};
 use crate::step::Step;
 use crate::stream::Stream;
+use crate::telemetry::{DeviceMemory, EventKind, History, Metrics, Recorder, Warning, WarningRules, WarningState};
 
 /// Set in [`RuntimeInner::activity`] while a step is active.
 pub(crate) const STEP_ACTIVE: u8 = 1;
@@ -128,7 +129,19 @@ pub(crate) struct RuntimeInner {
     pub(crate) activity: AtomicU8,
     pub(crate) errors: Arc<ErrorSink>,
     pub(crate) oom_recoveries: AtomicU64,
+    pub(crate) recorder: Arc<Recorder>,
+    /// Steps ended.
+    steps_ended: AtomicU64,
+    /// The early-warning rules and their memory between steps.
+    warnings: Mutex<(WarningRules, WarningState)>,
+    /// Callbacks told of every warning.
+    warning_sinks: RwLock<Vec<WarningSink>>,
+    /// Each phase's fragmentation ratio in the last step, per device.
+    last_fragmentation: Mutex<Vec<(usize, String, f64)>>,
 }
+
+/// A callback registered with [`Runtime::on_warning`].
+type WarningSink = Arc<dyn Fn(&Warning) + Send + Sync>;
 
 impl fmt::Debug for RuntimeInner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -165,6 +178,8 @@ pub struct RuntimeBuilder {
     driver: Option<std::result::Result<Driver, steppool_sys::LoadError>>,
     checked: Option<bool>,
     specs: Vec<(Phase, PhaseSpec)>,
+    warning_rules: Option<WarningRules>,
+    record: Option<usize>,
 }
 
 impl RuntimeBuilder {
@@ -193,6 +208,19 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Uses these early-warning rules instead of [`WarningRules::default`].
+    pub fn warning_rules(mut self, rules: WarningRules) -> Self {
+        self.warning_rules = Some(rules);
+        self
+    }
+
+    /// Records the allocation history from the start, keeping the most recent `max_events`
+    /// (see [`Runtime::start_recording`]).
+    pub fn record_history(mut self, max_events: usize) -> Self {
+        self.record = Some(max_events);
+        self
+    }
+
     /// Builds the runtime.
     pub fn build(self) -> Result<Runtime> {
         let driver = match self.driver {
@@ -203,6 +231,12 @@ impl RuntimeBuilder {
         let runtime = Runtime::with_config(driver, checked)?;
         for (phase, spec) in self.specs {
             runtime.set_phase_spec(phase, spec)?;
+        }
+        if let Some(rules) = self.warning_rules {
+            runtime.set_warning_rules(rules);
+        }
+        if let Some(max_events) = self.record {
+            runtime.start_recording(max_events);
         }
         Ok(runtime)
     }
@@ -247,6 +281,11 @@ impl Runtime {
             activity: AtomicU8::new(0),
             errors: Arc::new(Mutex::new(Vec::new())),
             oom_recoveries: AtomicU64::new(0),
+            recorder: Arc::new(Recorder::default()),
+            steps_ended: AtomicU64::new(0),
+            warnings: Mutex::new((WarningRules::default(), WarningState::default())),
+            warning_sinks: RwLock::new(Vec::new()),
+            last_fragmentation: Mutex::new(Vec::new()),
         };
         Ok(Self { inner: Arc::new(inner) })
     }
@@ -359,6 +398,94 @@ impl Runtime {
     pub fn oom_recoveries(&self) -> u64 {
         self.inner.oom_recoveries.load(Ordering::Relaxed)
     }
+
+    /// Every counter now: per pool, with sums per phase, stream and device
+    /// ([`Metrics::by_phase`] and so on), and the devices' memory.
+    pub fn metrics(&self) -> Result<Metrics> {
+        let _control = self.inner.control();
+        let mut pools = Vec::new();
+        for pool in self.inner.all_pools() {
+            pools.push(pool.metrics(&mut pool.lock())?);
+        }
+        let mut devices = Vec::new();
+        for (ordinal, slot) in self.inner.devices.iter().enumerate() {
+            if let Some(core) = slot.get() {
+                core.make_current()?;
+                let (free, total) = self.inner.driver.mem_get_info()?;
+                devices.push(DeviceMemory { device: ordinal, free, total });
+            }
+        }
+        let warnings = self.inner.warnings.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut fired: Vec<(&'static str, u64)> = warnings.1.fired.iter().map(|(&rule, &n)| (rule, n)).collect();
+        fired.sort_unstable();
+        Ok(Metrics {
+            pools,
+            devices,
+            steps: self.inner.steps_ended.load(Ordering::Relaxed),
+            fragmentation: self.inner.last_fragmentation.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+            warnings: fired,
+        })
+    }
+
+    /// Replaces the early-warning rules (default: [`WarningRules::default`]). Their memory of
+    /// past steps starts over.
+    pub fn set_warning_rules(&self, rules: WarningRules) {
+        *self.inner.warnings.lock().unwrap_or_else(PoisonError::into_inner) = (rules, WarningState::default());
+    }
+
+    /// The early-warning rules in force.
+    pub fn warning_rules(&self) -> WarningRules {
+        self.inner.warnings.lock().unwrap_or_else(PoisonError::into_inner).0
+    }
+
+    /// Calls `callback` with every warning as it fires, at the end of the step that fired it,
+    /// on the thread that ended the step. The callback may use the runtime.
+    pub fn on_warning(&self, callback: impl Fn(&Warning) + Send + Sync + 'static) {
+        write(&self.inner.warning_sinks).push(Arc::new(callback));
+    }
+
+    /// Serves [`Runtime::metrics`] as Prometheus text at `GET /metrics` on `addr` (for
+    /// example `"127.0.0.1:9400"`, or port 0 for any free port), from a thread of its own, until
+    /// the returned server is dropped. The server does not keep the runtime alive.
+    pub fn serve_metrics(
+        &self,
+        addr: impl std::net::ToSocketAddrs,
+    ) -> std::io::Result<crate::telemetry::MetricsServer> {
+        crate::telemetry::MetricsServer::start(self, addr)
+    }
+
+    /// Starts recording the allocation history afresh, keeping the most recent `max_events`
+    /// events: allocations, frees, segments, boundaries, warnings and OOMs. Each event takes a
+    /// runtime-wide lock while recording is on: a diagnostic mode.
+    pub fn start_recording(&self, max_events: usize) {
+        self.inner.recorder.start(max_events);
+    }
+
+    /// Stops recording; the history recorded so far stays readable.
+    pub fn stop_recording(&self) {
+        self.inner.recorder.stop();
+    }
+
+    /// Whether the history is being recorded.
+    pub fn is_recording(&self) -> bool {
+        self.inner.recorder.is_on()
+    }
+
+    /// A copy of the recorded history.
+    pub fn history(&self) -> History {
+        let mut history = self.inner.recorder.history();
+        history.phases =
+            read(&self.inner.phases).iter().map(|entry| (entry.spec.name.clone(), entry.spec.scope)).collect();
+        history.driver = self.inner.driver.describe();
+        history.devices = self
+            .inner
+            .devices
+            .iter()
+            .enumerate()
+            .filter_map(|(ordinal, slot)| slot.get().map(|core| (ordinal, core.total_memory)))
+            .collect();
+        history
+    }
 }
 
 fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -420,7 +547,7 @@ impl RuntimeInner {
         // change between this read and marking the phase in use.
         let entry = self.phase_entry(phase)?;
         entry.in_use.store(true, Ordering::Release);
-        let pool = Arc::new(PhasePool::new(entry, stream.core.clone(), self.errors.clone())?);
+        let pool = Arc::new(PhasePool::new(entry, stream.core.clone(), self.errors.clone(), self.recorder.clone())?);
         // A step in progress measures the new pool from its creation.
         if self.activity.load(Ordering::Acquire) & STEP_ACTIVE != 0 {
             pool.begin_step(&mut pool.lock())?;
@@ -480,10 +607,18 @@ impl RuntimeInner {
                 match self.try_allocate(&pool, bytes, raw) {
                     Ok(ptr) => {
                         self.oom_recoveries.fetch_add(1, Ordering::Relaxed);
+                        pool.note_oom(true);
                         Ok((pool, ptr))
                     }
                     Err(Error::Driver(error)) if error.is_out_of_memory() => {
-                        Err(Error::OutOfMemory(Box::new(self.oom_report(&pool, bytes)?)))
+                        pool.note_oom(false);
+                        let report = self.oom_report(&pool, bytes)?;
+                        self.recorder.record(EventKind::Oom {
+                            pool: pool.key(),
+                            bytes,
+                            device_free: report.device_free,
+                        });
+                        Err(Error::OutOfMemory(Box::new(report)))
                     }
                     Err(other) => Err(other),
                 }
@@ -553,6 +688,7 @@ impl RuntimeInner {
                 stream: stats.stream,
                 reserved: stats.reserved,
                 used: stats.used,
+                largest_free: stats.free_space.map(|space| space.largest_free),
             });
         }
         let verdict = OomReport::judge(bytes, device_free, &pools);
@@ -561,6 +697,7 @@ impl RuntimeInner {
             phase: failing.spec().name.clone(),
             stream: failing.stream.id,
             device: device.ordinal,
+            step: self.recorder.step().or_else(|| self.active_step_unlocked()),
             device_free,
             device_total,
             pools,
@@ -580,6 +717,8 @@ impl RuntimeInner {
         }
         let index = control.next_step;
         control.next_step += 1;
+        self.recorder.set_step(Some(index));
+        self.recorder.record(EventKind::StepBegin { step: index });
         control.step = Some(ActiveStep {
             index,
             guarded,
@@ -601,6 +740,7 @@ impl RuntimeInner {
         let index = step.micro_steps;
         step.micro_steps += 1;
         step.micro = Some(ActiveMicro { index, guarded, started: Instant::now() });
+        self.recorder.record(EventKind::MicroBegin { step: step.index, micro: index });
         self.activity.store(STEP_ACTIVE | MICRO_ACTIVE, Ordering::Release);
         Ok((step.index, index))
     }
@@ -620,6 +760,7 @@ impl RuntimeInner {
         let released = self.release(&[Scope::MicroStep], step.index)?;
         let release_time = started.elapsed();
         step.release_time += release_time;
+        self.recorder.record(EventKind::MicroEnd { step: step.index, micro: micro.index });
         Ok(MicroStepReport {
             step: step.index,
             index: micro.index,
@@ -641,11 +782,68 @@ impl RuntimeInner {
         let started = Instant::now();
         let released = self.release(&[Scope::MicroStep, Scope::Step], step.index);
         step.release_time += started.elapsed();
+        self.recorder.set_step(None);
+        self.recorder.record(EventKind::StepEnd { step: step.index });
+        self.steps_ended.fetch_add(1, Ordering::Relaxed);
         released?;
         let pools: Vec<PoolStats> =
             self.all_pools().iter().map(|pool| pool.stats(&pool.lock())).collect::<Result<_>>()?;
         let deferred = self.errors.lock().unwrap_or_else(PoisonError::into_inner).len();
-        Ok(StepReport::new(step.index, step.started.elapsed(), step.release_time, step.micro_steps, pools, deferred))
+        let mut report =
+            StepReport::new(step.index, step.started.elapsed(), step.release_time, step.micro_steps, pools, deferred);
+        report.warnings = self.evaluate_warnings(&report);
+        drop(control);
+        self.dispatch(&report.warnings);
+        Ok(report)
+    }
+
+    /// Runs the warning rules on a step's numbers and keeps each phase's fragmentation ratio.
+    fn evaluate_warnings(&self, report: &StepReport) -> Vec<Warning> {
+        let mut ratios: Vec<(usize, String, u64, u64)> = Vec::new();
+        for pool in &report.pools {
+            match ratios.iter_mut().find(|r| r.0 == pool.device && r.1 == pool.phase_name) {
+                Some(entry) => {
+                    entry.2 += pool.peak_used;
+                    entry.3 += pool.peak_reserved;
+                }
+                None => ratios.push((pool.device, pool.phase_name.clone(), pool.peak_used, pool.peak_reserved)),
+            }
+        }
+        *self.last_fragmentation.lock().unwrap_or_else(PoisonError::into_inner) = ratios
+            .into_iter()
+            .map(|(device, phase, used, reserved)| (device, phase, crate::fragmentation_ratio(used, reserved)))
+            .collect();
+        let memory = |ordinal: usize| -> Option<(u64, u64)> {
+            let core = self.devices.get(ordinal)?.get()?;
+            core.make_current().ok()?;
+            self.driver.mem_get_info().ok()
+        };
+        let mut warnings = self.warnings.lock().unwrap_or_else(PoisonError::into_inner);
+        let (rules, state) = &mut *warnings;
+        state.evaluate(rules, report.index, &report.pools, &memory)
+    }
+
+    /// Tells the log, the history and the callbacks of `warnings` (without the control lock, so
+    /// a callback may use the runtime).
+    fn dispatch(&self, warnings: &[Warning]) {
+        if warnings.is_empty() {
+            return;
+        }
+        let sinks: Vec<WarningSink> = read(&self.warning_sinks).clone();
+        for warning in warnings {
+            tracing::warn!(
+                target: "steppool::warnings",
+                rule = warning.rule(),
+                step = warning.step,
+                device = warning.device,
+                phase = warning.phase().unwrap_or(""),
+                "{warning}"
+            );
+            self.recorder.record(EventKind::Warning { rule: warning.rule(), message: warning.to_string() });
+            for sink in &sinks {
+                sink(warning);
+            }
+        }
     }
 
     /// Releases every pool of the given scopes at once: all their locks are taken (in registry
@@ -691,6 +889,12 @@ impl RuntimeInner {
                 }
             }
         }
+    }
+
+    /// The index of the active step, if any, without waiting for a boundary in progress.
+    fn active_step_unlocked(&self) -> Option<u64> {
+        let control = self.control.try_lock().ok()?;
+        control.step.as_ref().map(|step| step.index)
     }
 
     /// The index of the active step, if any.

@@ -206,6 +206,30 @@ impl Allocator for Arena {
         Some(space)
     }
 
+    /// Gives back the regular slabs after the current one and the unused oversize slabs: the
+    /// scope has not touched them, and it takes new ones if it grows.
+    fn release_unused(&mut self, source: &mut Source<'_>) -> Result<u64> {
+        let mut released = 0;
+        while self.slabs.len() > self.current + 1 {
+            let slab = self.slabs[self.slabs.len() - 1];
+            source.free(slab.base, slab.size)?;
+            self.slabs.pop();
+            released += slab.size;
+        }
+        let mut index = 0;
+        while index < self.oversize.len() {
+            let (slab, used) = self.oversize[index];
+            if used {
+                index += 1;
+            } else {
+                source.free(slab.base, slab.size)?;
+                self.oversize.swap_remove(index);
+                released += slab.size;
+            }
+        }
+        Ok(released)
+    }
+
     fn release_all(&mut self, source: &mut Source<'_>) -> Result<()> {
         for slab in self.slabs.drain(..).chain(self.oversize.drain(..).map(|(slab, _)| slab)) {
             source.free(slab.base, slab.size)?;

@@ -17,6 +17,7 @@ pub(crate) use pool::Direct;
 use crate::error::Result;
 use crate::phase::Strategy;
 use crate::stream::StreamCore;
+use crate::telemetry::{EventKind, PoolKey, Recorder};
 
 /// Alignment of every allocation a strategy hands out.
 pub(crate) const ALIGNMENT: u64 = 512;
@@ -46,11 +47,46 @@ pub(crate) struct Source<'a> {
     pub(crate) stream: &'a StreamCore,
     pub(crate) backing: &'a Backing,
     pub(crate) state: &'a mut SourceState,
+    /// The runtime's history, told of every segment taken and given back while it records.
+    pub(crate) recorder: &'a Recorder,
+    /// The pool this source serves, for the history.
+    pub(crate) key: PoolKey,
 }
 
 impl Source<'_> {
     /// `bytes` of device memory, usable in stream order.
     pub(crate) fn alloc(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+        let ptr = self.alloc_untracked(bytes)?;
+        if self.recorder.is_on() {
+            let pool_reserved = self.reserved();
+            self.recorder.record(EventKind::SegmentAlloc { pool: self.key, ptr, bytes, pool_reserved });
+        }
+        Ok(ptr)
+    }
+
+    /// Gives back `bytes` at `ptr` once the stream's work enqueued so far is done.
+    pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        self.free_untracked(ptr, bytes)?;
+        if self.recorder.is_on() {
+            let pool_reserved = self.reserved();
+            self.recorder.record(EventKind::SegmentFree { pool: self.key, ptr, bytes, pool_reserved });
+        }
+        Ok(())
+    }
+
+    /// What the CUDA pool (or the fallback) reserves now; 0 when the pool cannot say.
+    pub(crate) fn reserved(&self) -> u64 {
+        match self.backing {
+            Backing::Pool(pool) => {
+                // SAFETY: the pool is live while the phase pool that owns this source is.
+                let counters = unsafe { self.stream.device.driver.mem_pool_counters(*pool) };
+                counters.map_or(0, |counters| counters.reserved)
+            }
+            Backing::Synchronous => self.state.reserved,
+        }
+    }
+
+    fn alloc_untracked(&mut self, bytes: u64) -> Result<CUdeviceptr> {
         let device = &self.stream.device;
         match self.backing {
             Backing::Pool(pool) => {
@@ -70,8 +106,7 @@ impl Source<'_> {
         }
     }
 
-    /// Gives back `bytes` at `ptr` once the stream's work enqueued so far is done.
-    pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+    fn free_untracked(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
         let device = &self.stream.device;
         match self.backing {
             Backing::Pool(_) => {
@@ -164,6 +199,12 @@ pub(crate) trait Allocator: Send + fmt::Debug {
     /// The free space inside what the strategy holds, where it knows the layout.
     fn free_space(&self) -> Option<FreeSpace> {
         None
+    }
+
+    /// Memory is short (out-of-memory recovery): give back what the current scope has not
+    /// touched and will not need unless it grows. Returns the bytes given back.
+    fn release_unused(&mut self, _source: &mut Source<'_>) -> Result<u64> {
+        Ok(0)
     }
 
     /// The pool is going away: give everything back.

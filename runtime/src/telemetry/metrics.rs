@@ -1,0 +1,179 @@
+//! Counters: what each pool has done over its life, and their sums per phase, stream and device.
+
+use std::time::Duration;
+
+use crate::phase::{Phase, Scope, Strategy};
+use crate::strategy::FreeSpace;
+
+/// The counters of one pool (one phase on one stream of one device), over its life.
+///
+/// Counts are kept under the pool's own lock, which only threads allocating on its stream in its
+/// phase take: counting costs a few additions and two reads of the CPU's cycle counter, and no
+/// cache line is shared between streams. Reading them takes each pool's lock briefly.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct PoolMetrics {
+    /// The phase.
+    pub phase: Phase,
+    /// The phase's name.
+    pub phase_name: String,
+    /// The phase's scope.
+    pub scope: Scope,
+    /// The phase's strategy.
+    pub strategy: Strategy,
+    /// The device ordinal.
+    pub device: usize,
+    /// The stream's id.
+    pub stream: u32,
+    /// Usage and counts.
+    pub usage: Usage,
+    /// Free space inside what the strategy holds, where it knows the layout.
+    pub free_space: Option<FreeSpace>,
+}
+
+/// Usage and counts, summable over pools.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Usage {
+    /// Bytes of live allocations, as requested.
+    pub used: u64,
+    /// Highest `used` ever (a sum over pools is an upper bound of their joint high-water mark).
+    pub used_high: u64,
+    /// Bytes held from the device.
+    pub reserved: u64,
+    /// Highest `reserved` seen at a boundary or a read of the counters.
+    pub reserved_high: u64,
+    /// Allocations handed out.
+    pub allocations: u64,
+    /// Allocations given back by their owner.
+    pub frees: u64,
+    /// Bytes requested by the allocations handed out.
+    pub requested_bytes: u64,
+    /// Allocations that failed (out of memory after recovery, budget, driver errors).
+    pub failures: u64,
+    /// Allocations that succeeded only after out-of-memory recovery.
+    pub oom_recoveries: u64,
+    /// Allocations that failed for lack of memory after recovery.
+    pub ooms: u64,
+    /// Bytes still live at a boundary, which the boundary released.
+    pub released_bytes: u64,
+    /// Nanoseconds spent allocating (the strategy and the driver call).
+    pub alloc_nanos: u64,
+}
+
+impl Usage {
+    /// `reserved - used`: what PyTorch users read as fragmentation.
+    pub fn reserved_unused(&self) -> u64 {
+        self.reserved.saturating_sub(self.used)
+    }
+
+    /// Time spent allocating.
+    pub fn alloc_time(&self) -> Duration {
+        Duration::from_nanos(self.alloc_nanos)
+    }
+
+    fn add(&mut self, other: &Usage) {
+        self.used += other.used;
+        self.used_high += other.used_high;
+        self.reserved += other.reserved;
+        self.reserved_high += other.reserved_high;
+        self.allocations += other.allocations;
+        self.frees += other.frees;
+        self.requested_bytes += other.requested_bytes;
+        self.failures += other.failures;
+        self.oom_recoveries += other.oom_recoveries;
+        self.ooms += other.ooms;
+        self.released_bytes += other.released_bytes;
+        self.alloc_nanos += other.alloc_nanos;
+    }
+}
+
+/// A device's memory as the driver reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// The device ordinal.
+    pub device: usize,
+    /// Free bytes (`cuMemGetInfo`).
+    pub free: u64,
+    /// Total bytes.
+    pub total: u64,
+}
+
+/// Every counter of a runtime at one moment.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Metrics {
+    /// Every live pool.
+    pub pools: Vec<PoolMetrics>,
+    /// The devices the runtime opened.
+    pub devices: Vec<DeviceMemory>,
+    /// Steps ended.
+    pub steps: u64,
+    /// The fragmentation ratio of each phase in the last step, `(device, phase name, ratio)`.
+    pub fragmentation: Vec<(usize, String, f64)>,
+    /// Warnings fired, `(rule, count)`.
+    pub warnings: Vec<(&'static str, u64)>,
+}
+
+/// What a sum of pools is grouped by.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GroupKey {
+    /// All pools of a phase on a device.
+    Phase {
+        /// The device.
+        device: usize,
+        /// The phase's name.
+        phase: String,
+    },
+    /// All pools of a stream.
+    Stream {
+        /// The device.
+        device: usize,
+        /// The stream's id.
+        stream: u32,
+    },
+    /// All pools of a device.
+    Device {
+        /// The device.
+        device: usize,
+    },
+}
+
+impl Metrics {
+    fn group(&self, key: impl Fn(&PoolMetrics) -> GroupKey) -> Vec<(GroupKey, Usage)> {
+        let mut groups: Vec<(GroupKey, Usage)> = Vec::new();
+        for pool in &self.pools {
+            let key = key(pool);
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, usage)) => usage.add(&pool.usage),
+                None => groups.push((key, pool.usage)),
+            }
+        }
+        groups.sort_by(|a, b| a.0.cmp(&b.0));
+        groups
+    }
+
+    /// Sums per (device, phase).
+    pub fn by_phase(&self) -> Vec<(GroupKey, Usage)> {
+        self.group(|p| GroupKey::Phase { device: p.device, phase: p.phase_name.clone() })
+    }
+
+    /// Sums per stream.
+    pub fn by_stream(&self) -> Vec<(GroupKey, Usage)> {
+        self.group(|p| GroupKey::Stream { device: p.device, stream: p.stream })
+    }
+
+    /// Sums per device.
+    pub fn by_device(&self) -> Vec<(GroupKey, Usage)> {
+        self.group(|p| GroupKey::Device { device: p.device })
+    }
+
+    /// The sum over every pool.
+    pub fn total(&self) -> Usage {
+        let mut total = Usage::default();
+        for pool in &self.pools {
+            total.add(&pool.usage);
+        }
+        total
+    }
+}

@@ -1,0 +1,287 @@
+//! The history as an SVG timeline: used and reserved bytes per phase over time, with step
+//! boundaries, warnings and out-of-memory failures marked.
+//!
+//! The top panel stacks every phase's used bytes and draws the total reservation over them, so
+//! the gap between the two is the memory held without live data. One row per phase follows,
+//! each on its own scale: used filled, reserved as a line. Time is split into as many buckets as
+//! the picture has pixels, and each bucket shows its highest values, so no peak is lost.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use steppool_sys::bytes::Bytes;
+
+use super::history::{EventKind, History, PoolKey};
+use crate::phase::Phase;
+
+const WIDTH: f64 = 1200.0;
+const LEFT: f64 = 96.0;
+const RIGHT: f64 = 24.0;
+const TOP_HEIGHT: f64 = 220.0;
+const ROW_HEIGHT: f64 = 84.0;
+const GAP: f64 = 26.0;
+const BUCKETS: usize = (WIDTH - LEFT - RIGHT) as usize;
+const COLORS: [&str; 10] =
+    ["#4e79a7", "#f28e2c", "#59a14f", "#e15759", "#76b7b2", "#edc949", "#af7aa1", "#ff9da7", "#9c755f", "#bab0ab"];
+
+/// The highest used and reserved bytes of each phase in each time bucket.
+struct Series {
+    phases: Vec<Phase>,
+    /// `[bucket][phase] = (used, reserved)`.
+    buckets: Vec<Vec<(u64, u64)>>,
+    /// Highest total used and total reserved per bucket.
+    totals: Vec<(u64, u64)>,
+    t0: u64,
+    t1: u64,
+}
+
+fn series(history: &History) -> Series {
+    let mut phases: Vec<Phase> = history.events.iter().filter_map(|e| e.kind.pool().map(|p| p.phase)).collect();
+    phases.sort_unstable();
+    phases.dedup();
+    let t0 = history.events.first().map_or(0, |e| e.t_ns);
+    let t1 = history.events.last().map_or(0, |e| e.t_ns).max(t0 + 1);
+    let bucket_of = |t: u64| (((t - t0) as u128 * BUCKETS as u128) / ((t1 - t0) as u128 + 1)) as usize;
+    let mut used = vec![0u64; phases.len()];
+    let mut reserved: BTreeMap<PoolKey, u64> = BTreeMap::new();
+    let mut buckets = vec![vec![(0u64, 0u64); phases.len()]; BUCKETS];
+    let mut totals = vec![(0u64, 0u64); BUCKETS];
+    let mut touched = vec![false; BUCKETS];
+    let index = |phase: Phase| phases.binary_search(&phase).unwrap_or(0);
+    for event in &history.events {
+        match &event.kind {
+            EventKind::Alloc { pool, bytes, .. } => used[index(pool.phase)] += bytes,
+            EventKind::Free { pool, bytes, .. } => {
+                let slot = &mut used[index(pool.phase)];
+                *slot = slot.saturating_sub(*bytes);
+            }
+            EventKind::SegmentAlloc { pool, pool_reserved, .. }
+            | EventKind::SegmentFree { pool, pool_reserved, .. }
+            | EventKind::Reserved { pool, pool_reserved } => {
+                reserved.insert(*pool, *pool_reserved);
+            }
+            _ => continue,
+        }
+        let b = bucket_of(event.t_ns);
+        touched[b] = true;
+        let mut total = (0, 0);
+        for (i, &phase) in phases.iter().enumerate() {
+            let phase_reserved: u64 = reserved.iter().filter(|(k, _)| k.phase == phase).map(|(_, v)| v).sum();
+            // Before a pool's first reservation read, its used bytes bound its reservation.
+            let phase_reserved = phase_reserved.max(used[i]);
+            let slot = &mut buckets[b][i];
+            *slot = (slot.0.max(used[i]), slot.1.max(phase_reserved));
+            total = (total.0 + used[i], total.1 + phase_reserved);
+        }
+        totals[b] = (totals[b].0.max(total.0), totals[b].1.max(total.1));
+    }
+    // Buckets without events hold the values of the last one before them.
+    for b in 1..BUCKETS {
+        if !touched[b] {
+            buckets[b] = buckets[b - 1].clone();
+            totals[b] = totals[b - 1];
+        }
+    }
+    Series { phases, buckets, totals, t0, t1 }
+}
+
+fn x_of(series: &Series, t: u64) -> f64 {
+    LEFT + (t.saturating_sub(series.t0)) as f64 / (series.t1 - series.t0) as f64 * (WIDTH - LEFT - RIGHT)
+}
+
+fn bx(b: usize) -> f64 {
+    LEFT + b as f64 + 0.5
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// A polyline (or a closed area down to `base`) through `values`, scaled to `max` over `height`.
+fn path(values: impl Iterator<Item = u64>, top: f64, height: f64, max: u64, area: Option<f64>) -> String {
+    let mut d = String::new();
+    let scale = |v: u64| top + height - v as f64 / max.max(1) as f64 * height;
+    let values: Vec<u64> = values.collect();
+    for (b, &v) in values.iter().enumerate() {
+        let _ = write!(d, "{}{:.1},{:.1} ", if b == 0 { "M" } else { "L" }, bx(b), scale(v));
+    }
+    if let Some(base) = area {
+        let _ = write!(d, "L{:.1},{base:.1} L{:.1},{base:.1} Z", bx(values.len() - 1), bx(0));
+    }
+    d
+}
+
+/// A stacked area between `lower` and `upper`.
+fn band(lower: &[u64], upper: &[u64], top: f64, height: f64, max: u64) -> String {
+    let scale = |v: u64| top + height - v as f64 / max.max(1) as f64 * height;
+    let mut d = String::new();
+    for (b, &v) in upper.iter().enumerate() {
+        let _ = write!(d, "{}{:.1},{:.1} ", if b == 0 { "M" } else { "L" }, bx(b), scale(v));
+    }
+    for (b, &v) in lower.iter().enumerate().rev() {
+        let _ = write!(d, "L{:.1},{:.1} ", bx(b), scale(v));
+    }
+    d.push('Z');
+    d
+}
+
+fn axis_label(out: &mut String, top: f64, height: f64, max: u64) {
+    let _ = writeln!(
+        out,
+        r##"<text x="{:.0}" y="{:.1}" text-anchor="end" class="axis">{}</text><text x="{:.0}" y="{:.1}" text-anchor="end" class="axis">0</text>"##,
+        LEFT - 6.0,
+        top + 10.0,
+        escape(&Bytes(max).to_string()),
+        LEFT - 6.0,
+        top + height,
+    );
+    let _ = writeln!(
+        out,
+        r##"<rect x="{LEFT}" y="{top:.1}" width="{:.0}" height="{height:.1}" fill="none" stroke="#ccc"/>"##,
+        WIDTH - LEFT - RIGHT
+    );
+}
+
+impl History {
+    /// The history as an SVG timeline (see [`crate::telemetry`]); `title` heads the picture.
+    pub fn timeline_svg(&self, title: &str) -> String {
+        let series = series(self);
+        let rows = series.phases.len();
+        let height = 40.0 + TOP_HEIGHT + GAP + rows as f64 * (ROW_HEIGHT + GAP) + 30.0;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            r##"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="Helvetica, Arial, sans-serif">"##
+        );
+        let _ = writeln!(
+            out,
+            r##"<style>.axis{{font-size:10px;fill:#555}} .label{{font-size:12px;fill:#222}} .mark{{font-size:10px}}</style><rect width="100%" height="100%" fill="white"/>"##
+        );
+        let _ =
+            writeln!(out, r##"<text x="{LEFT}" y="22" font-size="15" font-weight="bold">{}</text>"##, escape(title));
+
+        // Top panel: used stacked by phase, total reserved over it.
+        let top = 40.0;
+        let max = series.totals.iter().map(|t| t.1.max(t.0)).max().unwrap_or(0).max(1);
+        axis_label(&mut out, top, TOP_HEIGHT, max);
+        let mut lower = vec![0u64; BUCKETS];
+        for (i, &phase) in series.phases.iter().enumerate() {
+            let upper: Vec<u64> = lower.iter().zip(&series.buckets).map(|(l, b)| l + b[i].0).collect();
+            let color = COLORS[i % COLORS.len()];
+            let _ = writeln!(
+                out,
+                r##"<path d="{}" fill="{color}" fill-opacity="0.75" stroke="none"><title>{} used</title></path>"##,
+                band(&lower, &upper, top, TOP_HEIGHT, max),
+                escape(self.phase_name(phase))
+            );
+            lower = upper;
+        }
+        let _ = writeln!(
+            out,
+            r##"<path d="{}" fill="none" stroke="#222" stroke-width="1.5"><title>reserved, all phases</title></path>"##,
+            path(series.totals.iter().map(|t| t.1), top, TOP_HEIGHT, max, None)
+        );
+        // Legend.
+        let mut lx = LEFT + 8.0;
+        for (i, &phase) in series.phases.iter().enumerate() {
+            let name = escape(self.phase_name(phase));
+            let _ = writeln!(
+                out,
+                r##"<rect x="{lx:.0}" y="{:.0}" width="10" height="10" fill="{}"/><text x="{:.0}" y="{:.0}" class="label">{name}</text>"##,
+                top + 8.0,
+                COLORS[i % COLORS.len()],
+                lx + 14.0,
+                top + 17.0
+            );
+            lx += 24.0 + 7.0 * name.len() as f64;
+        }
+        let _ = writeln!(
+            out,
+            r##"<line x1="{lx:.0}" y1="{:.0}" x2="{:.0}" y2="{:.0}" stroke="#222" stroke-width="1.5"/><text x="{:.0}" y="{:.0}" class="label">reserved</text>"##,
+            top + 13.0,
+            lx + 18.0,
+            top + 13.0,
+            lx + 22.0,
+            top + 17.0
+        );
+
+        // One row per phase.
+        for (i, &phase) in series.phases.iter().enumerate() {
+            let row_top = top + TOP_HEIGHT + GAP + i as f64 * (ROW_HEIGHT + GAP);
+            let max = series.buckets.iter().map(|b| b[i].0.max(b[i].1)).max().unwrap_or(0).max(1);
+            let color = COLORS[i % COLORS.len()];
+            let _ = writeln!(
+                out,
+                r##"<text x="{LEFT}" y="{:.0}" class="label">{} — used (filled) and reserved (line)</text>"##,
+                row_top - 5.0,
+                escape(self.phase_name(phase))
+            );
+            axis_label(&mut out, row_top, ROW_HEIGHT, max);
+            let base = row_top + ROW_HEIGHT;
+            let _ = writeln!(
+                out,
+                r##"<path d="{}" fill="{color}" fill-opacity="0.6" stroke="none"/><path d="{}" fill="none" stroke="{color}" stroke-width="1.5"/>"##,
+                path(series.buckets.iter().map(|b| b[i].0), row_top, ROW_HEIGHT, max, Some(base)),
+                path(series.buckets.iter().map(|b| b[i].1), row_top, ROW_HEIGHT, max, None)
+            );
+        }
+
+        // Step boundaries, warnings and OOMs across every panel.
+        let bottom = height - 30.0;
+        let steps: Vec<(u64, u64)> = self
+            .events
+            .iter()
+            .filter_map(|e| match e.kind {
+                EventKind::StepBegin { step } => Some((e.t_ns, step)),
+                _ => None,
+            })
+            .collect();
+        let every = steps.len().div_ceil(40).max(1);
+        for (n, &(t, step)) in steps.iter().enumerate() {
+            let x = x_of(&series, t);
+            let _ = writeln!(
+                out,
+                r##"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom:.0}" stroke="#999" stroke-dasharray="2,3" stroke-width="0.8"/>"##
+            );
+            if n % every == 0 {
+                let _ = writeln!(
+                    out,
+                    r##"<text x="{:.1}" y="{:.0}" class="axis">step {step}</text>"##,
+                    x + 2.0,
+                    bottom + 12.0
+                );
+            }
+        }
+        let mut warning_row = 0;
+        for event in &self.events {
+            let (color, label) = match &event.kind {
+                EventKind::Warning { rule, message } => ("#e8710a", format!("⚠ {rule}: {message}")),
+                EventKind::Oom { pool, bytes, .. } => {
+                    ("#d62728", format!("✖ OOM: {} in `{}`", Bytes(*bytes), self.phase_name(pool.phase)))
+                }
+                _ => continue,
+            };
+            let x = x_of(&series, event.t_ns);
+            let short: String = label.chars().take(48).collect();
+            let y = top + 32.0 + 14.0 * (warning_row % 8) as f64;
+            warning_row += 1;
+            let _ = writeln!(
+                out,
+                r##"<g><title>{}</title><line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom:.0}" stroke="{color}" stroke-width="1.6"/><text x="{:.1}" y="{y:.0}" class="mark" fill="{color}" text-anchor="{}">{}</text></g>"##,
+                escape(&label),
+                if x > WIDTH / 2.0 { x - 4.0 } else { x + 4.0 },
+                if x > WIDTH / 2.0 { "end" } else { "start" },
+                escape(&short)
+            );
+        }
+        let seconds = (series.t1 - series.t0) as f64 / 1e9;
+        let _ = writeln!(
+            out,
+            r##"<text x="{:.0}" y="{:.0}" text-anchor="end" class="axis">time → ({seconds:.3} s)</text>"##,
+            WIDTH - RIGHT,
+            height - 6.0
+        );
+        out.push_str("</svg>\n");
+        out
+    }
+}

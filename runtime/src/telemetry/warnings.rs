@@ -1,0 +1,419 @@
+//! Early warnings: rules evaluated at every step end that say an OOM is coming before it does.
+//!
+//! Each rule fires once per episode: when its condition becomes true, and not again until the
+//! condition has been false at a step end. A firing goes to the callbacks registered with
+//! [`Runtime::on_warning`](crate::Runtime::on_warning), to the log (`tracing`, target
+//! `steppool::warnings`), into the [`StepReport`](crate::StepReport) and into the history.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+
+use steppool_sys::bytes::Bytes;
+
+use crate::report::PoolStats;
+
+/// Fragmentation ratio (`1 - peak_used / peak_reserved`) of a phase on a device above
+/// `threshold` for `steps` consecutive steps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FragmentationRule {
+    /// The ratio above which a step counts (default 0.25: a quarter of the peak reservation
+    /// never held live data; PyTorch's caching allocator runs at about 0.36 on large models).
+    pub threshold: f64,
+    /// Consecutive steps above it before the rule fires (default 3).
+    pub steps: u32,
+    /// A step counts only when the memory it wasted (`peak_reserved - peak_used`) is at least
+    /// this share of the device (default 0.02): a few megabytes of rounding in a small phase are
+    /// not an OOM risk.
+    pub min_waste: f64,
+}
+
+/// Reserved memory of a phase on a device growing over `steps` steps while its peak of live
+/// bytes stays flat: memory creep in the pool, or a leak of reservations.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReservedCreepRule {
+    /// Steps in the window (default 5): reserved at step end must never shrink across it.
+    pub steps: u32,
+    /// Growth over the window, as a share of the first reservation, that fires (default 0.05).
+    pub min_growth: f64,
+    /// ... and in bytes (default 64 MiB).
+    pub min_growth_bytes: u64,
+    /// How far the peak of live bytes may move and still count as flat (default 0.01).
+    pub flat_tolerance: f64,
+}
+
+/// A device's headroom below the largest recent step demand: the next step like it will not fit.
+///
+/// Headroom is the device's free memory plus what its pools reserve without live data at the
+/// step end; a step's demand is how far live bytes rose above what outlives the step (the sum
+/// over pools of `peak_used - used` at the step end).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LowHeadroomRule {
+    /// Steps whose demand is remembered (default 10).
+    pub window: u32,
+    /// Fires when headroom < demand × (1 + margin) (default 0.1).
+    pub margin: f64,
+}
+
+/// A pool's free space, where its layout is known, large enough in total for the largest request
+/// it served in recent steps but in pieces smaller than it, with no room on the device for a new
+/// segment of that size: the
+/// next such request can only fail or wait for a trim. This is the failure the fragmentation
+/// ratio foretells, seen one step ahead. Where the layout is unknown (a real device's `Pool`
+/// strategy), the pool's whole unused reservation counts as one piece, so the rule stays silent
+/// rather than guess.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScatteredFreeRule {
+    /// Steps whose largest request is remembered (default 10).
+    pub window: u32,
+}
+
+/// Which rules run, with what thresholds. `None` turns a rule off.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WarningRules {
+    /// See [`FragmentationRule`].
+    pub fragmentation: Option<FragmentationRule>,
+    /// See [`ScatteredFreeRule`].
+    pub scattered_free: Option<ScatteredFreeRule>,
+    /// See [`ReservedCreepRule`].
+    pub reserved_creep: Option<ReservedCreepRule>,
+    /// See [`LowHeadroomRule`].
+    pub low_headroom: Option<LowHeadroomRule>,
+}
+
+impl Default for WarningRules {
+    fn default() -> Self {
+        Self {
+            fragmentation: Some(FragmentationRule { threshold: 0.25, steps: 3, min_waste: 0.02 }),
+            scattered_free: Some(ScatteredFreeRule { window: 10 }),
+            reserved_creep: Some(ReservedCreepRule {
+                steps: 5,
+                min_growth: 0.05,
+                min_growth_bytes: 64 << 20,
+                flat_tolerance: 0.01,
+            }),
+            low_headroom: Some(LowHeadroomRule { window: 10, margin: 0.1 }),
+        }
+    }
+}
+
+impl WarningRules {
+    /// No rule at all.
+    pub fn none() -> Self {
+        Self { fragmentation: None, scattered_free: None, reserved_creep: None, low_headroom: None }
+    }
+}
+
+/// What a warning says, with the numbers that triggered it.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum WarningKind {
+    /// See [`FragmentationRule`].
+    Fragmentation {
+        /// The phase.
+        phase: String,
+        /// Its ratio in the step that fired.
+        ratio: f64,
+        /// The rule's threshold.
+        threshold: f64,
+        /// Consecutive steps above it.
+        steps: u32,
+        /// The phase's peak live bytes in that step.
+        peak_used: u64,
+        /// Its peak reservation in that step.
+        peak_reserved: u64,
+    },
+    /// See [`ScatteredFreeRule`].
+    ScatteredFree {
+        /// The phase.
+        phase: String,
+        /// The pool's stream.
+        stream: u32,
+        /// The largest request of the pool in the window.
+        largest_request: u64,
+        /// The largest free piece in the pool.
+        largest_free: u64,
+        /// All free bytes in the pool.
+        total_free: u64,
+        /// Free device memory.
+        device_free: u64,
+    },
+    /// See [`ReservedCreepRule`].
+    ReservedCreep {
+        /// The phase.
+        phase: String,
+        /// Steps in the window.
+        steps: u32,
+        /// Reserved at the end of the window's first step.
+        reserved_from: u64,
+        /// Reserved now.
+        reserved_to: u64,
+        /// Peak live bytes in the window's first step.
+        peak_used_from: u64,
+        /// Peak live bytes now.
+        peak_used_to: u64,
+    },
+    /// See [`LowHeadroomRule`].
+    LowHeadroom {
+        /// Free device memory plus reserved memory without live data.
+        headroom: u64,
+        /// The largest step demand in the window.
+        demand: u64,
+        /// Free device memory.
+        device_free: u64,
+        /// The rule's margin.
+        margin: f64,
+    },
+}
+
+/// One firing of a rule.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Warning {
+    /// The step whose end evaluated it.
+    pub step: u64,
+    /// The device.
+    pub device: usize,
+    /// What it says.
+    pub kind: WarningKind,
+}
+
+impl Warning {
+    /// The rule's name: `fragmentation`, `reserved_creep` or `low_headroom`.
+    pub fn rule(&self) -> &'static str {
+        match self.kind {
+            WarningKind::Fragmentation { .. } => "fragmentation",
+            WarningKind::ScatteredFree { .. } => "scattered_free",
+            WarningKind::ReservedCreep { .. } => "reserved_creep",
+            WarningKind::LowHeadroom { .. } => "low_headroom",
+        }
+    }
+
+    /// The phase it is about, if one.
+    pub fn phase(&self) -> Option<&str> {
+        match &self.kind {
+            WarningKind::Fragmentation { phase, .. }
+            | WarningKind::ScatteredFree { phase, .. }
+            | WarningKind::ReservedCreep { phase, .. } => Some(phase),
+            WarningKind::LowHeadroom { .. } => None,
+        }
+    }
+}
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "step {} device {}: ", self.step, self.device)?;
+        match &self.kind {
+            WarningKind::Fragmentation { phase, ratio, threshold, steps, peak_used, peak_reserved } => write!(
+                f,
+                "fragmentation of `{phase}` above {:.0}% for {steps} steps: {:.1}% now, {} reserved at the peak for {} live; free memory is scattering",
+                threshold * 100.0,
+                ratio * 100.0,
+                Bytes(*peak_reserved),
+                Bytes(*peak_used),
+            ),
+            WarningKind::ScatteredFree { phase, stream, largest_request, largest_free, total_free, device_free } => {
+                write!(
+                    f,
+                    "free memory of `{phase}` on stream {stream} is scattered: {} free but the largest piece is {}, and the device has {} free, while recent steps asked for {} at once; the next such request will fail",
+                    Bytes(*total_free),
+                    Bytes(*largest_free),
+                    Bytes(*device_free),
+                    Bytes(*largest_request),
+                )
+            }
+            WarningKind::ReservedCreep { phase, steps, reserved_from, reserved_to, peak_used_from, peak_used_to } => {
+                write!(
+                    f,
+                    "reserved memory of `{phase}` grew from {} to {} over {steps} steps while its peak live bytes stayed at {} → {}: creep or a leak of reservations",
+                    Bytes(*reserved_from),
+                    Bytes(*reserved_to),
+                    Bytes(*peak_used_from),
+                    Bytes(*peak_used_to),
+                )
+            }
+            WarningKind::LowHeadroom { headroom, demand, device_free, margin } => write!(
+                f,
+                "headroom {} ({} free on the device) is below the largest recent step demand {} plus {:.0}%: the next such step may run out of memory",
+                Bytes(*headroom),
+                Bytes(*device_free),
+                Bytes(*demand),
+                margin * 100.0,
+            ),
+        }
+    }
+}
+
+/// Per (device, phase) numbers of one step.
+#[derive(Clone, Copy, Debug, Default)]
+struct PhaseStep {
+    peak_used: u64,
+    peak_reserved: u64,
+    reserved: u64,
+}
+
+/// The rules' memory between steps.
+#[derive(Debug, Default)]
+pub(crate) struct WarningState {
+    /// Consecutive steps above the fragmentation threshold, per (device, phase).
+    above: HashMap<(usize, String), u32>,
+    /// Recent steps per (device, phase), for creep.
+    recent: HashMap<(usize, String), VecDeque<PhaseStep>>,
+    /// Recent step demands per device.
+    demands: HashMap<usize, VecDeque<u64>>,
+    /// Recent largest requests per pool (device, stream, phase).
+    requests: HashMap<(usize, u32, String), VecDeque<u64>>,
+    /// Episodes in progress: (rule, device, phase).
+    active: HashSet<(&'static str, usize, String)>,
+    /// Firings per rule.
+    pub(crate) fired: HashMap<&'static str, u64>,
+}
+
+impl WarningState {
+    /// Evaluates `rules` on the pools' numbers at the end of `step`; `memory` gives each
+    /// device's free and total memory. Returns the warnings that start an episode.
+    pub(crate) fn evaluate(
+        &mut self,
+        rules: &WarningRules,
+        step: u64,
+        pools: &[PoolStats],
+        memory: &dyn Fn(usize) -> Option<(u64, u64)>,
+    ) -> Vec<Warning> {
+        let mut phases: Vec<((usize, String), PhaseStep)> = Vec::new();
+        let mut devices: Vec<(usize, u64, u64)> = Vec::new(); // (device, reserved unused, demand)
+        for pool in pools {
+            let key = (pool.device, pool.phase_name.clone());
+            let index = match phases.iter().position(|(k, _)| *k == key) {
+                Some(index) => index,
+                None => {
+                    phases.push((key, PhaseStep::default()));
+                    phases.len() - 1
+                }
+            };
+            let entry = &mut phases[index].1;
+            entry.peak_used += pool.peak_used;
+            entry.peak_reserved += pool.peak_reserved;
+            entry.reserved += pool.reserved;
+            let index = match devices.iter().position(|d| d.0 == pool.device) {
+                Some(index) => index,
+                None => {
+                    devices.push((pool.device, 0, 0));
+                    devices.len() - 1
+                }
+            };
+            devices[index].1 += pool.reserved.saturating_sub(pool.used);
+            devices[index].2 += pool.peak_used.saturating_sub(pool.used);
+        }
+
+        let mut fired = Vec::new();
+        if let Some(rule) = &rules.scattered_free {
+            for pool in pools {
+                let recent = self.requests.entry((pool.device, pool.stream, pool.phase_name.clone())).or_default();
+                recent.push_back(pool.largest_request);
+                while recent.len() > rule.window.max(1) as usize {
+                    recent.pop_front();
+                }
+                let largest_request = recent.iter().copied().max().unwrap_or(0);
+                let (Some(space), Some((device_free, _))) = (pool.free_space, memory(pool.device)) else { continue };
+                // Scattered, not merely full: enough bytes are free, in pieces too small.
+                let condition = largest_request > 0
+                    && space.total_free >= largest_request
+                    && space.largest_free < largest_request
+                    && device_free < largest_request;
+                let kind = WarningKind::ScatteredFree {
+                    phase: pool.phase_name.clone(),
+                    stream: pool.stream,
+                    largest_request,
+                    largest_free: space.largest_free,
+                    total_free: space.total_free,
+                    device_free,
+                };
+                let key = format!("{}@{}", pool.phase_name, pool.stream);
+                self.episode(condition, step, pool.device, Some(&key), kind, &mut fired);
+            }
+        }
+        for ((device, phase), now) in &phases {
+            if let Some(rule) = &rules.fragmentation {
+                let ratio = crate::report::fragmentation_ratio(now.peak_used, now.peak_reserved);
+                let total = memory(*device).map_or(0, |(_, total)| total);
+                let waste = now.peak_reserved.saturating_sub(now.peak_used);
+                let count = self.above.entry((*device, phase.clone())).or_default();
+                *count = if ratio > rule.threshold && waste as f64 >= rule.min_waste * total as f64 {
+                    *count + 1
+                } else {
+                    0
+                };
+                let condition = *count >= rule.steps.max(1);
+                let steps = *count;
+                let kind = WarningKind::Fragmentation {
+                    phase: phase.clone(),
+                    ratio,
+                    threshold: rule.threshold,
+                    steps,
+                    peak_used: now.peak_used,
+                    peak_reserved: now.peak_reserved,
+                };
+                self.episode(condition, step, *device, Some(phase), kind, &mut fired);
+            }
+            if let Some(rule) = &rules.reserved_creep {
+                let window = rule.steps.max(2) as usize;
+                let recent = self.recent.entry((*device, phase.clone())).or_default();
+                recent.push_back(*now);
+                while recent.len() > window {
+                    recent.pop_front();
+                }
+                let (first, last) = (recent[0], *now);
+                let never_shrank = recent.iter().zip(recent.iter().skip(1)).all(|(a, b)| b.reserved >= a.reserved);
+                let growth = last.reserved.saturating_sub(first.reserved);
+                let grew = growth >= rule.min_growth_bytes && growth as f64 >= rule.min_growth * first.reserved as f64;
+                let flat = (last.peak_used as f64 - first.peak_used as f64).abs()
+                    <= rule.flat_tolerance * first.peak_used.max(1) as f64;
+                let condition = recent.len() == window && never_shrank && grew && flat;
+                let kind = WarningKind::ReservedCreep {
+                    phase: phase.clone(),
+                    steps: window as u32,
+                    reserved_from: first.reserved,
+                    reserved_to: last.reserved,
+                    peak_used_from: first.peak_used,
+                    peak_used_to: last.peak_used,
+                };
+                self.episode(condition, step, *device, Some(phase), kind, &mut fired);
+            }
+        }
+        if let Some(rule) = &rules.low_headroom {
+            for &(device, unused, demand) in &devices {
+                let Some((free, _)) = memory(device) else { continue };
+                let demands = self.demands.entry(device).or_default();
+                demands.push_back(demand);
+                while demands.len() > rule.window.max(1) as usize {
+                    demands.pop_front();
+                }
+                let demand = demands.iter().copied().max().unwrap_or(0);
+                let headroom = free.saturating_add(unused);
+                let condition = (headroom as f64) < demand as f64 * (1.0 + rule.margin);
+                let kind = WarningKind::LowHeadroom { headroom, demand, device_free: free, margin: rule.margin };
+                self.episode(condition, step, device, None, kind, &mut fired);
+            }
+        }
+        fired
+    }
+
+    /// Starts an episode when `condition` turns true, ends it when it turns false.
+    fn episode(
+        &mut self,
+        condition: bool,
+        step: u64,
+        device: usize,
+        phase: Option<&String>,
+        kind: WarningKind,
+        fired: &mut Vec<Warning>,
+    ) {
+        let warning = Warning { step, device, kind };
+        let key = (warning.rule(), device, phase.cloned().unwrap_or_default());
+        if !condition {
+            self.active.remove(&key);
+        } else if self.active.insert(key) {
+            *self.fired.entry(warning.rule()).or_default() += 1;
+            fired.push(warning);
+        }
+    }
+}
