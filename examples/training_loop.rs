@@ -14,28 +14,30 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::io::Write;
 use std::process::ExitCode;
 
 use steppool::sys::bytes::{Bytes, parse_bytes};
 use steppool::sys::kernels::{FILL_BYTES, FILL_BYTES_PTX};
 use steppool::sys::sim::SimConfig;
-use steppool::sys::{
-    CUdeviceptr, CUfunction, CUmemPool_attribute, CUstream, CUstream_flags, Driver, DriverKind, Selection,
-};
-use steppool::{Buffer, Error, OomReport, Phase, PhaseSpec, PoolUsage, Runtime, Scope, Strategy};
+use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverKind, Selection};
+use steppool::telemetry::json::JsonLines;
+use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
 use steppool_examples::{Event, Lifetime, StepPlan, TransformerConfig, Workload, peak_live};
 
-const USAGE: &str =
-    "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] [--seed N]";
+const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
+     [--seed N] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE]";
 
 struct Options {
     steps: u32,
     capacity: u64,
     model: TransformerConfig,
+    outputs: Outputs,
 }
 
 fn parse_options() -> Result<Options, String> {
-    let mut options = Options { steps: 8, capacity: 24 << 30, model: TransformerConfig::default() };
+    let outputs = Outputs { jsonl: None, prometheus: None, snapshot: None, svg: None };
+    let mut options = Options { steps: 8, capacity: 24 << 30, model: TransformerConfig::default(), outputs };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -50,6 +52,10 @@ fn parse_options() -> Result<Options, String> {
             "--layers" => options.model.layers = number(&value)?.max(1) as u32,
             "--hidden" => options.model.hidden = number(&value)?.max(128).next_multiple_of(128),
             "--seed" => options.model.seed = number(&value)?,
+            "--jsonl" => options.outputs.jsonl = Some(value),
+            "--prometheus" => options.outputs.prometheus = Some(value),
+            "--snapshot" => options.outputs.snapshot = Some(value),
+            "--svg" => options.outputs.svg = Some(value),
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
     }
@@ -139,142 +145,91 @@ fn micro_batches(plan: &StepPlan) -> (Vec<&[Event]>, &[Event]) {
     (batches, rest)
 }
 
-/// The plain run's state: one stream, the device's default pool, the live pointers by id.
-struct Plain<'d> {
-    driver: &'d Driver,
-    stream: CUstream,
-    touch: Touch,
-    reservation: Reservation,
-    live: HashMap<u32, (CUdeviceptr, u64)>,
+/// How a run lays out its memory.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Everything in one pool on one stream, as plain `cudaMallocAsync` users have it (release
+    /// threshold raised, as PyTorch's `cudaMallocAsync` backend sets it), watched by steppool's
+    /// telemetry.
+    Plain,
+    /// Each lifetime in its phase: weights and optimizer state persistent, gradients per step,
+    /// activations and workspace in arenas per micro-batch.
+    Phases,
 }
 
-impl Plain<'_> {
-    /// The same report steppool gives, from the default pool's counters and the live bytes.
-    fn oom_report(&self, requested: u64) -> String {
-        let driver = self.driver;
-        let (device_free, device_total) = driver.mem_get_info().unwrap_or((0, 0));
-        let pool = driver.device_default_mem_pool(0).expect("default pool");
-        // SAFETY: the device's default pool is always live.
-        let reserved = unsafe { driver.mem_pool_counters(pool) }.map(|c| c.reserved).unwrap_or(0);
-        let used = self.live.values().map(|&(_, bytes)| bytes).sum();
-        let pools = vec![PoolUsage { phase: "(default pool)".into(), stream: 0, reserved, used }];
-        let verdict = OomReport::judge(requested, device_free, &pools);
-        let report = OomReport {
-            requested,
-            phase: "(default pool)".into(),
-            stream: 0,
-            device: 0,
-            device_free,
-            device_total,
-            pools,
-            verdict,
+/// What the telemetry flags ask for, and the JSON lines writer while a run lasts.
+struct Outputs {
+    jsonl: Option<String>,
+    prometheus: Option<String>,
+    snapshot: Option<String>,
+    svg: Option<String>,
+}
+
+impl Outputs {
+    fn recording(&self) -> bool {
+        self.snapshot.is_some() || self.svg.is_some()
+    }
+
+    /// `path` with the run's name before its extension: `steps.jsonl` → `steps-plain.jsonl`.
+    fn path_for(path: &str, run: &str) -> String {
+        let path = std::path::Path::new(path);
+        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("telemetry");
+        let name = match path.extension().and_then(|e| e.to_str()) {
+            Some(ext) => format!("{stem}-{run}.{ext}"),
+            None => format!("{stem}-{run}"),
         };
-        report.to_string()
+        path.with_file_name(name).to_string_lossy().into_owned()
     }
 
-    fn execute(&mut self, events: &[Event]) -> Result<(), String> {
-        let (driver, stream) = (self.driver, self.stream);
-        for event in events {
-            match *event {
-                Event::Alloc { id, bytes, .. } => {
-                    // SAFETY: `stream` is live; the pointer is freed once, below.
-                    let mut result = unsafe { driver.mem_alloc_async(bytes as usize, stream) };
-                    if result.as_ref().is_err_and(|e| e.is_out_of_memory()) {
-                        // SAFETY: as above.
-                        unsafe { driver.stream_synchronize(stream) }.map_err(|e| e.to_string())?;
-                        // SAFETY: as above.
-                        result = unsafe { driver.mem_alloc_async(bytes as usize, stream) };
-                    }
-                    let ptr = match result {
-                        Ok(ptr) => ptr,
-                        Err(error) if error.is_out_of_memory() => return Err(self.oom_report(bytes)),
-                        Err(error) => return Err(error.to_string()),
-                    };
-                    self.touch.touch(driver, ptr, bytes, stream);
-                    self.live.insert(id, (ptr, bytes));
-                    self.reservation.sample(driver);
-                }
-                Event::Free { id } => {
-                    let (ptr, _) = self.live.remove(&id).expect("allocated before");
-                    // SAFETY: freed once; later work on `stream` does not use it.
-                    unsafe { driver.mem_free_async(ptr, stream) }.map_err(|e| e.to_string())?;
-                }
-                Event::BeginMicroBatch | Event::EndMicroBatch => {}
-            }
-        }
-        Ok(())
+    fn create(path: &Option<String>, run: &str) -> std::io::Result<Option<(String, std::fs::File)>> {
+        let Some(path) = path else { return Ok(None) };
+        let path = Self::path_for(path, run);
+        let file = std::fs::File::create(&path)?;
+        Ok(Some((path, file)))
     }
 }
 
-/// Plain `cudaMallocAsync`: everything from the device's default pool on one stream, with the
-/// release threshold raised (as PyTorch's `cudaMallocAsync` backend does). On out-of-memory it
-/// synchronizes and retries once, as RMM and PyTorch do.
-fn run_plain(driver: &Driver, setup: &[Event], plans: &[StepPlan]) -> Run {
-    let ctx = driver.primary_context_retain(0).expect("primary context");
-    // SAFETY: `ctx` was just retained.
-    unsafe { driver.context_set_current(ctx) }.expect("current context");
-    let stream = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).expect("stream");
-    let pool = driver.device_default_mem_pool(0).expect("default pool");
-    // SAFETY: the device's default pool is always live.
-    unsafe { driver.mem_pool_set_attribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX) }
-        .expect("release threshold");
-    let mut plain = Plain {
-        driver,
-        stream,
-        touch: Touch::new(driver),
-        reservation: Reservation::start(driver),
-        live: HashMap::new(),
-    };
-    let mut run = Run {
-        name: "plain cudaMallocAsync",
-        about: "one default pool, one stream, release threshold raised",
-        steps: Vec::new(),
-        oom: None,
-    };
-    let (_, mut held) = peak_live(setup, 0);
-    if let Err(why) = plain.execute(setup) {
-        run.oom = Some((0, why));
-    }
-    for (index, plan) in plans.iter().enumerate() {
-        if run.oom.is_some() {
-            break;
-        }
-        let (peak_used, after) = peak_live(&plan.events, held);
-        held = after;
-        match plain.execute(&plan.events) {
-            Ok(()) => {
-                // Reading the loss: the host waits for the step.
-                // SAFETY: the stream is live.
-                unsafe { driver.stream_synchronize(stream) }.expect("synchronize");
-                run.steps.push((plan.sequences.clone(), peak_used, plain.reservation.take_peak()));
+/// The text of an out-of-memory report, also written to the JSON lines; other errors go up.
+fn oom(
+    error: Error,
+    jsonl: &mut Option<(String, JsonLines<std::fs::File>)>,
+) -> Result<String, Box<dyn std::error::Error>> {
+    match error {
+        Error::OutOfMemory(report) => {
+            if let Some((_, jsonl)) = jsonl {
+                jsonl.oom(&report)?;
             }
-            Err(why) => run.oom = Some((index, why)),
+            Ok(report.to_string())
         }
+        other => Err(other.into()),
     }
-    let live: Vec<CUdeviceptr> = plain.live.drain().map(|(_, (ptr, _))| ptr).collect();
-    for ptr in live {
-        // SAFETY: every remaining allocation is freed once at the end.
-        unsafe { driver.mem_free_async(ptr, stream) }.expect("cuMemFreeAsync");
-    }
-    // SAFETY: the stream and the pool are live; the pool is given back for the next run.
-    unsafe {
-        driver.stream_synchronize(stream).expect("synchronize");
-        driver.mem_pool_trim_to(pool, 0).expect("trim");
-        driver.stream_destroy(stream).expect("destroy stream");
-        driver.primary_context_release(0).expect("release context");
-    }
-    run
 }
 
-/// steppool: each lifetime in its phase, on one stream. Weights and optimizer state are
-/// persistent; gradients last the step; activations and workspace last the micro-batch.
-fn run_steppool(driver: &Driver, setup: &[Event], plans: &[StepPlan]) -> Result<Run, Error> {
-    let runtime = Runtime::with_driver(driver.clone())?;
+/// Runs the workload on a fresh runtime with `layout`, and writes what `outputs` asks for.
+fn run(
+    driver: &Driver,
+    layout: Layout,
+    setup: &[Event],
+    plans: &[StepPlan],
+    outputs: &Outputs,
+) -> Result<Run, Box<dyn std::error::Error>> {
+    let short = if layout == Layout::Plain { "plain" } else { "steppool" };
+    let mut builder = Runtime::builder().driver(driver.clone());
+    if outputs.recording() {
+        builder = builder.record_history(4 << 20);
+    }
+    let runtime = builder.build()?;
+    runtime.on_warning(move |warning| println!("  warning [{}] ({short}) {warning}", warning.rule()));
+    let mut jsonl = Outputs::create(&outputs.jsonl, short)?.map(|(path, file)| (path, JsonLines::new(file)));
+
     // Activations and workspace are freed in the reverse order of their allocation within a
     // micro-batch: arenas pack them without fragmentation, whatever the sequence length. Slabs of
     // 1 GiB, several times the largest activation, keep the tails lost at slab ends small.
-    let slab_bytes = 1 << 30;
-    let activations = PhaseSpec::new("micro_activations", Scope::MicroStep).strategy(Strategy::Arena { slab_bytes });
+    let everything = runtime.declare_phase(
+        PhaseSpec::new("default_pool", Scope::Persistent).strategy(Strategy::Pool).release_threshold(u64::MAX),
+    )?;
+    let activations =
+        PhaseSpec::new("micro_activations", Scope::MicroStep).strategy(Strategy::Arena { slab_bytes: 1 << 30 });
     let micro_activations = runtime.declare_phase(activations)?;
     let micro_workspace =
         runtime.declare_phase(PhaseSpec::new("micro_workspace", Scope::MicroStep).strategy(Strategy::ARENA))?;
@@ -282,27 +237,32 @@ fn run_steppool(driver: &Driver, setup: &[Event], plans: &[StepPlan]) -> Result<
     let stream = device.create_stream()?;
     let touch = Touch::new(driver);
     let mut reservation = Reservation::start(driver);
-    let mut run = Run {
-        name: "steppool phases",
-        about: "weights and optimizer state persistent, gradients per step, activations and workspace in arenas per micro-batch",
-        steps: Vec::new(),
-        oom: None,
+    let mut run = match layout {
+        Layout::Plain => Run {
+            name: "plain cudaMallocAsync",
+            about: "one pool, one stream, release threshold raised",
+            steps: Vec::new(),
+            oom: None,
+        },
+        Layout::Phases => Run {
+            name: "steppool phases",
+            about: "weights and optimizer state persistent, gradients per step, activations and workspace in arenas per micro-batch",
+            steps: Vec::new(),
+            oom: None,
+        },
     };
     let mut persistent: HashMap<u32, Buffer<'static>> = HashMap::new();
-    let oom = |error: Error| match error {
-        Error::OutOfMemory(report) => Ok(report.to_string()),
-        other => Err(other),
-    };
 
     for event in setup {
         if let Event::Alloc { id, bytes, .. } = *event {
-            match runtime.alloc(Phase::WEIGHTS, bytes, &stream) {
+            let phase = if layout == Layout::Plain { everything } else { Phase::WEIGHTS };
+            match runtime.alloc(phase, bytes, &stream) {
                 Ok(buffer) => {
                     touch.touch(driver, buffer.ptr(), bytes, stream.raw());
                     persistent.insert(id, buffer);
                 }
                 Err(error) => {
-                    run.oom = Some((0, oom(error)?));
+                    run.oom = Some((0, oom(error, &mut jsonl)?));
                     return Ok(run);
                 }
             }
@@ -321,26 +281,29 @@ fn run_steppool(driver: &Driver, setup: &[Event], plans: &[StepPlan]) -> Result<
             for event in events {
                 match *event {
                     Event::Alloc { id, lifetime, bytes } => {
-                        let allocated = match (lifetime, &micro) {
-                            (Lifetime::OptimizerState, _) => {
+                        let allocated = match (layout, lifetime, &micro) {
+                            (Layout::Plain, _, _) => {
+                                runtime.alloc(everything, bytes, &stream).map(|b| persistent.insert(id, b))
+                            }
+                            (_, Lifetime::OptimizerState, _) => {
                                 runtime.alloc(Phase::OPTIMIZER_STATE, bytes, &stream).map(|b| persistent.insert(id, b))
                             }
-                            (Lifetime::Gradient, _) => {
+                            (_, Lifetime::Gradient, _) => {
                                 step.alloc(Phase::GRADIENTS, bytes, &stream).map(|b| step_buffers.insert(id, b))
                             }
-                            (Lifetime::Workspace, None) => {
+                            (_, Lifetime::Workspace, None) => {
                                 step.alloc(Phase::WORKSPACE, bytes, &stream).map(|b| step_buffers.insert(id, b))
                             }
-                            (Lifetime::Activation, Some(micro)) => {
+                            (_, Lifetime::Activation, Some(micro)) => {
                                 micro.alloc(micro_activations, bytes, &stream).map(|b| micro_buffers.insert(id, b))
                             }
-                            (Lifetime::Workspace, Some(micro)) => {
+                            (_, Lifetime::Workspace, Some(micro)) => {
                                 micro.alloc(micro_workspace, bytes, &stream).map(|b| micro_buffers.insert(id, b))
                             }
-                            (Lifetime::Weight | Lifetime::Activation, _) => unreachable!("not in a step's plan"),
+                            (_, Lifetime::Weight | Lifetime::Activation, _) => unreachable!("not in a step's plan"),
                         };
                         if let Err(error) = allocated {
-                            run.oom = Some((index, oom(error)?));
+                            run.oom = Some((index, oom(error, &mut jsonl)?));
                             break 'steps;
                         }
                         let ptr = [&micro_buffers, &step_buffers]
@@ -368,8 +331,28 @@ fn run_steppool(driver: &Driver, setup: &[Event], plans: &[StepPlan]) -> Result<
         drop(step_buffers);
         // Reading the loss: the host waits for the step.
         stream.synchronize()?;
-        step.end()?;
+        let report = step.end()?;
+        if let Some((_, jsonl)) = &mut jsonl {
+            jsonl.step(&report)?;
+        }
         run.steps.push((plan.sequences.clone(), peak_used, reservation.take_peak()));
+    }
+    if let Some((path, file)) = Outputs::create(&outputs.prometheus, short)? {
+        let mut file = file;
+        file.write_all(runtime.metrics()?.to_prometheus().as_bytes())?;
+        println!("  wrote {path}");
+    }
+    if let Some((path, _)) = &jsonl {
+        println!("  wrote {path}");
+    }
+    let history = runtime.history();
+    if let Some((path, mut file)) = Outputs::create(&outputs.snapshot, short)? {
+        history.write_memory_snapshot(&mut file)?;
+        println!("  wrote {path} (open it at https://pytorch.org/memory_viz)");
+    }
+    if let Some((path, mut file)) = Outputs::create(&outputs.svg, short)? {
+        file.write_all(history.timeline_svg(&format!("{} — {}", run.name, driver.describe())).as_bytes())?;
+        println!("  wrote {path}");
     }
     drop(persistent);
     stream.synchronize()?;
@@ -448,20 +431,24 @@ fn main() -> ExitCode {
     }
     println!();
 
-    let plain = run_plain(&gpu.clone().unwrap_or_else(simulated), &setup, &plans);
-    print_run(&plain);
-    let phased = match run_steppool(&gpu.clone().unwrap_or_else(simulated), &setup, &plans) {
-        Ok(run) => run,
-        Err(error) => {
-            eprintln!("training_loop: {error}");
-            return ExitCode::FAILURE;
+    let mut runs = Vec::new();
+    for layout in [Layout::Plain, Layout::Phases] {
+        match run(&gpu.clone().unwrap_or_else(simulated), layout, &setup, &plans, &options.outputs) {
+            Ok(run) => {
+                print_run(&run);
+                runs.push(run);
+            }
+            Err(error) => {
+                eprintln!("training_loop: {error}");
+                return ExitCode::FAILURE;
+            }
         }
-    };
-    print_run(&phased);
+    }
+    let (plain, phased) = (&runs[0], &runs[1]);
 
     println!();
     println!("{:<22} {:>30} {:>20}", "", plain.name, phased.name);
-    let row = |label: &str, f: &dyn Fn(&Run) -> String| println!("{label:<22} {:>30} {:>20}", f(&plain), f(&phased));
+    let row = |label: &str, f: &dyn Fn(&Run) -> String| println!("{label:<22} {:>30} {:>20}", f(plain), f(phased));
     row("peak used", &|r| Bytes(r.peak_used()).to_string());
     row("peak reserved", &|r| Bytes(r.peak_reserved()).to_string());
     row("fragmentation ratio", &|r| {

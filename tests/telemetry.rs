@@ -1,0 +1,704 @@
+//! Telemetry: counters, step reports' free space, each warning rule firing and staying silent,
+//! the OOM report, and every exporter's format read back by a real parser.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+
+use serde_pickle::{DeOptions, HashableValue, Value};
+use steppool::telemetry::json::{JsonLines, oom_json, step_json};
+use steppool::telemetry::{
+    FragmentationRule, GroupKey, LowHeadroomRule, ReservedCreepRule, ScatteredFreeRule, Warning, WarningKind,
+    WarningRules,
+};
+use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict};
+use steppool_tests::simulated_runtime;
+
+const MIB: u64 = 1 << 20;
+
+fn only(rules: WarningRules) -> Runtime {
+    let runtime = simulated_runtime(1 << 30);
+    runtime.set_warning_rules(rules);
+    runtime
+}
+
+fn collect(runtime: &Runtime) -> Arc<Mutex<Vec<Warning>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    runtime.on_warning(move |warning| sink.lock().unwrap().push(warning.clone()));
+    seen
+}
+
+// ----- counters ---------------------------------------------------------------------------------
+
+#[test]
+fn counters_add_up_per_pool_phase_stream_and_device() {
+    let runtime = simulated_runtime(4 << 30);
+    let device = runtime.device(0).unwrap();
+    let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let weights = runtime.alloc(Phase::WEIGHTS, 10 * MIB, &a).unwrap();
+    let more = runtime.alloc(Phase::WEIGHTS, 6 * MIB, &b).unwrap();
+    for _ in 0..3 {
+        let step = runtime.begin_step().unwrap();
+        let x = step.alloc(Phase::ACTIVATIONS, 8 * MIB, &a).unwrap();
+        let y = step.alloc(Phase::ACTIVATIONS, 4 * MIB, &b).unwrap();
+        drop((x, y));
+        step.end().unwrap();
+    }
+    drop(more);
+    let metrics = runtime.metrics().unwrap();
+    assert_eq!(metrics.steps, 3);
+    let pool = |phase: Phase, stream: u32| {
+        metrics.pools.iter().find(|p| p.phase == phase && p.stream == stream).unwrap().usage
+    };
+    let (sa, sb) = (a.id(), b.id());
+    assert_eq!(pool(Phase::WEIGHTS, sa).used, 10 * MIB);
+    assert_eq!(pool(Phase::WEIGHTS, sb).used, 0);
+    assert_eq!(pool(Phase::WEIGHTS, sb).used_high, 6 * MIB);
+    assert_eq!(pool(Phase::WEIGHTS, sb).frees, 1);
+    assert_eq!(pool(Phase::ACTIVATIONS, sa).allocations, 3);
+    assert_eq!(pool(Phase::ACTIVATIONS, sa).requested_bytes, 24 * MIB);
+    assert_eq!(pool(Phase::ACTIVATIONS, sb).requested_bytes, 12 * MIB);
+    assert!(pool(Phase::ACTIVATIONS, sa).reserved_high >= 8 * MIB);
+
+    let by_phase: HashMap<GroupKey, _> = metrics.by_phase().into_iter().collect();
+    let activations = by_phase[&GroupKey::Phase { device: 0, phase: "activations".into() }];
+    assert_eq!(activations.allocations, 6);
+    assert_eq!(activations.requested_bytes, 36 * MIB);
+    let by_stream: HashMap<GroupKey, _> = metrics.by_stream().into_iter().collect();
+    assert_eq!(by_stream[&GroupKey::Stream { device: 0, stream: sa }].allocations, 4);
+    let total = metrics.by_device()[0].1;
+    assert_eq!(total.allocations, 8);
+    assert_eq!(total.used, 10 * MIB);
+    assert_eq!(metrics.total(), total);
+    assert_eq!(metrics.devices.len(), 1);
+    assert_eq!(metrics.devices[0].total, 4 << 30);
+    drop(weights);
+}
+
+#[test]
+fn failures_recoveries_and_ooms_are_counted() {
+    let runtime = simulated_runtime(256 * MIB);
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let capped = runtime.declare_phase(PhaseSpec::new("capped", Scope::Persistent).budget(MIB)).unwrap();
+    assert!(matches!(runtime.alloc(capped, 2 * MIB, &stream), Err(Error::BudgetExceeded { .. })));
+    // Idle memory held by another pool is given back on out-of-memory, and the retry succeeds.
+    let idle = runtime.alloc(Phase::OPTIMIZER_STATE, 200 * MIB, &stream).unwrap();
+    drop(idle);
+    let big = runtime.alloc(Phase::WEIGHTS, 200 * MIB, &stream).unwrap();
+    let failed = runtime.alloc(Phase::WEIGHTS, 200 * MIB, &stream);
+    assert!(matches!(failed, Err(Error::OutOfMemory(_))));
+    let metrics = runtime.metrics().unwrap();
+    let usage = |name: &str| metrics.pools.iter().find(|p| p.phase_name == name).unwrap().usage;
+    assert_eq!(usage("capped").failures, 1);
+    assert_eq!(usage("weights").oom_recoveries, 1);
+    assert_eq!(usage("weights").ooms, 1);
+    assert_eq!(usage("weights").failures, 1);
+    assert_eq!(usage("weights").allocations, 1);
+    drop(big);
+}
+
+// ----- step reports -----------------------------------------------------------------------------
+
+#[test]
+fn step_reports_know_the_free_space_where_the_layout_is_known() {
+    let runtime = simulated_runtime(1 << 30);
+    let arena = runtime
+        .declare_phase(PhaseSpec::new("scratch", Scope::Step).strategy(Strategy::Arena { slab_bytes: 16 * MIB }))
+        .unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let step = runtime.begin_step().unwrap();
+    let keep = step.alloc(Phase::ACTIVATIONS, 6 * MIB, &stream).unwrap();
+    let gone = step.alloc(Phase::ACTIVATIONS, 6 * MIB, &stream).unwrap();
+    let tail = step.alloc(Phase::ACTIVATIONS, 6 * MIB, &stream).unwrap();
+    let scratch = step.alloc(arena, 5 * MIB, &stream).unwrap();
+    drop(gone);
+    // Mid-step: the activations pool has a 6 MiB hole between live buffers.
+    let stats = runtime.stats().unwrap();
+    let activations = stats.iter().find(|p| p.phase == Phase::ACTIVATIONS).unwrap();
+    let space = activations.free_space.expect("the simulated device publishes its layout");
+    assert!(space.largest_free >= 6 * MIB && space.total_free >= 6 * MIB, "{space:?}");
+    let arena_space = stats.iter().find(|p| p.phase == arena).unwrap().free_space.unwrap();
+    assert_eq!(arena_space.largest_free, 11 * MIB);
+    assert_eq!(arena_space.fragmentation(), 0.0);
+    drop((keep, scratch, tail));
+    let report = step.end().unwrap();
+    let phase = report.phase(Phase::ACTIVATIONS).unwrap();
+    assert_eq!(phase.peak_used, 18 * MIB);
+    assert!(phase.free_space.is_some());
+    let pool = report.pools.iter().find(|p| p.phase == Phase::ACTIVATIONS).unwrap();
+    assert_eq!(pool.largest_request, 6 * MIB);
+    let text = report.to_string();
+    assert!(text.contains("largest free") && text.contains("free frag"), "{text}");
+}
+
+// ----- warning rules ----------------------------------------------------------------------------
+
+fn fragmentation_rules(threshold: f64, steps: u32) -> WarningRules {
+    WarningRules { fragmentation: Some(FragmentationRule { threshold, steps, min_waste: 0.0 }), ..WarningRules::none() }
+}
+
+/// A step of one `bytes` allocation in a persistent `Pool` phase that keeps its memory.
+fn step_with(runtime: &Runtime, phase: Phase, stream: &steppool::Stream, bytes: u64) -> steppool::StepReport {
+    let step = runtime.begin_step().unwrap();
+    drop(runtime.alloc(phase, bytes, stream).unwrap());
+    step.end().unwrap()
+}
+
+#[test]
+fn fragmentation_fires_once_per_episode_after_k_steps() {
+    let runtime = only(fragmentation_rules(0.5, 3));
+    let seen = collect(&runtime);
+    let phase = runtime.declare_phase(PhaseSpec::new("kept", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    // 64 MiB reserved once; then steps that use 8 MiB of it: ratio 0.875.
+    let sizes = [64, 8, 8, 8, 8, 8, 64, 8, 8, 8];
+    let fired: Vec<usize> = sizes
+        .iter()
+        .enumerate()
+        .filter(|&(_, &mib)| !step_with(&runtime, phase, &stream, mib * MIB).warnings.is_empty())
+        .map(|(index, _)| index)
+        .collect();
+    // Steps 1, 2, 3 are above: fires at 3 and not again while it lasts; step 6 ends the episode,
+    // steps 7, 8, 9 start a new one.
+    assert_eq!(fired, [3, 9]);
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 2);
+    match &seen[0].kind {
+        WarningKind::Fragmentation { phase, ratio, steps, peak_used, peak_reserved, .. } => {
+            assert_eq!(phase, "kept");
+            assert_eq!(*steps, 3);
+            assert_eq!(*peak_used, 8 * MIB);
+            assert_eq!(*peak_reserved, 64 * MIB);
+            assert!((ratio - 0.875).abs() < 1e-9);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(seen[0].rule(), "fragmentation");
+    assert!(seen[0].to_string().contains("fragmentation of `kept` above 50% for 3 steps"), "{}", seen[0]);
+    assert_eq!(runtime.metrics().unwrap().warnings, [("fragmentation", 2)]);
+}
+
+#[test]
+fn fragmentation_stays_silent_on_steady_steps_and_small_waste() {
+    let runtime = only(fragmentation_rules(0.25, 2));
+    let phase = runtime.declare_phase(PhaseSpec::new("kept", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    for _ in 0..6 {
+        assert!(step_with(&runtime, phase, &stream, 32 * MIB).warnings.is_empty());
+    }
+    // Wasteful, but the waste is under 2 % of the device: silent.
+    let runtime = only(WarningRules {
+        fragmentation: Some(FragmentationRule { threshold: 0.25, steps: 1, min_waste: 0.02 }),
+        ..WarningRules::none()
+    });
+    let phase = runtime.declare_phase(PhaseSpec::new("kept", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    step_with(&runtime, phase, &stream, 16 * MIB);
+    for _ in 0..4 {
+        assert!(step_with(&runtime, phase, &stream, 2 * MIB).warnings.is_empty());
+    }
+}
+
+/// A device filled so that a persistent pool's free memory is 4 MiB pieces while the device has
+/// `spare` bytes free; the pool served an 8 MiB request in an earlier step.
+fn scattered(spare: u64) -> (Runtime, Vec<Warning>) {
+    let capacity = 128 * MIB;
+    let runtime = simulated_runtime(capacity);
+    runtime.set_warning_rules(WarningRules {
+        scattered_free: Some(ScatteredFreeRule { window: 4 }),
+        ..WarningRules::none()
+    });
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let phase = runtime.declare_phase(PhaseSpec::new("cache", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    let step = runtime.begin_step().unwrap();
+    drop(runtime.alloc(phase, 8 * MIB, &stream).unwrap());
+    let mut warnings = step.end().unwrap().warnings;
+    // The 8 MiB segment stays reserved; give it back so the pieces below are all the pool has.
+    runtime.device(0).unwrap().release_idle().unwrap();
+    let step = runtime.begin_step().unwrap();
+    let pieces: Vec<_> = (0..8).map(|_| runtime.alloc(phase, 4 * MIB, &stream).unwrap()).collect();
+    let used: u64 = 32 * MIB;
+    let filler = runtime.alloc(Phase::WEIGHTS, capacity - used - spare, &stream).unwrap();
+    let kept: Vec<_> = pieces.into_iter().enumerate().filter_map(|(i, b)| (i % 2 == 0).then_some(b)).collect();
+    warnings.extend(step.end().unwrap().warnings);
+    std::mem::forget((kept, filler)); // the runtime outlives nothing here; keep the layout
+    (runtime, warnings)
+}
+
+#[test]
+fn scattered_free_space_fires_when_no_piece_and_no_device_memory_fits() {
+    let (_runtime, warnings) = scattered(2 * MIB);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    match &warnings[0].kind {
+        WarningKind::ScatteredFree { phase, largest_request, largest_free, total_free, device_free, .. } => {
+            assert_eq!(phase, "cache");
+            assert_eq!(*largest_request, 8 * MIB);
+            assert_eq!(*largest_free, 4 * MIB);
+            assert_eq!(*total_free, 16 * MIB);
+            assert_eq!(*device_free, 2 * MIB);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn scattered_free_space_is_silent_while_the_device_has_room() {
+    let (_runtime, warnings) = scattered(16 * MIB);
+    assert!(warnings.is_empty(), "{warnings:?}");
+}
+
+#[test]
+fn reserved_creep_fires_when_reserved_grows_under_flat_use() {
+    let runtime = only(WarningRules {
+        reserved_creep: Some(ReservedCreepRule {
+            steps: 4,
+            min_growth: 0.05,
+            min_growth_bytes: MIB,
+            flat_tolerance: 0.01,
+        }),
+        ..WarningRules::none()
+    });
+    let phase = runtime.declare_phase(PhaseSpec::new("cache", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let mut pinned = Vec::new();
+    let mut fired = Vec::new();
+    for index in 0..6 {
+        let step = runtime.begin_step().unwrap();
+        drop(runtime.alloc(phase, 64 * MIB, &stream).unwrap());
+        // A small buffer kept for good lands in the freed segment and pins it: the next step's
+        // 64 MiB no longer fits there, and the pool grows.
+        pinned.push(runtime.alloc(phase, 4096, &stream).unwrap());
+        if !step.end().unwrap().warnings.is_empty() {
+            fired.push(index);
+        }
+    }
+    assert_eq!(fired, [3]);
+    drop(pinned);
+}
+
+#[test]
+fn reserved_creep_is_silent_when_use_grows_with_it() {
+    let runtime = only(WarningRules {
+        reserved_creep: Some(ReservedCreepRule {
+            steps: 3,
+            min_growth: 0.05,
+            min_growth_bytes: MIB,
+            flat_tolerance: 0.01,
+        }),
+        ..WarningRules::none()
+    });
+    let phase = runtime.declare_phase(PhaseSpec::new("cache", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let mut kept = Vec::new();
+    for _ in 0..6 {
+        let step = runtime.begin_step().unwrap();
+        kept.push(runtime.alloc(phase, 16 * MIB, &stream).unwrap()); // a real leak: used grows too
+        assert!(step.end().unwrap().warnings.is_empty());
+    }
+}
+
+fn headroom_run(demand: u64) -> Vec<Warning> {
+    let runtime = simulated_runtime(1 << 30);
+    runtime.set_warning_rules(WarningRules {
+        low_headroom: Some(LowHeadroomRule { window: 4, margin: 0.1 }),
+        ..WarningRules::none()
+    });
+    runtime
+        .set_phase_spec(Phase::ACTIVATIONS, PhaseSpec::new("activations", Scope::Step).trim(TrimPolicy::KeepBytes(0)))
+        .unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let _weights = runtime.alloc(Phase::WEIGHTS, 500 * MIB, &stream).unwrap();
+    let mut warnings = Vec::new();
+    for _ in 0..3 {
+        let step = runtime.begin_step().unwrap();
+        let activations = step.alloc(Phase::ACTIVATIONS, demand, &stream).unwrap();
+        drop(activations);
+        stream.synchronize().unwrap();
+        warnings.extend(step.end().unwrap().warnings);
+    }
+    warnings
+}
+
+#[test]
+fn low_headroom_fires_when_the_next_step_may_not_fit() {
+    // 524 MiB of headroom; 480 MiB × 1.1 = 528 MiB needed.
+    let warnings = headroom_run(480 * MIB);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    match warnings[0].kind {
+        WarningKind::LowHeadroom { headroom, demand, .. } => {
+            assert_eq!(demand, 480 * MIB);
+            assert_eq!(headroom, 524 * MIB);
+        }
+        ref other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn low_headroom_is_silent_with_room_to_spare() {
+    assert!(headroom_run(450 * MIB).is_empty());
+}
+
+#[test]
+fn default_rules_stay_silent_on_a_healthy_loop() {
+    let runtime = simulated_runtime(8 << 30);
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let _weights = runtime.alloc(Phase::WEIGHTS, 1 << 30, &stream).unwrap();
+    for _ in 0..12 {
+        let step = runtime.begin_step().unwrap();
+        let a: Vec<_> = (0..8).map(|i| step.alloc(Phase::ACTIVATIONS, (64 + i) * MIB, &stream).unwrap()).collect();
+        let g = step.alloc(Phase::GRADIENTS, 256 * MIB, &stream).unwrap();
+        drop((a, g));
+        assert!(step.end().unwrap().warnings.is_empty());
+    }
+}
+
+// ----- OOM report -------------------------------------------------------------------------------
+
+#[test]
+fn oom_reports_say_fragmentation_or_demand_with_the_numbers() {
+    // Demand: the live data needs more than the device.
+    let runtime = simulated_runtime(64 * MIB);
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let step = runtime.begin_step().unwrap();
+    let _a = step.alloc(Phase::ACTIVATIONS, 48 * MIB, &stream).unwrap();
+    let Err(Error::OutOfMemory(report)) = step.alloc(Phase::ACTIVATIONS, 32 * MIB, &stream) else { panic!() };
+    assert_eq!(report.verdict, Verdict::Demand);
+    assert_eq!(report.step, Some(0));
+    assert_eq!(report.requested, 32 * MIB);
+    let json = oom_json(&report);
+    assert_eq!(json["verdict"], "demand");
+    assert_eq!(json["requested_bytes"], 32 * MIB);
+    assert_eq!(json["step"], 0);
+    assert_eq!(json["pools"][0]["used_bytes"], 48 * MIB);
+
+    // Fragmentation: 4 MiB holes between live buffers, in one segment, add up to more than the
+    // request.
+    let runtime = simulated_runtime(64 * MIB);
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    drop(runtime.alloc(Phase::WEIGHTS, 64 * MIB, &stream).unwrap());
+    let buffers: Vec<_> = (0..16).map(|_| runtime.alloc(Phase::WEIGHTS, 4 * MIB, &stream).unwrap()).collect();
+    let kept: Vec<_> = buffers.into_iter().enumerate().filter_map(|(i, b)| (i % 2 == 0).then_some(b)).collect();
+    stream.synchronize().unwrap();
+    let Err(Error::OutOfMemory(report)) = runtime.alloc(Phase::WEIGHTS, 8 * MIB, &stream) else { panic!() };
+    assert_eq!(report.verdict, Verdict::Fragmentation, "{report}");
+    assert_eq!(report.step, None);
+    assert_eq!(report.pools[0].largest_free, Some(4 * MIB));
+    let text = report.to_string();
+    assert!(text.contains("verdict: fragmentation") && text.contains("largest free"), "{text}");
+    assert_eq!(oom_json(&report)["verdict"], "fragmentation");
+    drop(kept);
+}
+
+// ----- exporters --------------------------------------------------------------------------------
+
+/// A runtime that ran three steps on two streams, with the history recorded; the streams are
+/// returned so their pools stay.
+fn busy_runtime() -> (Runtime, Vec<steppool::StepReport>, [steppool::Stream; 2]) {
+    let runtime = Runtime::builder()
+        .simulated(steppool_sys::sim::SimConfig::with_capacity(2 << 30))
+        .record_history(1 << 16)
+        .warning_rules(fragmentation_rules(0.5, 1))
+        .build()
+        .unwrap();
+    let odd = runtime
+        .declare_phase(PhaseSpec::new("odd phase", Scope::Step).strategy(Strategy::Arena { slab_bytes: 8 * MIB }))
+        .unwrap();
+    let device = runtime.device(0).unwrap();
+    let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let weights = runtime.alloc(Phase::WEIGHTS, 64 * MIB, &a).unwrap();
+    let mut reports = Vec::new();
+    for (index, mib) in [96, 8, 40].into_iter().enumerate() {
+        let step = runtime.begin_step().unwrap();
+        let x = step.alloc(Phase::ACTIVATIONS, mib * MIB, &a).unwrap();
+        let y = step.alloc(odd, 3 * MIB, &b).unwrap();
+        let z = step.alloc(odd, 2 * MIB, &b).unwrap();
+        if index == 1 {
+            std::mem::forget(z); // released by the boundary
+        } else {
+            drop(z);
+        }
+        drop((x, y));
+        reports.push(step.end().unwrap());
+    }
+    drop(weights);
+    (runtime, reports, [a, b])
+}
+
+#[test]
+fn prometheus_text_parses_with_conventional_names_and_labels() {
+    let (runtime, _, _streams) = busy_runtime();
+    let metrics = runtime.metrics().unwrap();
+    let text = metrics.to_prometheus();
+    let lines = text.lines().map(|line| Ok(line.to_owned()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("valid exposition text");
+    let sample = |name: &str, labels: &[(&str, &str)]| -> f64 {
+        let found: Vec<_> = scrape
+            .samples
+            .iter()
+            .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+            .collect();
+        assert_eq!(found.len(), 1, "{name} {labels:?} in\n{text}");
+        match found[0].value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            ref other => panic!("{other:?}"),
+        }
+    };
+    let activations = metrics.pools.iter().find(|p| p.phase == Phase::ACTIVATIONS).unwrap();
+    let stream = activations.stream.to_string();
+    let labels = [("device", "0"), ("stream", stream.as_str()), ("phase", "activations")];
+    assert_eq!(sample("steppool_allocations_total", &labels), 3.0);
+    assert_eq!(sample("steppool_requested_bytes_total", &labels), (144 * MIB) as f64);
+    assert_eq!(sample("steppool_reserved_bytes", &labels), activations.usage.reserved as f64);
+    assert_eq!(sample("steppool_used_high_bytes", &labels), (96 * MIB) as f64);
+    let odd = metrics.pools.iter().find(|p| p.phase_name.starts_with("odd")).unwrap();
+    let odd_stream = odd.stream.to_string();
+    let odd_labels = [("phase", "odd phase"), ("stream", odd_stream.as_str())];
+    assert_eq!(sample("steppool_released_bytes_total", &odd_labels), (2 * MIB) as f64);
+    assert_eq!(sample("steppool_frees_total", &odd_labels), 5.0);
+    assert_eq!(sample("steppool_steps_total", &[]), 3.0);
+    assert_eq!(sample("steppool_device_total_bytes", &[("device", "0")]), (2u64 << 30) as f64);
+    assert_eq!(sample("steppool_warnings_total", &[("rule", "fragmentation")]), metrics.warnings[0].1 as f64);
+    assert!(sample("steppool_fragmentation_ratio", &[("phase", "activations")]) >= 0.0);
+    // Every family says its type; counters end in _total.
+    for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(parts[3] == "counter", parts[2].ends_with("_total"), "{line}");
+    }
+    let types: HashMap<&str, &str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split_once(' ')).collect();
+    assert_eq!(types["steppool_reserved_bytes"], "gauge");
+}
+
+#[test]
+fn the_http_endpoint_serves_metrics_and_stops_when_dropped() {
+    let (runtime, _, _streams) = busy_runtime();
+    let server = runtime.serve_metrics("127.0.0.1:0").unwrap();
+    let get = |path: &str| -> String {
+        let mut stream = TcpStream::connect(server.addr()).unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+    };
+    let response = get("/metrics");
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(response.contains("Content-Type: text/plain; version=0.0.4"));
+    let body = response.split_once("\r\n\r\n").unwrap().1;
+    let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned()))).unwrap();
+    assert!(scrape.samples.iter().any(|s| s.metric == "steppool_steps_total"));
+    assert!(get("/other").starts_with("HTTP/1.1 404"));
+    let addr = server.addr();
+    drop(server);
+    assert!(TcpStream::connect(addr).is_err(), "the listener is closed");
+}
+
+#[test]
+fn json_lines_write_one_object_per_report_and_warning() {
+    let (_, reports, _streams) = busy_runtime();
+    let mut out = JsonLines::new(Vec::new());
+    for report in &reports {
+        out.step(report).unwrap();
+    }
+    let text = String::from_utf8(out.into_inner()).unwrap();
+    let objects: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let steps: Vec<_> = objects.iter().filter(|o| o["type"] == "step").collect();
+    assert_eq!(steps.len(), 3);
+    let warnings: Vec<_> = objects.iter().filter(|o| o["type"] == "warning").collect();
+    assert_eq!(warnings.len(), reports.iter().map(|r| r.warnings.len()).sum::<usize>());
+    assert!(!warnings.is_empty());
+    assert_eq!(warnings[0]["rule"], "fragmentation");
+    assert!(warnings[0]["fragmentation_ratio"].as_f64().unwrap() > 0.5);
+    let first = &steps[0];
+    assert_eq!(first["step"], 0);
+    let activations = first["phases"].as_array().unwrap().iter().find(|p| p["phase"] == "activations").unwrap();
+    assert_eq!(activations["peak_used_bytes"], 96 * MIB);
+    assert_eq!(activations["scope"], "step");
+    assert_eq!(activations["strategy"], "pool");
+    assert_eq!(steps[1]["released_bytes"], 2 * MIB);
+    assert_eq!(step_json(&reports[2])["step"], 2);
+}
+
+// ----- history: snapshot, trace, timeline ------------------------------------------------------
+
+fn dict(value: &Value) -> BTreeMap<String, &Value> {
+    match value {
+        Value::Dict(map) => map
+            .iter()
+            .map(|(k, v)| match k {
+                HashableValue::String(k) => (k.clone(), v),
+                other => panic!("key {other:?}"),
+            })
+            .collect(),
+        other => panic!("not a dict: {other:?}"),
+    }
+}
+
+fn list(value: &Value) -> &[Value] {
+    match value {
+        Value::List(items) => items,
+        other => panic!("not a list: {other:?}"),
+    }
+}
+
+fn int(value: &Value) -> i64 {
+    match value {
+        Value::I64(n) => *n,
+        other => panic!("not an int: {other:?}"),
+    }
+}
+
+fn text(value: &Value) -> &str {
+    match value {
+        Value::String(s) => s,
+        other => panic!("not a string: {other:?}"),
+    }
+}
+
+#[test]
+fn the_memory_snapshot_has_pytorchs_layout() {
+    let (runtime, _, _streams) = busy_runtime();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let live = runtime.alloc(Phase::OPTIMIZER_STATE, 5 * MIB + 100, &stream).unwrap();
+    let mut bytes = Vec::new();
+    runtime.history().write_memory_snapshot(&mut bytes).unwrap();
+    let snapshot = serde_pickle::value_from_slice(&bytes, DeOptions::new()).expect("a valid pickle");
+    let top = dict(&snapshot);
+    assert!(top.contains_key("allocator_settings"));
+
+    let traces = list(top["device_traces"]);
+    assert_eq!(traces.len(), 1);
+    let events: Vec<BTreeMap<String, &Value>> = list(&traces[0]).iter().map(dict).collect();
+    let count = |action: &str| events.iter().filter(|e| text(e["action"]) == action).count();
+    assert_eq!(count("alloc"), 11);
+    // Every free is requested then completed; the forgotten buffer was released by the boundary.
+    assert_eq!(count("free_requested"), 10);
+    assert_eq!(count("free_completed"), 10);
+    assert!(count("segment_alloc") >= 3 && count("segment_free") >= 1);
+    let mut last_time = 0;
+    let mut live_blocks: HashMap<i64, i64> = HashMap::new();
+    for event in &events {
+        for key in ["action", "addr", "size", "stream", "time_us", "frames", "category"] {
+            assert!(event.contains_key(key), "{key} missing in {event:?}");
+        }
+        assert!(int(event["time_us"]) >= last_time);
+        last_time = int(event["time_us"]);
+        match text(event["action"]) {
+            "alloc" => {
+                assert!(live_blocks.insert(int(event["addr"]), int(event["size"])).is_none());
+                let frame = dict(&list(event["frames"])[0]);
+                assert!(text(frame["filename"]).starts_with("steppool phase `"));
+                assert!(text(frame["name"]).contains("step") || text(frame["name"]).contains("outside"));
+                assert_eq!(text(event["category"]), text(frame["filename"]).split('`').nth(1).unwrap());
+            }
+            "free_completed" => assert_eq!(live_blocks.remove(&int(event["addr"])), Some(int(event["size"]))),
+            _ => {}
+        }
+    }
+    assert!(events.iter().any(|e| text(e["category"]) == "unknown"), "the viewer needs `unknown`");
+
+    // Segments are tiled exactly by their blocks, and the live blocks are those the trace left live.
+    let mut active = HashMap::new();
+    for segment in list(top["segments"]).iter().map(dict) {
+        let (base, size) = (int(segment["address"]), int(segment["total_size"]));
+        let mut cursor = base;
+        for block in list(segment["blocks"]).iter().map(dict) {
+            assert_eq!(int(block["address"]), cursor);
+            cursor += int(block["size"]);
+            assert!(int(block["requested_size"]) <= int(block["size"]));
+            if text(block["state"]) == "active_allocated" {
+                active.insert(int(block["address"]), int(block["requested_size"]));
+            } else {
+                assert_eq!(text(block["state"]), "inactive");
+            }
+        }
+        assert_eq!(cursor, base + size);
+        assert!(matches!(segment["segment_pool_id"], Value::Tuple(_)));
+    }
+    assert_eq!(active, live_blocks);
+    assert_eq!(active.get(&(live.ptr() as i64)), Some(&((5 * MIB + 100) as i64)));
+}
+
+#[test]
+fn the_trace_file_lists_every_allocation_free_and_boundary() {
+    let (runtime, _, _streams) = busy_runtime();
+    let mut bytes = Vec::new();
+    runtime.history().write_trace(&mut bytes).unwrap();
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8(bytes).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let header = &lines[0];
+    assert_eq!(header["format"], "steppool-trace");
+    assert_eq!(header["version"], 1);
+    assert_eq!(header["devices"][0]["total_bytes"], 2u64 << 30);
+    let phases = header["phases"].as_array().unwrap();
+    assert!(phases.iter().any(|p| p["name"] == "activations" && p["scope"] == "step"));
+    assert!(phases.iter().any(|p| p["name"] == "weights" && p["scope"] == "persistent"));
+    let events = &lines[1..];
+    let count = |kind: &str| events.iter().filter(|e| e["event"] == kind).count();
+    assert_eq!(count("alloc"), 10);
+    assert_eq!(count("free"), 10);
+    assert_eq!(count("step_begin"), 3);
+    assert_eq!(count("step_end"), 3);
+    assert_eq!(events.iter().filter(|e| e["release"] == true).count(), 1);
+    let mut live: HashMap<u64, u64> = HashMap::new();
+    let mut step = None;
+    let mut last = 0;
+    for event in events {
+        let t = event["t_ns"].as_u64().unwrap();
+        assert!(t >= last);
+        last = t;
+        match event["event"].as_str().unwrap() {
+            "step_begin" => step = event["step"].as_u64(),
+            "step_end" => step = None,
+            "alloc" => {
+                assert_eq!(event["step"].as_u64(), step);
+                live.insert(event["ptr"].as_u64().unwrap(), event["bytes"].as_u64().unwrap());
+            }
+            "free" => assert_eq!(live.remove(&event["ptr"].as_u64().unwrap()), event["bytes"].as_u64()),
+            _ => {}
+        }
+    }
+    assert!(live.is_empty());
+}
+
+#[test]
+fn the_timeline_is_an_svg_with_every_phase_step_and_warning() {
+    let (runtime, reports, _streams) = busy_runtime();
+    let svg = runtime.history().timeline_svg("a <test> run");
+    let document = roxmltree::Document::parse(&svg).expect("well-formed SVG");
+    let root = document.root_element();
+    assert_eq!(root.tag_name().name(), "svg");
+    let texts: Vec<&str> = document.descendants().filter(|n| n.is_element()).filter_map(|n| n.text()).collect();
+    assert!(texts.contains(&"a <test> run"));
+    for phase in ["weights", "activations", "odd phase"] {
+        assert!(texts.iter().any(|t| t.starts_with(phase)), "{phase} missing");
+    }
+    for step in 0..3 {
+        assert!(texts.contains(&format!("step {step}").as_str()));
+    }
+    let warnings: usize = reports.iter().map(|r| r.warnings.len()).sum();
+    let marks = document.descendants().filter(|n| n.has_tag_name("text")).filter_map(|n| n.text());
+    assert_eq!(marks.filter(|t| t.starts_with("⚠ fragmentation")).count(), warnings);
+}
+
+#[test]
+fn recording_is_bounded_and_says_what_it_dropped() {
+    let runtime = Runtime::builder()
+        .simulated(steppool_sys::sim::SimConfig::with_capacity(1 << 30))
+        .record_history(10)
+        .build()
+        .unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    for _ in 0..20 {
+        drop(runtime.alloc(Phase::WEIGHTS, MIB, &stream).unwrap());
+    }
+    let history = runtime.history();
+    assert_eq!(history.events.len(), 10);
+    assert!(history.dropped > 0);
+    runtime.stop_recording();
+    assert!(!runtime.is_recording());
+    drop(runtime.alloc(Phase::WEIGHTS, MIB, &stream).unwrap());
+    assert_eq!(runtime.history().events, history.events);
+}
