@@ -6,7 +6,7 @@ use std::time::Duration;
 use steppool_sys::bytes::Bytes;
 
 use crate::phase::{Phase, Scope, Strategy};
-use crate::strategy::FreeSpace;
+use crate::strategy::{FreeSpace, PlanStats};
 
 /// The numbers of one pool (one phase on one stream of one device), over the current step.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,8 +38,11 @@ pub struct PoolStats {
     pub frees: u64,
     /// Bytes still live at a boundary of the step, which the boundary released.
     pub released: u64,
-    /// Free space inside what the strategy holds, where it knows the layout (arenas).
+    /// Free space inside what the strategy holds, where it knows the layout (arenas, planned
+    /// slabs).
     pub free_space: Option<FreeSpace>,
+    /// The planned strategy's hit rate, deviations, slab and plans over the step.
+    pub plan: Option<PlanStats>,
 }
 
 /// The sum of a phase's pools over a step.

@@ -5,17 +5,22 @@
 //! from a CUDA memory pool in stream order or, on devices without pools, from `cuMemAlloc`.
 
 mod arena;
+mod plan;
+mod planned;
 mod pool;
 
 use std::fmt;
+use std::sync::Arc;
 
 use steppool_sys::{CUdeviceptr, CUevent, CUevent_flags, CUmemoryPool};
 
 pub(crate) use arena::Arena;
+pub(crate) use planned::Planned;
+pub use planned::{PlanKey, PlanStats, PlanSummary};
 pub(crate) use pool::Direct;
 
 use crate::error::Result;
-use crate::phase::Strategy;
+use crate::phase::{PhaseEntry, Strategy};
 use crate::stream::StreamCore;
 
 /// Alignment of every allocation a strategy hands out.
@@ -168,12 +173,23 @@ pub(crate) trait Allocator: Send + fmt::Debug {
 
     /// The pool is going away: give everything back.
     fn release_all(&mut self, source: &mut Source<'_>) -> Result<()>;
+
+    /// A step begins: counters kept per step start over.
+    fn begin_step(&mut self) {}
+
+    /// The planned strategy's numbers over the current step.
+    fn plan_stats(&self) -> Option<PlanStats> {
+        None
+    }
 }
 
-/// The allocator state for a strategy.
-pub(crate) fn allocator(strategy: Strategy) -> Box<dyn Allocator> {
-    match strategy {
+/// The allocator state for a phase's strategy.
+pub(crate) fn allocator(entry: &Arc<PhaseEntry>) -> Box<dyn Allocator> {
+    match entry.spec.strategy {
         Strategy::Pool => Box::new(Direct),
         Strategy::Arena { slab_bytes } => Box::new(Arena::new(slab_bytes)),
+        Strategy::Planned { max_plans, signature_len } => {
+            Box::new(Planned::new(entry.clone(), max_plans, signature_len))
+        }
     }
 }
