@@ -203,28 +203,51 @@ fn a_deviation_is_served_from_the_pool_and_refreshes_the_plan() {
         model_step(&step, phase, &stream, 4);
         step.end().unwrap();
     }
-    // The same step with one extra allocation in the middle of the forward pass.
-    let step = rt.begin_step().unwrap();
-    let input = step.alloc(phase, 12 * KIB, &stream).unwrap();
-    let first = step.alloc(phase, 4 * 64 * KIB, &stream).unwrap();
-    let extra = step.alloc(phase, 3 * MIB, &stream).unwrap();
-    let stats = pool_stats(&rt, phase, &stream);
-    assert_eq!((plan_of(&stats).planned, plan_of(&stats).deviations), (2, 1));
-    assert_eq!(stats.used, 12 * KIB + 4 * 64 * KIB + 3 * MIB);
-    drop((input, first, extra));
-    let report = step.end().unwrap();
-    let plan = plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone();
-    assert_eq!((plan.deviated_scopes, plan.replans), (1, 1));
-    assert_eq!(plan.missing, 17, "the rest of the plan was never asked for");
+    // The same step with one extra allocation after the signature (the first 4 sizes).
+    let deviating = |rt: &Runtime| {
+        let step = rt.begin_step().unwrap();
+        let input = step.alloc(phase, 12 * KIB, &stream).unwrap();
+        let first = step.alloc(phase, 4 * 64 * KIB, &stream).unwrap();
+        drop(step.alloc(phase, 4 * 40 * KIB, &stream).unwrap());
+        let second = step.alloc(phase, 4 * 80 * KIB, &stream).unwrap();
+        let extra = step.alloc(phase, 3 * MIB, &stream).unwrap();
+        let stats = pool_stats(rt, phase, &stream);
+        assert_eq!(stats.used, 12 * KIB + 4 * 144 * KIB + 3 * MIB);
+        drop((input, first, second, extra));
+        let report = step.end().unwrap();
+        (plan_of(&stats).clone(), plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone())
+    };
+    let (during, after) = deviating(&rt);
+    assert_eq!((during.planned, during.deviations), (4, 1), "the extra allocation came from the pool");
+    assert_eq!((after.deviated_scopes, after.replans), (1, 1));
+    assert_eq!(after.missing, 15, "the rest of the plan was never asked for");
+    assert_eq!(after.plans.len(), 1, "the same signature: the plan was refreshed, not added");
     // The refreshed plan is the deviating step's: served from the next time it repeats.
+    let (during, after) = deviating(&rt);
+    assert_eq!((during.planned, during.deviations), (5, 0));
+    assert_eq!((after.missing, after.deviated_scopes, after.replans), (0, 0, 0));
+}
+
+#[test]
+fn a_new_first_size_is_a_new_shape_served_from_the_slab_free_space() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
     let step = rt.begin_step().unwrap();
-    let a = step.alloc(phase, 12 * KIB, &stream).unwrap();
-    let b = step.alloc(phase, 4 * 64 * KIB, &stream).unwrap();
-    let c = step.alloc(phase, 3 * MIB, &stream).unwrap();
-    drop((a, b, c));
+    model_step(&step, phase, &stream, 8);
+    stream.synchronize().unwrap(); // the recording's frees are seen complete: trimmed at the end
+    step.end().unwrap();
+    let slab_before = plan_of(&pool_stats(&rt, phase, &stream)).slab_bytes;
+    // A smaller shape: no plan yet, but the slab of the larger one holds it.
+    let step = rt.begin_step().unwrap();
+    model_step(&step, phase, &stream, 2);
     let report = step.end().unwrap();
-    let plan = plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone();
-    assert_eq!((plan.planned, plan.deviations, plan.missing), (3, 0, 0));
+    let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+    let plan = plan_of(stats);
+    assert_eq!((plan.planned, plan.unplanned, plan.deviations), (0, 19, 0));
+    assert_eq!(plan.slab_bytes, slab_before);
+    assert_eq!(stats.peak_reserved, slab_before.next_multiple_of(2 * MIB), "nothing came from the pool");
+    assert_eq!(plan.plans.len(), 2);
 }
 
 #[test]

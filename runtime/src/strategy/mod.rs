@@ -97,6 +97,22 @@ impl Source<'_> {
         Ok(())
     }
 
+    /// Gives back the memory the source holds without live data beyond `keep` bytes, as far as
+    /// its frees have been observed complete (`cuMemPoolTrimTo`; the fallback's completed
+    /// deferred frees). Never waits for the GPU.
+    pub(crate) fn trim_to(&mut self, keep: u64) -> Result<()> {
+        match self.backing {
+            Backing::Pool(pool) => {
+                // SAFETY: the pool is live while the phase pool that owns this source is.
+                unsafe { self.stream.device.driver.mem_pool_trim_to(*pool, keep) }?;
+            }
+            Backing::Synchronous => {
+                self.reclaim(false)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Fallback only: `cuMemFree`s the deferred allocations whose stream work is done, or all of
     /// them after waiting when `wait` is set. Returns the bytes given back.
     pub(crate) fn reclaim(&mut self, wait: bool) -> Result<u64> {

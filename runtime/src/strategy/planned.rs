@@ -22,7 +22,7 @@
 //! At the scope's end every slab range is reclaimed (leaked buffers too) and leaked deviations are
 //! given back; the boundary has ordered the pool's stream after every stream that used them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, PoisonError};
 
@@ -202,6 +202,66 @@ struct SlabAllocation {
 
 const FOREIGN: u32 = u32::MAX;
 
+/// The free ranges of the slab while a scope without a plan is served from it: best fit, by
+/// offset (to merge neighbours) and by size.
+#[derive(Debug, Default)]
+struct FreeRanges {
+    by_offset: BTreeMap<u64, u64>,
+    by_size: BTreeSet<(u64, u64)>,
+}
+
+impl FreeRanges {
+    /// The slab's free ranges around the live ones.
+    fn around(slab: u64, mut live: Vec<(u64, u64)>) -> Self {
+        live.sort_unstable();
+        let mut ranges = Self::default();
+        let mut top = 0;
+        for (offset, size) in live.into_iter().chain(std::iter::once((slab, 0))) {
+            if offset > top {
+                ranges.insert(top, offset - top);
+            }
+            top = top.max(offset + size);
+        }
+        ranges
+    }
+
+    fn insert(&mut self, offset: u64, len: u64) {
+        self.by_offset.insert(offset, len);
+        self.by_size.insert((len, offset));
+    }
+
+    fn remove(&mut self, offset: u64, len: u64) {
+        self.by_offset.remove(&offset);
+        self.by_size.remove(&(len, offset));
+    }
+
+    /// The start of the smallest free range that holds `size` (the lowest on ties).
+    fn take(&mut self, size: u64) -> Option<u64> {
+        let &(len, offset) = self.by_size.range((size, 0)..).next()?;
+        self.remove(offset, len);
+        if len > size {
+            self.insert(offset + size, len - size);
+        }
+        Some(offset)
+    }
+
+    /// Returns a range, merged with its free neighbours.
+    fn give(&mut self, mut offset: u64, mut len: u64) {
+        if let Some((&below, &below_len)) = self.by_offset.range(..offset).next_back()
+            && below + below_len == offset
+        {
+            self.remove(below, below_len);
+            offset = below;
+            len += below_len;
+        }
+        if let Some(&above_len) = self.by_offset.get(&(offset + len)) {
+            self.remove(offset + len, above_len);
+            len += above_len;
+        }
+        self.insert(offset, len);
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Slab {
     base: CUdeviceptr,
@@ -242,6 +302,8 @@ pub(crate) struct Planned {
     entries: Vec<Entry>,
     /// Live slab ranges no plan guarantee covers: `(offset, size)`.
     late: Vec<(u64, u64)>,
+    /// A scope without a plan is served from the slab's free ranges (and the pool past them).
+    online: Option<FreeRanges>,
     slab_live: PointerMap<SlabAllocation>,
     /// Live allocations from the pool: `(index in the scope, bytes)`.
     pooled: PointerMap<(u32, u64)>,
@@ -275,6 +337,7 @@ impl Planned {
             passed_ends: 0,
             entries: Vec::new(),
             late: Vec::new(),
+            online: None,
             slab_live: PointerMap::default(),
             pooled: PointerMap::default(),
             pooled_bytes: 0,
@@ -323,10 +386,10 @@ impl Planned {
 
     /// While the signature is still being read (no user key): if the current plan does not
     /// have this size next, switch to the most recently used plan whose first sizes are the
-    /// scope's so far.
+    /// scope's so far; if none has them, the scope is a new shape and has no plan.
     fn follow_signature(&mut self, n: usize) {
         let current_fits = self.plan.is_some_and(|p| self.plans[p].sizes.get(n) == Some(&self.first_sizes[n]));
-        if current_fits {
+        if current_fits || self.online.is_some() {
             return;
         }
         let sizes = &self.first_sizes;
@@ -337,9 +400,19 @@ impl Planned {
             .filter(|(_, plan)| matches!(&plan.key, PlanKey::Sizes(key) if key.len() > n && key[..=n] == sizes[..=n]))
             .max_by_key(|(_, plan)| plan.last_used)
             .map(|(index, _)| index);
-        if candidate.is_some() && candidate != self.plan {
+        if candidate != self.plan {
             self.select(candidate, n);
         }
+    }
+
+    /// Serves the rest of a scope without a plan from the slab's free ranges.
+    fn go_online(&mut self, slab: Slab) {
+        let live = self.slab_live.iter().map(|(&ptr, allocation)| (ptr - slab.base, allocation.size)).collect();
+        for allocation in self.slab_live.values_mut() {
+            allocation.entry = FOREIGN;
+        }
+        self.late.clear();
+        self.online = Some(FreeRanges::around(slab.size, live));
     }
 
     /// The planned offset for the next allocation of `size` (aligned), if the plan may serve it.
@@ -400,6 +473,9 @@ impl Planned {
             self.slab = None;
             source.free(slab.base, slab.size)?;
         }
+        // Idle memory goes back first (as far as its frees were seen complete), so the slab can
+        // take its place instead of adding to it.
+        source.trim_to(0)?;
         match source.alloc(desired) {
             Ok(base) => self.slab = Some(Slab { base, size: desired }),
             // The scope goes on from the pool; out-of-memory recovery happens there if needed.
@@ -413,6 +489,17 @@ impl Planned {
     fn serve(&mut self, source: &mut Source<'_>, bytes: u64, size: u64) -> Result<CUdeviceptr> {
         if self.slab.is_none_or(|slab| slab.size < self.plan.map_or(0, |p| self.plans[p].bytes)) {
             self.ensure_slab(source)?;
+        }
+        if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
+            self.go_online(slab);
+        }
+        if let Some(online) = &mut self.online {
+            if let Some(offset) = online.take(size) {
+                let ptr = self.slab.expect("online ranges are in the slab").base + offset;
+                self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+                self.counters.unplanned += 1;
+                return Ok(ptr);
+            }
         }
         match self.next_planned(size) {
             Some(offset) => {
@@ -504,6 +591,7 @@ impl Planned {
         self.passed_ends = 0;
         self.entries.clear();
         self.late.clear();
+        self.online = None;
         self.slab_live.clear();
         self.pooled_bytes = 0;
         self.pooled_peak = 0;
@@ -541,6 +629,11 @@ impl Allocator for Planned {
 
     fn free(&mut self, source: &mut Source<'_>, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
         if let Some(allocation) = self.slab_live.remove(&ptr) {
+            self.events.push(Event::Free(allocation.index));
+            if let Some(online) = &mut self.online {
+                online.give(ptr - self.slab.expect("a slab allocation has a slab").base, allocation.size);
+                return Ok(());
+            }
             let late = allocation.entry == FOREIGN || self.entries[allocation.entry as usize] == Entry::Late;
             if allocation.entry != FOREIGN {
                 self.entries[allocation.entry as usize] = Entry::Done;
@@ -551,7 +644,6 @@ impl Allocator for Planned {
                     self.late.swap_remove(at);
                 }
             }
-            self.events.push(Event::Free(allocation.index));
             return Ok(());
         }
         match self.pooled.remove(&ptr) {
