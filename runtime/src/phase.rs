@@ -59,14 +59,16 @@ pub enum Strategy {
         slab_bytes: u64,
     },
     /// Offsets planned from a recording, for phases whose scopes repeat (step- or
-    /// micro-step-scoped). The first scope of a shape is served from the CUDA pool and recorded;
-    /// at its end its allocations are packed into one slab (greedy by size), so that allocations
-    /// alive at the same time never overlap. Later scopes of that shape get allocation *i* at
-    /// its planned offset; a deviation (another size, an extra allocation, a planned range still
-    /// held) is served from the pool and refreshes the plan at the scope's end. Plans are keyed
-    /// by the scope's first `signature_len` sizes, or by a key the user sets
-    /// ([`Runtime::set_plan_key`](crate::Runtime::set_plan_key)); at most `max_plans` are kept
-    /// (least recently used goes), and one slab sized for the largest serves them all.
+    /// micro-step-scoped). A scope of a new shape is recorded (served best-fit from the slab's
+    /// free space, else from the CUDA pool); at its end its allocations are packed into one slab
+    /// (greedy by size), so that allocations alive at the same time never overlap. Later scopes
+    /// of that shape get allocation *i* at its planned offset; a deviation (another size, an
+    /// extra allocation, a planned range still held) is served from the pool and refreshes the
+    /// plan at the scope's end. Plans are keyed by the scope's first `signature_len` sizes, or by
+    /// a key the user sets ([`Runtime::set_plan_key`](crate::Runtime::set_plan_key)); at most
+    /// `max_plans` are kept (least recently used goes), and one slab sized for the largest
+    /// serves them all. [`PoolStats::plan`](crate::PoolStats::plan) reports hit rate,
+    /// deviations, the slab, and each plan's size over its lower bound.
     Planned {
         /// How many plans (shapes) are kept, 1 to 1024.
         max_plans: u32,

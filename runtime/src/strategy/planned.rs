@@ -1,13 +1,15 @@
 //! The `Planned` strategy: a scope's allocation sequence is recorded, packed offline into one
 //! slab, and later scopes with the same signature are served at the planned offsets.
 //!
-//! Training steps repeat. The first scope (step or micro-step) of a shape is served from the
+//! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from the
 //! phase's CUDA pool while its allocations and frees are recorded; at its end the recording is
 //! packed ([`plan`](super::plan)) and the slab, sized for the largest plan kept, is taken from the
-//! pool. Later scopes whose first sizes (or the user's key, [`Runtime::set_plan_key`]) match get
-//! allocation *i* at planned offset *i* — an index lookup — and anything else (a size that does
-//! not match, an extra allocation, a planned range still held by an allocation freed late) is a
-//! deviation, served from the pool; the plan is refreshed at the scope's end.
+//! pool. A later scope whose first sizes (or the user's key, [`Runtime::set_plan_key`]) match a
+//! plan gets allocation *i* at planned offset *i* — an index lookup. Anything else while a plan
+//! serves (a size that does not match, an extra allocation, a planned range still held by an
+//! allocation freed late) is a deviation, served from the pool, and the plan is refreshed at the
+//! scope's end. A scope of a new shape (no plan has its first sizes) is served best-fit from the
+//! slab's free space, then from the pool, and recorded for its own plan.
 //!
 //! # Why a hand-out never overlaps a live allocation
 //!
@@ -18,7 +20,8 @@
 //! kept). An entry the recording had freed by then but which is still live — freed late, or never
 //! — is moved to the late list as the cursor passes its planned free, and so are the live entries
 //! of a plan the scope switched away from; *i* is handed out only if it overlaps nothing on the
-//! late list. Deviations come from the pool, which never hands out memory inside the slab it lent.
+//! late list. A scope of a new shape serves from ranges of the slab that no live allocation
+//! holds. Deviations come from the pool, which never hands out memory inside the slab it lent.
 //! At the scope's end every slab range is reclaimed (leaked buffers too) and leaked deviations are
 //! given back; the boundary has ordered the pool's stream after every stream that used them.
 
@@ -38,8 +41,9 @@ use crate::runtime::Runtime;
 /// scope skipped); the entries jumped over are missing.
 const LOOKAHEAD: usize = 16;
 
-/// Scopes with more allocations than this are not planned (packing is quadratic in the worst case).
-pub(crate) const MAX_PLANNED_ALLOCATIONS: usize = 1 << 16;
+/// Scopes with more allocations than this are not planned: packing is quadratic in the worst
+/// case (about 50 ms for 4096 allocations with four orderings on one core).
+pub(crate) const MAX_PLANNED_ALLOCATIONS: usize = 1 << 15;
 
 /// What a plan is keyed by.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -493,13 +497,13 @@ impl Planned {
         if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
             self.go_online(slab);
         }
-        if let Some(online) = &mut self.online {
-            if let Some(offset) = online.take(size) {
-                let ptr = self.slab.expect("online ranges are in the slab").base + offset;
-                self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
-                self.counters.unplanned += 1;
-                return Ok(ptr);
-            }
+        if let Some(online) = &mut self.online
+            && let Some(offset) = online.take(size)
+        {
+            let ptr = self.slab.expect("online ranges are in the slab").base + offset;
+            self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+            self.counters.unplanned += 1;
+            return Ok(ptr);
         }
         match self.next_planned(size) {
             Some(offset) => {
@@ -546,9 +550,9 @@ impl Planned {
     /// plan of that signature or, at the bound, the least recently used one.
     fn replan(&mut self) {
         let Some(blocks) = self.recorded_blocks() else { return };
-        let packing = plan::greedy_by_size(&blocks);
+        let packing = plan::pack(&blocks);
         if !plan::is_valid(&blocks, &packing) {
-            debug_assert!(false, "greedy by size made an invalid packing");
+            debug_assert!(false, "the planner made an invalid packing");
             return;
         }
         let key = match self.user_key {
