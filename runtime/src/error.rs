@@ -156,6 +156,14 @@ pub enum Error {
         /// The step that released it.
         step: u64,
     },
+    /// A plan key was set for a phase that does not use the planned strategy.
+    #[error("phase `{phase}` uses the {strategy} strategy: plan keys select plans of planned phases")]
+    NotPlanned {
+        /// The phase.
+        phase: String,
+        /// Its strategy's name.
+        strategy: &'static str,
+    },
     /// Checked mode: a range that runs past the end of its allocation.
     #[error("range {ptr:#x}+{len} runs past its allocation {base:#x}+{size}")]
     OutOfBounds {

@@ -71,7 +71,7 @@ pub use phase::{MAX_PHASES, Phase, PhaseSpec, Scope, Strategy, TrimPolicy};
 pub use report::{MicroStepReport, PhaseReport, PoolStats, StepReport, fragmentation_ratio};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use step::{MicroStep, Step};
-pub use strategy::FreeSpace;
+pub use strategy::{FreeSpace, PlanKey, PlanStats, PlanSummary};
 pub use stream::{Event, Stream};
 
 /// The device layer steppool is built on: generated bindings, the loader and the simulated device.

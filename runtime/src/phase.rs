@@ -5,8 +5,8 @@
 //! share one, and releases every allocation of a step-scoped phase at once at the boundary.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
 
 /// How long a phase's allocations live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,17 +58,38 @@ pub enum Strategy {
         /// Size of each slab in bytes.
         slab_bytes: u64,
     },
+    /// Offsets planned from a recording, for phases whose scopes repeat (step- or
+    /// micro-step-scoped). A scope of a new shape is recorded (served best-fit from the slab's
+    /// free space, else from the CUDA pool); at its end its allocations are packed into one slab
+    /// (greedy by size), so that allocations alive at the same time never overlap. Later scopes
+    /// of that shape get allocation *i* at its planned offset; a deviation (another size, an
+    /// extra allocation, a planned range still held) is served from the pool and refreshes the
+    /// plan at the scope's end. Plans are keyed by the scope's first `signature_len` sizes, or by
+    /// a key the user sets ([`Runtime::set_plan_key`](crate::Runtime::set_plan_key)); at most
+    /// `max_plans` are kept (least recently used goes), and one slab sized for the largest
+    /// serves them all. [`PoolStats::plan`](crate::PoolStats::plan) reports hit rate,
+    /// deviations, the slab, and each plan's size over its lower bound.
+    Planned {
+        /// How many plans (shapes) are kept, 1 to 1024.
+        max_plans: u32,
+        /// How many first sizes of a scope select its plan, 1 to 64.
+        signature_len: u32,
+    },
 }
 
 impl Strategy {
     /// An arena with 64 MiB slabs.
     pub const ARENA: Strategy = Strategy::Arena { slab_bytes: 64 << 20 };
 
-    /// `pool` or `arena`.
+    /// Planned slabs keeping 8 plans, selected by the first 4 sizes of a scope.
+    pub const PLANNED: Strategy = Strategy::Planned { max_plans: 8, signature_len: 4 };
+
+    /// `pool`, `arena` or `planned`.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Pool => "pool",
             Strategy::Arena { .. } => "arena",
+            Strategy::Planned { .. } => "planned",
         }
     }
 }
@@ -161,7 +182,8 @@ impl PhaseSpec {
         self
     }
 
-    /// Checks what a runtime relies on: a name, and arena slabs of 512 bytes to 64 TiB.
+    /// Checks what a runtime relies on: a name, arena slabs of 512 bytes to 64 TiB, and planned
+    /// phases that are step- or micro-step-scoped, with 1 to 1024 plans selected by 1 to 64 sizes.
     pub fn validate(&self) -> Result<(), crate::Error> {
         let invalid = |reason: String| Err(crate::Error::InvalidPhaseSpec { phase: self.name.clone(), reason });
         if self.name.is_empty() {
@@ -172,6 +194,22 @@ impl PhaseSpec {
         {
             return invalid(format!("arena slabs of {slab_bytes} bytes: use 512 bytes to 64 TiB"));
         }
+        if let Strategy::Planned { max_plans, signature_len } = self.strategy {
+            if self.scope == Scope::Persistent {
+                return invalid(
+                    "the planned strategy serves scopes that repeat: make the phase step- or micro-step-scoped"
+                        .to_owned(),
+                );
+            }
+            if !(1..=MAX_PLANS).contains(&max_plans) {
+                return invalid(format!("planned strategy keeping {max_plans} plans: use 1 to {MAX_PLANS}"));
+            }
+            if !(1..=MAX_SIGNATURE).contains(&signature_len) {
+                return invalid(format!(
+                    "planned strategy with a signature of {signature_len} sizes: use 1 to {MAX_SIGNATURE}"
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -179,6 +217,10 @@ impl PhaseSpec {
 /// The smallest and largest arena slab.
 const MIN_SLAB: u64 = 512;
 const MAX_SLAB: u64 = 1 << 46;
+
+/// The most plans a planned phase pool keeps, and the longest signature.
+const MAX_PLANS: u32 = 1024;
+const MAX_SIGNATURE: u32 = 64;
 
 /// A phase of a [`Runtime`](crate::Runtime): one of the built-in constants or a phase returned by
 /// [`Runtime::declare_phase`](crate::Runtime::declare_phase).
@@ -229,10 +271,18 @@ pub(crate) struct PhaseEntry {
     pub(crate) live: AtomicU64,
     /// Set once a pool of this phase exists; the spec is fixed from then on.
     pub(crate) in_use: AtomicBool,
+    /// Planned strategy: the user's key that selects the plan of the next scope.
+    pub(crate) plan_key: Mutex<Option<u64>>,
 }
 
 impl PhaseEntry {
     pub(crate) fn new(phase: Phase, spec: PhaseSpec) -> Arc<Self> {
-        Arc::new(Self { phase, spec, live: AtomicU64::new(0), in_use: AtomicBool::new(false) })
+        Arc::new(Self {
+            phase,
+            spec,
+            live: AtomicU64::new(0),
+            in_use: AtomicBool::new(false),
+            plan_key: Mutex::new(None),
+        })
     }
 }

@@ -130,7 +130,7 @@ impl PhasePool {
             Backing::Synchronous
         };
         let state = PoolState {
-            allocator: allocator(entry.spec.strategy),
+            allocator: allocator(&entry),
             source: SourceState::default(),
             raw: HashMap::new(),
             cross_uses: Vec::new(),
@@ -305,6 +305,7 @@ impl PhasePool {
     pub(crate) fn begin_step(&self, state: &mut PoolState) -> Result<()> {
         let counters = &mut state.counters;
         *counters = Counters { used: counters.used, peak_used: counters.used, ..Counters::default() };
+        state.allocator.begin_step();
         state.source.reserved_high = state.source.reserved;
         if let Backing::Pool(pool) = self.backing {
             // SAFETY: the pool is live while `self` is. Setting a high-water mark to 0 resets it
@@ -505,6 +506,7 @@ impl PhasePool {
             released: c.released,
             largest_request: c.largest_request,
             free_space: self.free_space(state),
+            plan: state.allocator.plan_stats(),
         })
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use steppool_sys::bytes::Bytes;
 
 use crate::phase::{Phase, Scope, Strategy};
-use crate::strategy::FreeSpace;
+use crate::strategy::{FreeSpace, PlanStats};
 use crate::telemetry::Warning;
 
 /// The numbers of one pool (one phase on one stream of one device), over the current step.
@@ -41,9 +41,11 @@ pub struct PoolStats {
     pub released: u64,
     /// The largest allocation requested in the step.
     pub largest_request: u64,
-    /// Free space inside what the pool holds, where steppool knows the layout (arenas, the
-    /// simulated device).
+    /// Free space inside what the pool holds, where steppool knows the layout (arenas, planned
+    /// slabs, the simulated device).
     pub free_space: Option<FreeSpace>,
+    /// The planned strategy's hit rate, deviations, slab and plans over the step.
+    pub plan: Option<PlanStats>,
 }
 
 /// The sum of a phase's pools over a step.

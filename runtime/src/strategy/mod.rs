@@ -5,17 +5,22 @@
 //! from a CUDA memory pool in stream order or, on devices without pools, from `cuMemAlloc`.
 
 mod arena;
+mod plan;
+mod planned;
 mod pool;
 
 use std::fmt;
+use std::sync::Arc;
 
 use steppool_sys::{CUdeviceptr, CUevent, CUevent_flags, CUmemoryPool};
 
 pub(crate) use arena::Arena;
+pub(crate) use planned::Planned;
+pub use planned::{PlanKey, PlanStats, PlanSummary};
 pub(crate) use pool::Direct;
 
 use crate::error::Result;
-use crate::phase::Strategy;
+use crate::phase::{PhaseEntry, Strategy};
 use crate::stream::StreamCore;
 use crate::telemetry::{EventKind, PoolKey, Recorder};
 
@@ -127,6 +132,22 @@ impl Source<'_> {
         Ok(())
     }
 
+    /// Gives back the memory the source holds without live data beyond `keep` bytes, as far as
+    /// its frees have been observed complete (`cuMemPoolTrimTo`; the fallback's completed
+    /// deferred frees). Never waits for the GPU.
+    pub(crate) fn trim_to(&mut self, keep: u64) -> Result<()> {
+        match self.backing {
+            Backing::Pool(pool) => {
+                // SAFETY: the pool is live while the phase pool that owns this source is.
+                unsafe { self.stream.device.driver.mem_pool_trim_to(*pool, keep) }?;
+            }
+            Backing::Synchronous => {
+                self.reclaim(false)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Fallback only: `cuMemFree`s the deferred allocations whose stream work is done, or all of
     /// them after waiting when `wait` is set. Returns the bytes given back.
     pub(crate) fn reclaim(&mut self, wait: bool) -> Result<u64> {
@@ -209,12 +230,23 @@ pub(crate) trait Allocator: Send + fmt::Debug {
 
     /// The pool is going away: give everything back.
     fn release_all(&mut self, source: &mut Source<'_>) -> Result<()>;
+
+    /// A step begins: counters kept per step start over.
+    fn begin_step(&mut self) {}
+
+    /// The planned strategy's numbers over the current step.
+    fn plan_stats(&self) -> Option<PlanStats> {
+        None
+    }
 }
 
-/// The allocator state for a strategy.
-pub(crate) fn allocator(strategy: Strategy) -> Box<dyn Allocator> {
-    match strategy {
+/// The allocator state for a phase's strategy.
+pub(crate) fn allocator(entry: &Arc<PhaseEntry>) -> Box<dyn Allocator> {
+    match entry.spec.strategy {
         Strategy::Pool => Box::new(Direct),
         Strategy::Arena { slab_bytes } => Box::new(Arena::new(slab_bytes)),
+        Strategy::Planned { max_plans, signature_len } => {
+            Box::new(Planned::new(entry.clone(), max_plans, signature_len))
+        }
     }
 }

@@ -1,0 +1,773 @@
+//! The `Planned` strategy: a scope's allocation sequence is recorded, packed offline into one
+//! slab, and later scopes with the same signature are served at the planned offsets.
+//!
+//! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from the
+//! phase's CUDA pool while its allocations and frees are recorded; at its end the recording is
+//! packed ([`plan`](super::plan)) and the slab, sized for the largest plan kept, is taken from the
+//! pool. A later scope whose first sizes (or the user's key, [`Runtime::set_plan_key`]) match a
+//! plan gets allocation *i* at planned offset *i* — an index lookup. Anything else while a plan
+//! serves (a size that does not match, an extra allocation, a planned range still held by an
+//! allocation freed late) is a deviation, served from the pool, and the plan is refreshed at the
+//! scope's end. A scope of a new shape (no plan has its first sizes) is served best-fit from the
+//! slab's free space, then from the pool, and recorded for its own plan.
+//!
+//! # Why a hand-out never overlaps a live allocation
+//!
+//! Planned entries are handed out in increasing order, each at most once per scope (the cursor
+//! only moves forward). When entry *i* is handed out, every live slab allocation is an entry
+//! *j < i* of the same plan or a range on the *late list*. An entry *j* the recording had still
+//! alive when *i* was allocated was packed apart from *i* (the packing is checked before it is
+//! kept). An entry the recording had freed by then but which is still live — freed late, or never
+//! — is moved to the late list as the cursor passes its planned free, and so are the live entries
+//! of a plan the scope switched away from; *i* is handed out only if it overlaps nothing on the
+//! late list. A scope of a new shape serves from ranges of the slab that no live allocation
+//! holds. Deviations come from the pool, which never hands out memory inside the slab it lent.
+//! At the scope's end every slab range is reclaimed (leaked buffers too) and leaked deviations are
+//! given back; the boundary has ordered the pool's stream after every stream that used them.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, PoisonError};
+
+use steppool_sys::CUdeviceptr;
+
+use super::plan::{self, Block};
+use super::{ALIGNMENT, Allocator, FreeSpace, Source};
+use crate::error::{Error, Result};
+use crate::phase::{Phase, PhaseEntry, Strategy};
+use crate::runtime::Runtime;
+
+/// How far ahead a size that does not match the next entry looks for its entry (allocations the
+/// scope skipped); the entries jumped over are missing.
+const LOOKAHEAD: usize = 16;
+
+/// Scopes with more allocations than this are not planned: packing is quadratic in the worst
+/// case (about 50 ms for 4096 allocations with four orderings on one core).
+pub(crate) const MAX_PLANNED_ALLOCATIONS: usize = 1 << 15;
+
+/// What a plan is keyed by.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PlanKey {
+    /// A key the user gave with [`Runtime::set_plan_key`] (a sequence-length bucket, say).
+    User(u64),
+    /// The first sizes of the scope, rounded up to the 512-byte alignment.
+    Sizes(Vec<u64>),
+}
+
+/// One plan a phase pool keeps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PlanSummary {
+    /// What selects it.
+    pub key: PlanKey,
+    /// Allocations it places.
+    pub allocations: usize,
+    /// Slab bytes it needs.
+    pub bytes: u64,
+    /// The peak of live bytes of the recorded sequence (sizes rounded to 512): no plan of it can
+    /// need less.
+    pub lower_bound: u64,
+    /// Scopes of the current step it served.
+    pub scopes: u64,
+}
+
+impl PlanSummary {
+    /// `bytes / lower_bound`: 1.0 is a perfect packing.
+    pub fn overhead(&self) -> f64 {
+        if self.lower_bound == 0 { 1.0 } else { self.bytes as f64 / self.lower_bound as f64 }
+    }
+}
+
+/// What a phase pool with the [`Planned`](Strategy::Planned) strategy did over the current step,
+/// and the plans it keeps.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct PlanStats {
+    /// Allocations served at their planned offset.
+    pub planned: u64,
+    /// Allocations served from the phase's CUDA pool: deviations, and every allocation of a scope
+    /// that had no plan yet (it is being recorded).
+    pub unplanned: u64,
+    /// Allocations a plan was in use for but could not serve: a size that did not match, an
+    /// allocation the plan does not have, or a planned range still held by an allocation freed
+    /// later than recorded.
+    pub deviations: u64,
+    /// Planned allocations a scope never asked for.
+    pub missing: u64,
+    /// Scopes that deviated from their plan (their plan was refreshed at their end).
+    pub deviated_scopes: u64,
+    /// Plans made at the step's boundaries: for new signatures and after deviations.
+    pub replans: u64,
+    /// Bytes of the slab shared by the plans, held from the pool now.
+    pub slab_bytes: u64,
+    /// The plans kept, most recently used first.
+    pub plans: Vec<PlanSummary>,
+}
+
+impl PlanStats {
+    /// `planned / (planned + unplanned)`; 0 when nothing was allocated.
+    pub fn hit_rate(&self) -> f64 {
+        let total = self.planned + self.unplanned;
+        if total == 0 { 0.0 } else { self.planned as f64 / total as f64 }
+    }
+
+    /// The largest plan's bytes over its lower bound, the slab's overhead over perfect packing.
+    pub fn overhead(&self) -> Option<f64> {
+        self.plans.iter().max_by_key(|plan| plan.bytes).map(PlanSummary::overhead)
+    }
+}
+
+impl Runtime {
+    /// Sets the key that selects the plan of a [`Planned`](Strategy::Planned) phase from the
+    /// next scope on (its next step or micro-step to allocate), instead of the scope's first
+    /// sizes: a sequence-length bucket, a batch size. `None` goes back to the first sizes. Each
+    /// key gets its own plan, up to the strategy's `max_plans`. A phase's key is part of its
+    /// spec's state: [`Runtime::set_phase_spec`] starts it over.
+    pub fn set_plan_key(&self, phase: Phase, key: Option<u64>) -> Result<()> {
+        let entry = self.inner.phase_entry(phase)?;
+        if !matches!(entry.spec.strategy, Strategy::Planned { .. }) {
+            return Err(Error::NotPlanned { phase: entry.spec.name.clone(), strategy: entry.spec.strategy.name() });
+        }
+        *entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner) = key;
+        Ok(())
+    }
+}
+
+/// Hashes device pointers: they are 512-byte aligned, so the low bits carry nothing.
+#[derive(Default)]
+struct PointerHasher(u64);
+
+impl Hasher for PointerHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (value >> 9).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type PointerMap<V> = HashMap<CUdeviceptr, V, BuildHasherDefault<PointerHasher>>;
+
+/// A packed scope.
+#[derive(Debug)]
+struct Plan {
+    key: PlanKey,
+    /// Per entry (allocation order): aligned size, planned offset, positions of its allocation
+    /// and free in the recorded sequence.
+    sizes: Vec<u64>,
+    offsets: Vec<u64>,
+    starts: Vec<u32>,
+    ends: Vec<u32>,
+    /// The entries freed in the recording, by the position of their free.
+    by_end: Vec<u32>,
+    bytes: u64,
+    lower_bound: u64,
+    last_used: u64,
+    scopes: u64,
+}
+
+/// One recorded event of a scope.
+#[derive(Clone, Copy, Debug)]
+enum Event {
+    /// An allocation of this (aligned) size.
+    Alloc(u64),
+    /// The free of the scope's allocation with this index.
+    Free(u32),
+}
+
+/// A planned entry's state in the current scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Entry {
+    Pending,
+    Live,
+    /// Live past its planned free: its range is on the late list.
+    Late,
+    /// Freed, skipped, or served elsewhere.
+    Done,
+}
+
+/// A live allocation in the slab.
+#[derive(Clone, Copy, Debug)]
+struct SlabAllocation {
+    /// Its index among the scope's allocations.
+    index: u32,
+    /// Its entry in the current plan, or [`FOREIGN`] for an entry of a plan the scope left.
+    entry: u32,
+    size: u64,
+}
+
+const FOREIGN: u32 = u32::MAX;
+
+/// The free ranges of the slab while a scope without a plan is served from it: best fit, by
+/// offset (to merge neighbours) and by size.
+#[derive(Debug, Default)]
+struct FreeRanges {
+    by_offset: BTreeMap<u64, u64>,
+    by_size: BTreeSet<(u64, u64)>,
+}
+
+impl FreeRanges {
+    /// The slab's free ranges around the live ones.
+    fn around(slab: u64, mut live: Vec<(u64, u64)>) -> Self {
+        live.sort_unstable();
+        let mut ranges = Self::default();
+        let mut top = 0;
+        for (offset, size) in live.into_iter().chain(std::iter::once((slab, 0))) {
+            if offset > top {
+                ranges.insert(top, offset - top);
+            }
+            top = top.max(offset + size);
+        }
+        ranges
+    }
+
+    fn insert(&mut self, offset: u64, len: u64) {
+        self.by_offset.insert(offset, len);
+        self.by_size.insert((len, offset));
+    }
+
+    fn remove(&mut self, offset: u64, len: u64) {
+        self.by_offset.remove(&offset);
+        self.by_size.remove(&(len, offset));
+    }
+
+    /// The start of the smallest free range that holds `size` (the lowest on ties).
+    fn take(&mut self, size: u64) -> Option<u64> {
+        let &(len, offset) = self.by_size.range((size, 0)..).next()?;
+        self.remove(offset, len);
+        if len > size {
+            self.insert(offset + size, len - size);
+        }
+        Some(offset)
+    }
+
+    /// Returns a range, merged with its free neighbours.
+    fn give(&mut self, mut offset: u64, mut len: u64) {
+        if let Some((&below, &below_len)) = self.by_offset.range(..offset).next_back()
+            && below + below_len == offset
+        {
+            self.remove(below, below_len);
+            offset = below;
+            len += below_len;
+        }
+        if let Some(&above_len) = self.by_offset.get(&(offset + len)) {
+            self.remove(offset + len, above_len);
+            len += above_len;
+        }
+        self.insert(offset, len);
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slab {
+    base: CUdeviceptr,
+    size: u64,
+}
+
+/// Counters of the current step, summed over its scopes.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counters {
+    planned: u64,
+    unplanned: u64,
+    deviations: u64,
+    missing: u64,
+    deviated_scopes: u64,
+    replans: u64,
+}
+
+/// The `Planned` strategy's state in one phase pool.
+#[derive(Debug)]
+pub(crate) struct Planned {
+    entry: Arc<PhaseEntry>,
+    max_plans: usize,
+    signature_len: usize,
+    plans: Vec<Plan>,
+    slab: Option<Slab>,
+    /// Scopes begun so far, the clock of least-recently-used eviction.
+    clock: u64,
+    // ----- the current scope -----
+    events: Vec<Event>,
+    allocations: u32,
+    /// The first `signature_len` aligned sizes.
+    first_sizes: Vec<u64>,
+    user_key: Option<u64>,
+    plan: Option<usize>,
+    cursor: usize,
+    /// How far through the plan's `by_end` the planned frees have been passed.
+    passed_ends: usize,
+    entries: Vec<Entry>,
+    /// Live slab ranges no plan guarantee covers: `(offset, size)`.
+    late: Vec<(u64, u64)>,
+    /// A scope without a plan is served from the slab's free ranges (and the pool past them).
+    online: Option<FreeRanges>,
+    slab_live: PointerMap<SlabAllocation>,
+    /// Live allocations from the pool: `(index in the scope, bytes)`.
+    pooled: PointerMap<(u32, u64)>,
+    pooled_bytes: u64,
+    pooled_peak: u64,
+    deviated: bool,
+    /// The slab could not be had in this scope: do not ask again until its end.
+    slab_refused: bool,
+    counters: Counters,
+}
+
+impl Planned {
+    /// A planned allocator for `entry`'s phase, keeping at most `max_plans` plans keyed by the
+    /// first `signature_len` sizes (both at least 1, as [`PhaseSpec::validate`] checks).
+    ///
+    /// [`PhaseSpec::validate`]: crate::PhaseSpec::validate
+    pub(crate) fn new(entry: Arc<PhaseEntry>, max_plans: u32, signature_len: u32) -> Self {
+        Self {
+            entry,
+            max_plans: max_plans.max(1) as usize,
+            signature_len: signature_len.max(1) as usize,
+            plans: Vec::new(),
+            slab: None,
+            clock: 0,
+            events: Vec::new(),
+            allocations: 0,
+            first_sizes: Vec::new(),
+            user_key: None,
+            plan: None,
+            cursor: 0,
+            passed_ends: 0,
+            entries: Vec::new(),
+            late: Vec::new(),
+            online: None,
+            slab_live: PointerMap::default(),
+            pooled: PointerMap::default(),
+            pooled_bytes: 0,
+            pooled_peak: 0,
+            deviated: false,
+            slab_refused: false,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Begins a scope's bookkeeping at its first allocation: reads the user's key.
+    fn open_scope(&mut self) {
+        self.clock += 1;
+        self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(key) = self.user_key {
+            let found = self.plans.iter().position(|plan| plan.key == PlanKey::User(key));
+            self.select(found, 0);
+        }
+    }
+
+    /// Serves the scope from plan `index` (or none) from allocation `at` on: the allocations so
+    /// far are the plan's first `at` entries (their sizes matched), served elsewhere.
+    fn select(&mut self, index: Option<usize>, at: usize) {
+        // The live entries of the plan left behind lose their guarantee.
+        for allocation in self.slab_live.values_mut() {
+            if allocation.entry != FOREIGN {
+                if self.entries[allocation.entry as usize] == Entry::Live {
+                    let offset =
+                        self.plans[self.plan.expect("a live entry has a plan")].offsets[allocation.entry as usize];
+                    self.late.push((offset, allocation.size));
+                }
+                allocation.entry = FOREIGN;
+            }
+        }
+        self.plan = index;
+        self.cursor = at;
+        self.passed_ends = 0;
+        self.entries.clear();
+        if let Some(index) = index {
+            let plan = &mut self.plans[index];
+            plan.last_used = self.clock;
+            self.entries.resize(plan.sizes.len(), Entry::Pending);
+            self.entries[..at.min(plan.sizes.len())].fill(Entry::Done);
+        }
+    }
+
+    /// While the signature is still being read (no user key): if the current plan does not
+    /// have this size next, switch to the most recently used plan whose first sizes are the
+    /// scope's so far; if none has them, the scope is a new shape and has no plan.
+    fn follow_signature(&mut self, n: usize) {
+        let current_fits = self.plan.is_some_and(|p| self.plans[p].sizes.get(n) == Some(&self.first_sizes[n]));
+        if current_fits || self.online.is_some() {
+            return;
+        }
+        let sizes = &self.first_sizes;
+        let candidate = self
+            .plans
+            .iter()
+            .enumerate()
+            .filter(|(_, plan)| matches!(&plan.key, PlanKey::Sizes(key) if key.len() > n && key[..=n] == sizes[..=n]))
+            .max_by_key(|(_, plan)| plan.last_used)
+            .map(|(index, _)| index);
+        if candidate != self.plan {
+            self.select(candidate, n);
+        }
+    }
+
+    /// Serves the rest of a scope without a plan from the slab's free ranges.
+    fn go_online(&mut self, slab: Slab) {
+        let live = self.slab_live.iter().map(|(&ptr, allocation)| (ptr - slab.base, allocation.size)).collect();
+        for allocation in self.slab_live.values_mut() {
+            allocation.entry = FOREIGN;
+        }
+        self.late.clear();
+        self.online = Some(FreeRanges::around(slab.size, live));
+    }
+
+    /// The planned offset for the next allocation of `size` (aligned), if the plan may serve it.
+    fn next_planned(&mut self, size: u64) -> Option<u64> {
+        let index = self.plan?;
+        let plan = &self.plans[index];
+        let mut entry = self.cursor;
+        if plan.sizes.get(entry) != Some(&size) {
+            // Allocations the scope skipped: the entry further on with this size, if near.
+            let end = plan.sizes.len().min(entry + 1 + LOOKAHEAD);
+            let Some(found) = (entry + 1..end).find(|&e| plan.sizes[e] == size) else {
+                // An allocation the plan does not have: the cursor stays.
+                self.deviated = true;
+                self.counters.deviations += 1;
+                return None;
+            };
+            self.entries[entry..found].fill(Entry::Done);
+            self.counters.missing += (found - entry) as u64;
+            self.deviated = true;
+            entry = found;
+        }
+        self.cursor = entry + 1;
+        // Entries the recording had freed before this allocation and that are still live.
+        let start = plan.starts[entry];
+        while let Some(&passed) = plan.by_end.get(self.passed_ends) {
+            if plan.ends[passed as usize] >= start {
+                break;
+            }
+            if self.entries[passed as usize] == Entry::Live {
+                self.entries[passed as usize] = Entry::Late;
+                self.late.push((plan.offsets[passed as usize], plan.sizes[passed as usize]));
+            }
+            self.passed_ends += 1;
+        }
+        let offset = plan.offsets[entry];
+        let fits = self.slab.is_some_and(|slab| offset + size <= slab.size);
+        let clear = self.late.iter().all(|&(late, len)| late + len <= offset || offset + size <= late);
+        if !(fits && clear) {
+            self.entries[entry] = Entry::Done;
+            self.deviated = true;
+            self.counters.deviations += 1;
+            return None;
+        }
+        self.entries[entry] = Entry::Live;
+        Some(offset)
+    }
+
+    /// Makes sure a slab for the largest plan is held, when nothing lives in it.
+    fn ensure_slab(&mut self, source: &mut Source<'_>) -> Result<()> {
+        let desired = self.plans.iter().map(|plan| plan.bytes).max().unwrap_or(0);
+        if self.slab_refused || desired == 0 || !self.slab_live.is_empty() || !self.late.is_empty() {
+            return Ok(());
+        }
+        if let Some(slab) = self.slab {
+            if slab.size >= desired {
+                return Ok(());
+            }
+            self.slab = None;
+            source.free(slab.base, slab.size)?;
+        }
+        // Idle memory goes back first (as far as its frees were seen complete), so the slab can
+        // take its place instead of adding to it.
+        source.trim_to(0)?;
+        match source.alloc(desired) {
+            Ok(base) => self.slab = Some(Slab { base, size: desired }),
+            // The scope goes on from the pool; out-of-memory recovery happens there if needed.
+            Err(Error::Driver(error)) if error.is_out_of_memory() => self.slab_refused = true,
+            Err(error) => return Err(error),
+        }
+        Ok(())
+    }
+
+    /// Serves the scope's next allocation: at its planned offset, else from the pool.
+    fn serve(&mut self, source: &mut Source<'_>, bytes: u64, size: u64) -> Result<CUdeviceptr> {
+        if self.slab.is_none_or(|slab| slab.size < self.plan.map_or(0, |p| self.plans[p].bytes)) {
+            self.ensure_slab(source)?;
+        }
+        if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
+            self.go_online(slab);
+        }
+        if let Some(online) = &mut self.online
+            && let Some(offset) = online.take(size)
+        {
+            let ptr = self.slab.expect("online ranges are in the slab").base + offset;
+            self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+            self.counters.unplanned += 1;
+            return Ok(ptr);
+        }
+        match self.next_planned(size) {
+            Some(offset) => {
+                let slab = self.slab.expect("a planned hand-out has a slab");
+                let ptr = slab.base + offset;
+                let entry = self.cursor as u32 - 1;
+                self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry, size });
+                self.counters.planned += 1;
+                Ok(ptr)
+            }
+            None => {
+                let ptr = self.allocate_from_pool(source, bytes, size)?;
+                self.counters.unplanned += 1;
+                Ok(ptr)
+            }
+        }
+    }
+
+    fn allocate_from_pool(&mut self, source: &mut Source<'_>, bytes: u64, size: u64) -> Result<CUdeviceptr> {
+        let ptr = source.alloc(bytes)?;
+        self.pooled.insert(ptr, (self.allocations, bytes));
+        self.pooled_bytes += size;
+        self.pooled_peak = self.pooled_peak.max(self.pooled_bytes);
+        Ok(ptr)
+    }
+
+    /// The recorded scope as blocks (aligned sizes and lifetimes), if it may be planned.
+    fn recorded_blocks(&self) -> Option<Vec<Block>> {
+        if self.allocations == 0 || self.allocations as usize > MAX_PLANNED_ALLOCATIONS {
+            return None;
+        }
+        let mut blocks = Vec::with_capacity(self.allocations as usize);
+        for (position, event) in self.events.iter().enumerate() {
+            let position = position as u32;
+            match *event {
+                Event::Alloc(size) => blocks.push(Block { size, start: position, end: Block::NEVER_FREED }),
+                Event::Free(index) => blocks[index as usize].end = position,
+            }
+        }
+        Some(blocks)
+    }
+
+    /// Packs the recorded scope and keeps the plan under the scope's signature, replacing the
+    /// plan of that signature or, at the bound, the least recently used one.
+    fn replan(&mut self) {
+        let Some(blocks) = self.recorded_blocks() else { return };
+        let packing = plan::pack(&blocks);
+        if !plan::is_valid(&blocks, &packing) {
+            debug_assert!(false, "the planner made an invalid packing");
+            return;
+        }
+        let key = match self.user_key {
+            Some(key) => PlanKey::User(key),
+            None => PlanKey::Sizes(self.first_sizes.clone()),
+        };
+        let mut by_end: Vec<u32> =
+            (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
+        by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
+        let plan = Plan {
+            key,
+            sizes: blocks.iter().map(|b| b.size).collect(),
+            starts: blocks.iter().map(|b| b.start).collect(),
+            ends: blocks.iter().map(|b| b.end).collect(),
+            offsets: packing.offsets,
+            by_end,
+            bytes: packing.size,
+            lower_bound: plan::lower_bound(&blocks),
+            last_used: self.clock,
+            scopes: 0,
+        };
+        self.counters.replans += 1;
+        if let Some(same) = self.plans.iter().position(|p| p.key == plan.key) {
+            self.plans[same] = plan;
+        } else if self.plans.len() < self.max_plans {
+            self.plans.push(plan);
+        } else if let Some(oldest) = (0..self.plans.len()).min_by_key(|&p| self.plans[p].last_used) {
+            self.plans[oldest] = plan;
+        }
+    }
+
+    /// Sets the scope's bookkeeping back to empty.
+    fn close_scope(&mut self) {
+        self.events.clear();
+        self.allocations = 0;
+        self.first_sizes.clear();
+        self.user_key = None;
+        self.plan = None;
+        self.cursor = 0;
+        self.passed_ends = 0;
+        self.entries.clear();
+        self.late.clear();
+        self.online = None;
+        self.slab_live.clear();
+        self.pooled_bytes = 0;
+        self.pooled_peak = 0;
+        self.deviated = false;
+        self.slab_refused = false;
+    }
+}
+
+impl Allocator for Planned {
+    fn allocate(&mut self, source: &mut Source<'_>, bytes: u64) -> Result<CUdeviceptr> {
+        let size = bytes.next_multiple_of(ALIGNMENT);
+        let n = self.allocations as usize;
+        if n == 0 {
+            self.open_scope();
+        }
+        if n < self.signature_len {
+            self.first_sizes.push(size);
+            if self.user_key.is_none() {
+                self.follow_signature(n);
+            }
+        }
+        match self.serve(source, bytes, size) {
+            Ok(ptr) => {
+                self.events.push(Event::Alloc(size));
+                self.allocations += 1;
+                Ok(ptr)
+            }
+            Err(error) => {
+                // Not an allocation of the scope: the caller may retry it after recovery.
+                self.first_sizes.truncate(n);
+                Err(error)
+            }
+        }
+    }
+
+    fn free(&mut self, source: &mut Source<'_>, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        if let Some(allocation) = self.slab_live.remove(&ptr) {
+            self.events.push(Event::Free(allocation.index));
+            if let Some(online) = &mut self.online {
+                online.give(ptr - self.slab.expect("a slab allocation has a slab").base, allocation.size);
+                return Ok(());
+            }
+            let late = allocation.entry == FOREIGN || self.entries[allocation.entry as usize] == Entry::Late;
+            if allocation.entry != FOREIGN {
+                self.entries[allocation.entry as usize] = Entry::Done;
+            }
+            if late {
+                let offset = ptr - self.slab.expect("a slab allocation has a slab").base;
+                if let Some(at) = self.late.iter().position(|&(late, _)| late == offset) {
+                    self.late.swap_remove(at);
+                }
+            }
+            return Ok(());
+        }
+        match self.pooled.remove(&ptr) {
+            Some((index, _)) => {
+                source.free(ptr, bytes)?;
+                self.pooled_bytes -= bytes.next_multiple_of(ALIGNMENT);
+                self.events.push(Event::Free(index));
+                Ok(())
+            }
+            None => {
+                debug_assert!(false, "free of {ptr:#x}, which this strategy did not hand out");
+                source.free(ptr, bytes)
+            }
+        }
+    }
+
+    /// Plans the scope if it had no plan or deviated from it, reclaims the slab (leaked buffers
+    /// too), gives back leaked pool allocations, and sizes the slab for the largest plan. The
+    /// slab is taken now, so the next scope finds it; it is given back when no plan is left, or
+    /// when `keep` is smaller than it (the trim policy asks for the memory back; the next scope
+    /// that has a plan takes it again).
+    fn reset(&mut self, source: &mut Source<'_>, keep: u64) -> Result<()> {
+        let mut outcome = Ok(());
+        for (ptr, (_, bytes)) in self.pooled.drain() {
+            outcome = outcome.and(source.free(ptr, bytes));
+        }
+        if self.allocations > 0 {
+            if let Some(index) = self.plan {
+                let unserved = self.plans[index].sizes.len().saturating_sub(self.cursor) as u64;
+                self.counters.missing += unserved;
+                self.deviated |= unserved > 0;
+                self.plans[index].scopes += 1;
+            }
+            if self.deviated {
+                self.counters.deviated_scopes += 1;
+            }
+            if self.plan.is_none() || self.deviated {
+                self.replan();
+            }
+        }
+        self.close_scope();
+        let desired = self.plans.iter().map(|plan| plan.bytes).max().unwrap_or(0);
+        let mut released = false;
+        if let Some(slab) = self.slab {
+            let unfit = slab.size < desired || slab.size > desired + desired / 8;
+            released = slab.size > keep;
+            if unfit || released {
+                self.slab = None;
+                outcome = outcome.and(source.free(slab.base, slab.size));
+            }
+        }
+        if !released {
+            outcome = outcome.and(self.ensure_slab(source));
+            self.slab_refused = false;
+        }
+        outcome
+    }
+
+    /// The slab (what the plans need) plus the peak of pool allocations.
+    fn touched(&self) -> u64 {
+        self.slab.map_or(0, |slab| slab.size) + self.pooled_peak
+    }
+
+    fn free_space(&self) -> Option<FreeSpace> {
+        let slab = self.slab?;
+        let mut live: Vec<(u64, u64)> =
+            self.slab_live.iter().map(|(&ptr, allocation)| (ptr - slab.base, allocation.size)).collect();
+        live.sort_unstable();
+        let mut space = FreeSpace::default();
+        let mut top = 0;
+        for (offset, size) in live.into_iter().chain(std::iter::once((slab.size, 0))) {
+            let gap = offset.saturating_sub(top);
+            space.total_free += gap;
+            space.largest_free = space.largest_free.max(gap);
+            top = top.max(offset + size);
+        }
+        Some(space)
+    }
+
+    fn release_all(&mut self, source: &mut Source<'_>) -> Result<()> {
+        let mut outcome = Ok(());
+        for (ptr, (_, bytes)) in self.pooled.drain() {
+            outcome = outcome.and(source.free(ptr, bytes));
+        }
+        if let Some(slab) = self.slab.take() {
+            outcome = outcome.and(source.free(slab.base, slab.size));
+        }
+        self.close_scope();
+        outcome
+    }
+
+    fn begin_step(&mut self) {
+        self.counters = Counters::default();
+        for plan in &mut self.plans {
+            plan.scopes = 0;
+        }
+    }
+
+    fn plan_stats(&self) -> Option<PlanStats> {
+        let c = self.counters;
+        let mut plans: Vec<&Plan> = self.plans.iter().collect();
+        plans.sort_by_key(|plan| std::cmp::Reverse(plan.last_used));
+        Some(PlanStats {
+            planned: c.planned,
+            unplanned: c.unplanned,
+            deviations: c.deviations,
+            missing: c.missing,
+            deviated_scopes: c.deviated_scopes,
+            replans: c.replans,
+            slab_bytes: self.slab.map_or(0, |slab| slab.size),
+            plans: plans
+                .into_iter()
+                .map(|plan| PlanSummary {
+                    key: plan.key.clone(),
+                    allocations: plan.sizes.len(),
+                    bytes: plan.bytes,
+                    lower_bound: plan.lower_bound,
+                    scopes: plan.scopes,
+                })
+                .collect(),
+        })
+    }
+}

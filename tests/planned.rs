@@ -1,0 +1,746 @@
+//! The `Planned` strategy: random step programs with random deviations (extra allocations,
+//! missing ones, changed sizes, frees in another order, frees that come late or never, other
+//! shapes and user keys) never get memory that overlaps a live allocation, every allocation
+//! succeeds or fails with a typed error, and the accounting stays exact; real PyTorch training
+//! traces replayed through it are served from their plans.
+
+use std::collections::{BTreeMap, HashMap};
+
+use proptest::prelude::*;
+use steppool::{Error, Phase, PhaseSpec, PlanKey, PlanStats, PoolStats, Runtime, Scope, Strategy as Allocation};
+use steppool_sys::CUdeviceptr;
+use steppool_sys::sim::SimConfig;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn runtime(capacity: u64) -> Runtime {
+    Runtime::builder().simulated(SimConfig::with_capacity(capacity)).build().unwrap()
+}
+
+fn planned_phase(rt: &Runtime, name: &str, scope: Scope, strategy: Allocation) -> Phase {
+    rt.declare_phase(PhaseSpec::new(name, scope).strategy(strategy)).unwrap()
+}
+
+fn pool_stats(rt: &Runtime, phase: Phase, stream: &steppool::Stream) -> PoolStats {
+    rt.stats().unwrap().into_iter().find(|s| s.phase == phase && s.stream == stream.id()).expect("the pool")
+}
+
+fn plan_of(stats: &PoolStats) -> &PlanStats {
+    stats.plan.as_ref().expect("a planned pool reports its plans")
+}
+
+/// Live device ranges handed out, across every pool: a new one must overlap none.
+#[derive(Default)]
+struct Ranges(BTreeMap<CUdeviceptr, u64>);
+
+impl Ranges {
+    fn insert(&mut self, ptr: CUdeviceptr, size: u64) -> Result<(), String> {
+        if let Some((&below, &len)) = self.0.range(..=ptr).next_back()
+            && below + len > ptr
+        {
+            return Err(format!("{ptr:#x}+{size} overlaps the live {below:#x}+{len}"));
+        }
+        if let Some((&above, &len)) = self.0.range(ptr..).next()
+            && above < ptr + size
+        {
+            return Err(format!("{ptr:#x}+{size} overlaps the live {above:#x}+{len}"));
+        }
+        self.0.insert(ptr, size);
+        Ok(())
+    }
+
+    fn remove(&mut self, ptr: CUdeviceptr) {
+        self.0.remove(&ptr);
+    }
+}
+
+// ----- the spec and the key ---------------------------------------------------------------------
+
+#[test]
+fn planned_specs_are_checked_with_the_numbers() {
+    let rt = runtime(GIB);
+    let refused = |spec: PhaseSpec| match rt.declare_phase(spec) {
+        Err(Error::InvalidPhaseSpec { reason, .. }) => reason,
+        other => panic!("expected an invalid spec, got {other:?}"),
+    };
+    let planned = |max_plans, signature_len| Allocation::Planned { max_plans, signature_len };
+    assert!(refused(PhaseSpec::new("w", Scope::Persistent).strategy(Allocation::PLANNED)).contains("repeat"));
+    assert!(refused(PhaseSpec::new("a", Scope::Step).strategy(planned(0, 4))).contains("0 plans"));
+    assert!(refused(PhaseSpec::new("b", Scope::Step).strategy(planned(1025, 4))).contains("1025 plans"));
+    assert!(refused(PhaseSpec::new("c", Scope::Step).strategy(planned(8, 0))).contains("0 sizes"));
+    assert!(refused(PhaseSpec::new("d", Scope::MicroStep).strategy(planned(8, 65))).contains("65 sizes"));
+    assert!(rt.declare_phase(PhaseSpec::new("e", Scope::MicroStep).strategy(planned(1, 64))).is_ok());
+    assert_eq!(Allocation::PLANNED.name(), "planned");
+}
+
+#[test]
+fn plan_keys_are_for_planned_phases() {
+    let rt = runtime(GIB);
+    match rt.set_plan_key(Phase::ACTIVATIONS, Some(3)) {
+        Err(error @ Error::NotPlanned { .. }) => assert!(error.to_string().contains("pool strategy"), "{error}"),
+        other => panic!("expected NotPlanned, got {other:?}"),
+    }
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    rt.set_plan_key(phase, Some(7)).unwrap();
+}
+
+// ----- serving from a plan ----------------------------------------------------------------------
+
+/// One step of a small "model": forward activations kept, scratch freed at once, backward frees
+/// in reverse.
+fn model_step(step: &steppool::Step, phase: Phase, stream: &steppool::Stream, batch: u64) -> Vec<CUdeviceptr> {
+    let mut ptrs = Vec::new();
+    let input = step.alloc(phase, batch * 3 * KIB, stream).unwrap();
+    ptrs.push(input.ptr());
+    let mut kept = Vec::new();
+    for layer in 0..6 {
+        let activation = step.alloc(phase, batch * (64 + 16 * layer) * KIB, stream).unwrap();
+        let scratch = step.alloc(phase, batch * 40 * KIB, stream).unwrap();
+        ptrs.extend([activation.ptr(), scratch.ptr()]);
+        drop(scratch);
+        kept.push(activation);
+    }
+    while let Some(activation) = kept.pop() {
+        let grad = step.alloc(phase, activation.len(), stream).unwrap();
+        ptrs.push(grad.ptr());
+        drop(activation);
+        drop(grad);
+    }
+    drop(input);
+    ptrs
+}
+
+#[test]
+fn a_repeating_step_is_served_from_its_plan_at_the_same_addresses() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let mut addresses = Vec::new();
+    for index in 0..4 {
+        let step = rt.begin_step().unwrap();
+        addresses.push(model_step(&step, phase, &stream, 4));
+        stream.synchronize().unwrap();
+        let report = step.end().unwrap();
+        let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+        let plan = plan_of(stats);
+        if index == 0 {
+            assert_eq!((plan.planned, plan.replans), (0, 1), "the first step is recorded and planned");
+            assert_eq!(plan.plans.len(), 1);
+            assert_eq!(plan.slab_bytes, plan.plans[0].bytes, "the slab is taken at the end of the recording");
+        } else {
+            assert_eq!((plan.planned, plan.unplanned, plan.deviations, plan.missing), (19, 0, 0, 0));
+            assert_eq!(plan.hit_rate(), 1.0);
+            assert_eq!(plan.replans, 0);
+            // The simulated pool reserves in 2 MiB granules.
+            assert_eq!(stats.peak_reserved, plan.slab_bytes.next_multiple_of(2 * MIB), "the slab and nothing else");
+            assert_eq!(plan.plans[0].scopes, 1);
+        }
+        let summary = &plan.plans[0];
+        assert!(summary.bytes >= summary.lower_bound);
+        assert_eq!(summary.allocations, 19);
+    }
+    assert_eq!(addresses[1], addresses[2], "planned offsets in the same slab");
+    assert_eq!(addresses[2], addresses[3]);
+}
+
+#[test]
+fn each_shape_gets_its_plan_and_the_slab_fits_the_largest() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let batches = [2, 8, 2, 8, 4, 2, 8, 4];
+    let mut last = None;
+    for (index, &batch) in batches.iter().enumerate() {
+        let step = rt.begin_step().unwrap();
+        model_step(&step, phase, &stream, batch);
+        let report = step.end().unwrap();
+        let plan = plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone();
+        let seen_before = batches[..index].contains(&batch);
+        assert_eq!(plan.planned == 19, seen_before, "step {index} (batch {batch}): {plan:?}");
+        assert_eq!(plan.deviations, 0, "a new first size is a new signature, not a deviation");
+        assert_eq!(plan.slab_bytes, plan.plans.iter().map(|p| p.bytes).max().unwrap());
+        last = Some(plan);
+    }
+    let plan = last.unwrap();
+    assert_eq!(plan.plans.len(), 3);
+    assert!(plan.plans.iter().all(|p| matches!(&p.key, PlanKey::Sizes(sizes) if sizes.len() == 4)));
+}
+
+#[test]
+fn user_keys_select_plans_and_the_bound_evicts_the_least_recently_used() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::Planned { max_plans: 2, signature_len: 4 });
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let run = |key: u64, batch: u64| {
+        rt.set_plan_key(phase, Some(key)).unwrap();
+        let step = rt.begin_step().unwrap();
+        model_step(&step, phase, &stream, batch);
+        let report = step.end().unwrap();
+        plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone()
+    };
+    assert_eq!(run(1, 2).planned, 0);
+    assert_eq!(run(1, 2).planned, 19);
+    assert_eq!(run(2, 4).planned, 0);
+    assert_eq!(run(2, 4).planned, 19);
+    assert_eq!(run(1, 2).planned, 19, "key 1 was used more recently than nothing: still kept");
+    let third = run(3, 8);
+    assert_eq!(third.planned, 0);
+    let keys: Vec<_> = third.plans.iter().map(|p| p.key.clone()).collect();
+    assert_eq!(keys, vec![PlanKey::User(3), PlanKey::User(1)], "key 2, least recently used, went");
+    // Same sizes under another key: recorded again, not served from key 1's plan.
+    assert_eq!(run(4, 2).planned, 0);
+}
+
+#[test]
+fn a_deviation_is_served_from_the_pool_and_refreshes_the_plan() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    for _ in 0..2 {
+        let step = rt.begin_step().unwrap();
+        model_step(&step, phase, &stream, 4);
+        step.end().unwrap();
+    }
+    // The same step with one extra allocation after the signature (the first 4 sizes).
+    let deviating = |rt: &Runtime| {
+        let step = rt.begin_step().unwrap();
+        let input = step.alloc(phase, 12 * KIB, &stream).unwrap();
+        let first = step.alloc(phase, 4 * 64 * KIB, &stream).unwrap();
+        drop(step.alloc(phase, 4 * 40 * KIB, &stream).unwrap());
+        let second = step.alloc(phase, 4 * 80 * KIB, &stream).unwrap();
+        let extra = step.alloc(phase, 3 * MIB, &stream).unwrap();
+        let stats = pool_stats(rt, phase, &stream);
+        assert_eq!(stats.used, 12 * KIB + 4 * 144 * KIB + 3 * MIB);
+        drop((input, first, second, extra));
+        let report = step.end().unwrap();
+        (plan_of(&stats).clone(), plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone())
+    };
+    let (during, after) = deviating(&rt);
+    assert_eq!((during.planned, during.deviations), (4, 1), "the extra allocation came from the pool");
+    assert_eq!((after.deviated_scopes, after.replans), (1, 1));
+    assert_eq!(after.missing, 15, "the rest of the plan was never asked for");
+    assert_eq!(after.plans.len(), 1, "the same signature: the plan was refreshed, not added");
+    // The refreshed plan is the deviating step's: served from the next time it repeats.
+    let (during, after) = deviating(&rt);
+    assert_eq!((during.planned, during.deviations), (5, 0));
+    assert_eq!((after.missing, after.deviated_scopes, after.replans), (0, 0, 0));
+}
+
+#[test]
+fn a_new_first_size_is_a_new_shape_served_from_the_slab_free_space() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let step = rt.begin_step().unwrap();
+    model_step(&step, phase, &stream, 8);
+    stream.synchronize().unwrap(); // the recording's frees are seen complete: trimmed at the end
+    step.end().unwrap();
+    let slab_before = plan_of(&pool_stats(&rt, phase, &stream)).slab_bytes;
+    // A smaller shape: no plan yet, but the slab of the larger one holds it.
+    let step = rt.begin_step().unwrap();
+    model_step(&step, phase, &stream, 2);
+    let report = step.end().unwrap();
+    let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+    let plan = plan_of(stats);
+    assert_eq!((plan.planned, plan.unplanned, plan.deviations), (0, 19, 0));
+    assert_eq!(plan.slab_bytes, slab_before);
+    assert_eq!(stats.peak_reserved, slab_before.next_multiple_of(2 * MIB), "nothing came from the pool");
+    assert_eq!(plan.plans.len(), 2);
+}
+
+#[test]
+fn a_late_free_keeps_its_range_from_the_allocation_planned_over_it() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    // Recorded: A freed before B, so B is planned over A's range.
+    for _ in 0..2 {
+        let step = rt.begin_step().unwrap();
+        let a = step.alloc(phase, MIB, &stream).unwrap();
+        drop(a);
+        let b = step.alloc(phase, MIB, &stream).unwrap();
+        drop(b);
+        step.end().unwrap();
+    }
+    let step = rt.begin_step().unwrap();
+    let a = step.alloc(phase, MIB, &stream).unwrap();
+    let b = step.alloc(phase, MIB, &stream).unwrap();
+    assert!(a.ptr() + MIB <= b.ptr() || b.ptr() + MIB <= a.ptr(), "{:#x} and {:#x} overlap", a.ptr(), b.ptr());
+    let plan = plan_of(&pool_stats(&rt, phase, &stream)).clone();
+    assert_eq!((plan.planned, plan.deviations), (1, 1), "B went to the pool");
+    drop((a, b));
+    step.end().unwrap();
+}
+
+#[test]
+fn leaked_buffers_are_reclaimed_and_leaked_deviations_given_back() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    for leak in [false, true, true, false] {
+        let step = rt.begin_step().unwrap();
+        let kept = step.alloc(phase, 2 * MIB, &stream).unwrap();
+        let extra = step.alloc(phase, if leak { 5 * MIB } else { MIB }, &stream).unwrap();
+        if leak {
+            std::mem::forget(kept);
+            std::mem::forget(extra);
+        } else {
+            drop((kept, extra));
+        }
+        let report = step.end().unwrap();
+        let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+        assert_eq!(stats.used, 0);
+        assert_eq!(stats.released, if leak { 7 * MIB } else { 0 });
+        let pool = rt.pool_handle(phase, &stream).unwrap().unwrap();
+        let layout = rt.driver().sim().unwrap().pool_layout(pool).unwrap();
+        let held: Vec<u64> = layout.allocations.iter().map(|&(_, size)| size).collect();
+        assert_eq!(held, vec![plan_of(stats).slab_bytes], "only the slab stays allocated in the pool");
+    }
+}
+
+#[test]
+fn micro_steps_are_planned_like_steps() {
+    let rt = runtime(8 * GIB);
+    let phase = planned_phase(&rt, "micro", Scope::MicroStep, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    for index in 0..3 {
+        let step = rt.begin_step().unwrap();
+        for _ in 0..4 {
+            let micro = step.begin_micro_step().unwrap();
+            let a = micro.alloc(phase, 3 * MIB, &stream).unwrap();
+            let b = micro.alloc(phase, MIB, &stream).unwrap();
+            drop(a);
+            let c = micro.alloc(phase, 2 * MIB, &stream).unwrap();
+            drop((b, c));
+            micro.end().unwrap();
+        }
+        let report = step.end().unwrap();
+        let plan = plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone();
+        let expected = if index == 0 { (9, 3) } else { (12, 0) };
+        assert_eq!((plan.planned, plan.unplanned), expected, "step {index}");
+        assert_eq!(plan.plans[0].bytes, plan.plans[0].lower_bound, "{plan:?}");
+    }
+}
+
+// ----- random programs with random deviations --------------------------------------------------
+
+/// One operation of a step's base program.
+#[derive(Clone, Copy, Debug)]
+enum Base {
+    Alloc(u64),
+    /// Frees the live allocation picked by this index (modulo the live count).
+    Free(usize),
+}
+
+/// What a step does differently from its base program.
+#[derive(Clone, Copy, Debug)]
+enum Deviation {
+    /// An allocation of this size before base op `at`.
+    Extra { at: usize, size: u64 },
+    /// Base allocation `at` is not made (its free is skipped too).
+    Missing { at: usize },
+    /// Base allocation `at` has this size instead.
+    Resize { at: usize, size: u64 },
+    /// Base free `at` frees another live allocation.
+    Reorder { at: usize, pick: usize },
+    /// Base free `at` comes at the step's end instead (released there), or is freed after every
+    /// other op.
+    Late { at: usize, never: bool },
+}
+
+#[derive(Clone, Debug)]
+struct StepPlan {
+    shape: usize,
+    key: Option<u64>,
+    deviations: Vec<Deviation>,
+    micro: bool,
+}
+
+fn alloc_size() -> impl Strategy<Value = u64> {
+    prop_oneof![4 => 1..256 * KIB, 2 => prop::sample::select(vec![512, 4 * KIB, MIB, 3 * MIB]), 1 => 1..8 * MIB]
+}
+
+fn base_program() -> impl Strategy<Value = Vec<Base>> {
+    prop::collection::vec(
+        prop_oneof![3 => alloc_size().prop_map(Base::Alloc), 2 => any::<usize>().prop_map(Base::Free)],
+        1..40,
+    )
+}
+
+fn deviation() -> impl Strategy<Value = Deviation> {
+    prop_oneof![
+        (0..40usize, alloc_size()).prop_map(|(at, size)| Deviation::Extra { at, size }),
+        (0..40usize).prop_map(|at| Deviation::Missing { at }),
+        (0..40usize, alloc_size()).prop_map(|(at, size)| Deviation::Resize { at, size }),
+        (0..40usize, any::<usize>()).prop_map(|(at, pick)| Deviation::Reorder { at, pick }),
+        (0..40usize, any::<bool>()).prop_map(|(at, never)| Deviation::Late { at, never }),
+    ]
+}
+
+fn step_plan(shapes: usize) -> impl Strategy<Value = StepPlan> {
+    (
+        0..shapes,
+        prop_oneof![3 => Just(None), 1 => (0..3u64).prop_map(Some)],
+        prop_oneof![2 => Just(vec![]), 1 => prop::collection::vec(deviation(), 1..4)],
+        prop_oneof![3 => Just(false), 1 => Just(true)],
+    )
+        .prop_map(|(shape, key, deviations, micro)| StepPlan { shape, key, deviations, micro })
+}
+
+/// The allocations the harness holds in the planned phases: `(phase index, size)` by pointer.
+struct Harness {
+    rt: Runtime,
+    streams: Vec<steppool::Stream>,
+    /// A step-scoped and a micro-step-scoped planned phase, and a plain pool for contrast.
+    phases: [Phase; 3],
+    ranges: Ranges,
+    live: HashMap<CUdeviceptr, (usize, usize, u64)>,
+}
+
+impl Harness {
+    fn new(max_plans: u32, signature_len: u32) -> Self {
+        let rt = Runtime::builder().simulated(SimConfig::with_capacity(16 * GIB)).checked(true).build().unwrap();
+        let strategy = Allocation::Planned { max_plans, signature_len };
+        let step = planned_phase(&rt, "planned", Scope::Step, strategy);
+        let micro = planned_phase(&rt, "planned_micro", Scope::MicroStep, strategy);
+        let streams = (0..2).map(|_| rt.device(0).unwrap().create_stream().unwrap()).collect();
+        Self { rt, streams, phases: [step, micro, Phase::ACTIVATIONS], ranges: Ranges::default(), live: HashMap::new() }
+    }
+
+    fn alloc(&mut self, phase: usize, stream: usize, size: u64) -> Result<CUdeviceptr, TestCaseError> {
+        // SAFETY: nothing runs on the device; pointers are freed or released by the harness.
+        let ptr = unsafe { self.rt.alloc_raw(self.phases[phase], size, &self.streams[stream]) };
+        let ptr = ptr.map_err(|error| TestCaseError::fail(format!("allocation of {size} failed: {error}")))?;
+        prop_assert_eq!(ptr % 512, 0);
+        self.ranges.insert(ptr, size).map_err(TestCaseError::fail)?;
+        self.check_backed(phase, stream, ptr, size)?;
+        self.live.insert(ptr, (phase, stream, size));
+        Ok(ptr)
+    }
+
+    fn free(&mut self, ptr: CUdeviceptr) -> Result<(), TestCaseError> {
+        // SAFETY: as above.
+        unsafe { self.rt.free_raw(ptr) }.map_err(|error| TestCaseError::fail(error.to_string()))?;
+        self.ranges.remove(ptr);
+        self.live.remove(&ptr);
+        Ok(())
+    }
+
+    /// The range lies in memory the pool has allocated from the device (the slab or its own).
+    fn check_backed(&self, phase: usize, stream: usize, ptr: CUdeviceptr, size: u64) -> Result<(), TestCaseError> {
+        let pool = self.rt.pool_handle(self.phases[phase], &self.streams[stream]).unwrap().unwrap();
+        let layout = self.rt.driver().sim().unwrap().pool_layout(pool).unwrap();
+        prop_assert!(
+            layout.allocations.iter().any(|&(base, len)| base <= ptr && ptr + size <= base + len),
+            "{:#x}+{} is not inside an allocation of its pool",
+            ptr,
+            size
+        );
+        Ok(())
+    }
+
+    /// Every pool's `used` is exactly what the harness holds in it.
+    fn check_used(&self) -> Result<(), TestCaseError> {
+        for stats in self.rt.stats().unwrap() {
+            let Some(phase) = self.phases.iter().position(|&p| p == stats.phase) else { continue };
+            let stream = self.streams.iter().position(|s| s.id() == stats.stream).unwrap();
+            let held: u64 =
+                self.live.values().filter(|&&(ph, st, _)| ph == phase && st == stream).map(|&(_, _, size)| size).sum();
+            prop_assert_eq!(stats.used, held, "phase {} stream {}", phase, stream);
+            prop_assert!(stats.peak_used >= stats.used);
+        }
+        Ok(())
+    }
+
+    /// Runs a base program with deviations in `phase` on `stream`.
+    fn run(
+        &mut self,
+        phase: usize,
+        stream: usize,
+        base: &[Base],
+        deviations: &[Deviation],
+    ) -> Result<(), TestCaseError> {
+        let mut order: Vec<CUdeviceptr> = Vec::new();
+        let mut base_allocations = 0;
+        let mut deferred: Vec<CUdeviceptr> = Vec::new();
+        for (at, op) in base.iter().enumerate() {
+            for deviation in deviations {
+                if let Deviation::Extra { at: when, size } = *deviation
+                    && when == at
+                {
+                    order.push(self.alloc(phase, stream, size)?);
+                }
+            }
+            match *op {
+                Base::Alloc(size) => {
+                    let index = base_allocations;
+                    base_allocations += 1;
+                    if deviations.iter().any(|d| matches!(*d, Deviation::Missing { at } if at == index)) {
+                        continue;
+                    }
+                    let size = deviations
+                        .iter()
+                        .find_map(|d| match *d {
+                            Deviation::Resize { at, size } if at == index => Some(size),
+                            _ => None,
+                        })
+                        .unwrap_or(size);
+                    let ptr = self.alloc(phase, stream, size)?;
+                    order.push(ptr);
+                }
+                Base::Free(pick) => {
+                    if order.is_empty() {
+                        continue;
+                    }
+                    let mut victim = pick % order.len();
+                    let mut late = None;
+                    for deviation in deviations {
+                        match *deviation {
+                            Deviation::Reorder { at: when, pick } if when == at => victim = pick % order.len(),
+                            Deviation::Late { at: when, never } if when == at => late = Some(never),
+                            _ => {}
+                        }
+                    }
+                    let ptr = order.remove(victim);
+                    match late {
+                        Some(true) => {}
+                        Some(false) => deferred.push(ptr),
+                        None => self.free(ptr)?,
+                    }
+                }
+            }
+            self.check_used()?;
+        }
+        for ptr in deferred {
+            self.free(ptr)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the step and checks what the boundary released and what the pools keep.
+    fn end_step(&mut self) -> Result<(), TestCaseError> {
+        // Micro-step phases released theirs at the micro-step ends (checked there).
+        let expected: u64 = self.live.values().filter(|&&(phase, _, _)| phase != 1).map(|&(_, _, size)| size).sum();
+        // SAFETY: nothing uses the released pointers.
+        let report = unsafe { self.rt.end_step_raw() }.map_err(|error| TestCaseError::fail(error.to_string()))?;
+        let released: u64 = report.pools.iter().filter(|p| p.phase != self.phases[1]).map(|p| p.released).sum();
+        prop_assert_eq!(released, expected);
+        for ptr in std::mem::take(&mut self.live).into_keys() {
+            self.ranges.remove(ptr);
+        }
+        for stats in &report.pools {
+            prop_assert_eq!(stats.used, 0);
+            if let Some(plan) = &stats.plan {
+                // What the strategy holds in the pool after the boundary: the slab, nothing else.
+                let stream = self.streams.iter().find(|s| s.id() == stats.stream).unwrap();
+                let pool = self.rt.pool_handle(stats.phase, stream).unwrap().unwrap();
+                let layout = self.rt.driver().sim().unwrap().pool_layout(pool).unwrap();
+                let held: Vec<u64> = layout.allocations.iter().map(|&(_, size)| size).collect();
+                let slab: Vec<u64> = Some(plan.slab_bytes).filter(|&b| b > 0).into_iter().collect();
+                prop_assert_eq!(held, slab);
+                prop_assert!(plan.plans.len() <= 3);
+                for summary in &plan.plans {
+                    prop_assert!(summary.bytes >= summary.lower_bound);
+                }
+                let allocations = plan.planned + plan.unplanned;
+                prop_assert_eq!(allocations, stats.allocations);
+                prop_assert!(plan.deviations <= plan.unplanned);
+                if let Some(free) = stats.free_space {
+                    prop_assert_eq!(free.total_free, plan.slab_bytes, "an empty slab after the boundary");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_steps_with_random_deviations_never_overlap(
+        shapes in prop::collection::vec(base_program(), 1..4),
+        steps in prop::collection::vec(step_plan(3), 1..12),
+        signature_len in 1u32..5,
+    ) {
+        let mut h = Harness::new(3, signature_len);
+        let shapes: Vec<Vec<Base>> = shapes;
+        for step in &steps {
+            let shape = &shapes[step.shape % shapes.len()];
+            h.rt.set_plan_key(h.phases[0], step.key).unwrap();
+            h.rt.set_plan_key(h.phases[1], step.key).unwrap();
+            h.rt.begin_step_raw().unwrap();
+            // A pool-strategy allocation that lives through the step, between planned ones.
+            h.alloc(2, 0, 3 * KIB)?;
+            if step.micro {
+                for micro in 0..2 {
+                    h.rt.begin_micro_step_raw().unwrap();
+                    h.run(1, micro % 2, shape, &step.deviations)?;
+                    let expected: u64 = h.live.values().filter(|&&(p, _, _)| p == 1).map(|&(_, _, s)| s).sum();
+                    // SAFETY: nothing uses the released pointers.
+                    let report = unsafe { h.rt.end_micro_step_raw() }.unwrap();
+                    prop_assert_eq!(report.released, expected);
+                    let released: Vec<_> = h.live.iter().filter(|(_, v)| v.0 == 1).map(|(&p, _)| p).collect();
+                    for ptr in released {
+                        h.live.remove(&ptr);
+                        h.ranges.remove(ptr);
+                    }
+                }
+            }
+            h.run(0, 0, shape, &step.deviations)?;
+            h.run(0, 1, shape, &[])?;
+            h.end_step()?;
+        }
+    }
+}
+
+// ----- real training traces ---------------------------------------------------------------------
+
+/// An event of an RMM-style log: `Thread,Time,Action,Pointer,Size,Stream`.
+struct TraceEvent {
+    time: i64,
+    allocate: bool,
+    pointer: u64,
+    size: u64,
+}
+
+/// Reads `../shared/traces/<name>.csv` and the step start times of its JSON sidecar. Only what
+/// these tests need: times in nanoseconds, `allocate` and `free` rows.
+fn read_trace(name: &str) -> (Vec<TraceEvent>, Vec<i64>) {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/");
+    let csv = std::fs::read_to_string(format!("{dir}{name}.csv")).expect("the shared traces beside the project");
+    let events = csv
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(',').collect();
+            let allocate = match fields[2] {
+                "allocate" => true,
+                "free" => false,
+                _ => return None,
+            };
+            let pointer = u64::from_str_radix(fields[3].trim_start_matches("0x"), 16).unwrap();
+            Some(TraceEvent { time: fields[1].parse().unwrap(), allocate, pointer, size: fields[4].parse().unwrap() })
+        })
+        .collect();
+    let json = std::fs::read_to_string(format!("{dir}{name}.json")).unwrap();
+    let list = json.split("\"steps_start_ns\":").nth(1).unwrap();
+    let list = &list[list.find('[').unwrap() + 1..list.find(']').unwrap()];
+    let steps = list.split(',').map(|n| n.trim().parse().unwrap()).collect();
+    (events, steps)
+}
+
+/// Per step: peak live bytes of the step phase, its pool's peak reservation, and its plan numbers.
+struct StepNumbers {
+    peak_used: u64,
+    peak_reserved: u64,
+    plan: Option<PlanStats>,
+    allocations: u64,
+}
+
+/// Replays a trace: allocations freed within their step go to a step-scoped phase of `strategy`,
+/// the others to a persistent one. Checks that no hand-out overlaps a live allocation.
+fn replay(name: &str, strategy: Allocation) -> Vec<StepNumbers> {
+    let (events, starts) = read_trace(name);
+    let step_of = |time: i64| starts.partition_point(|&start| start <= time).saturating_sub(1);
+    // Which allocation events are freed in their own step.
+    let mut open: HashMap<u64, usize> = HashMap::new();
+    let mut freed_in_step = vec![false; events.len()];
+    for (index, event) in events.iter().enumerate() {
+        if event.allocate {
+            open.insert(event.pointer, index);
+        } else if let Some(at) = open.remove(&event.pointer) {
+            freed_in_step[at] = step_of(events[at].time) == step_of(event.time);
+        }
+    }
+    let rt = runtime(64 * GIB);
+    let phase = rt.declare_phase(PhaseSpec::new("step", Scope::Step).strategy(strategy)).unwrap();
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let mut ranges = Ranges::default();
+    let mut ours: HashMap<u64, CUdeviceptr> = HashMap::new();
+    let mut numbers = Vec::new();
+    let mut step = None;
+    for (index, event) in events.iter().enumerate() {
+        let at = step_of(event.time);
+        if step != Some(at) {
+            if step.is_some() {
+                numbers.push(end_step(&rt, phase, &stream));
+            }
+            rt.begin_step_raw().unwrap();
+            step = Some(at);
+        }
+        if event.allocate {
+            let target = if freed_in_step[index] { phase } else { Phase::WEIGHTS };
+            // SAFETY: nothing runs on the device.
+            let ptr = unsafe { rt.alloc_raw(target, event.size.max(1), &stream) }.unwrap();
+            ranges.insert(ptr, event.size.max(1)).unwrap();
+            ours.insert(event.pointer, ptr);
+        } else if let Some(ptr) = ours.remove(&event.pointer) {
+            ranges.remove(ptr);
+            // SAFETY: as above.
+            unsafe { rt.free_raw(ptr) }.unwrap();
+        }
+    }
+    numbers.push(end_step(&rt, phase, &stream));
+    numbers
+}
+
+fn end_step(rt: &Runtime, phase: Phase, stream: &steppool::Stream) -> StepNumbers {
+    // A training loop synchronizes at least once a step (reading the loss); trimming at the
+    // boundary only gives back memory whose frees the host has seen complete.
+    stream.synchronize().unwrap();
+    // SAFETY: nothing runs on the device.
+    let report = unsafe { rt.end_step_raw() }.unwrap();
+    let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+    StepNumbers {
+        peak_used: stats.peak_used,
+        peak_reserved: stats.peak_reserved,
+        plan: stats.plan.clone(),
+        allocations: stats.allocations,
+    }
+}
+
+fn print_comparison(name: &str, pool: &[StepNumbers], planned: &[StepNumbers]) {
+    println!("{name}: step-scoped allocations, pool strategy vs planned (simulated device)");
+    println!("step  allocs   peak live   pool resv  planned resv  resv/live  plan/bound  hit rate  deviations");
+    for (index, (p, q)) in pool.iter().zip(planned).enumerate() {
+        let plan = q.plan.as_ref().unwrap();
+        println!(
+            "{index:>4} {:>7} {:>11} {:>11} {:>13} {:>10.4} {:>11.4} {:>8.1}% {:>11}",
+            q.allocations,
+            q.peak_used,
+            p.peak_reserved,
+            q.peak_reserved,
+            q.peak_reserved as f64 / q.peak_used.max(1) as f64,
+            plan.overhead().unwrap_or(f64::NAN),
+            plan.hit_rate() * 100.0,
+            plan.deviations,
+        );
+    }
+}
+
+#[test]
+fn a_static_training_trace_is_served_from_its_plan_from_the_second_step_on() {
+    let pool = replay("vit_static_train", Allocation::Pool);
+    let planned = replay("vit_static_train", Allocation::PLANNED);
+    print_comparison("vit_static_train", &pool, &planned);
+    // Step 0 builds the optimizer state and differs; step 1 deviates from it and refreshes the
+    // plan; from step 2 on every allocation is served from the plan.
+    for numbers in &planned[2..] {
+        let plan = numbers.plan.as_ref().unwrap();
+        assert_eq!((plan.unplanned, plan.deviations, plan.missing), (0, 0, 0));
+        assert_eq!(plan.planned, numbers.allocations);
+        assert_eq!(numbers.peak_reserved, plan.slab_bytes.next_multiple_of(2 * MIB));
+    }
+}
+
+#[test]
+fn a_variable_length_training_trace_gets_a_plan_per_shape() {
+    let pool = replay("t5_varlen_train", Allocation::Pool);
+    let planned = replay("t5_varlen_train", Allocation::PLANNED);
+    print_comparison("t5_varlen_train", &pool, &planned);
+    let last = planned.last().unwrap().plan.as_ref().unwrap();
+    assert!(last.plans.len() >= 2, "sequence lengths vary: {:?}", last.plans.len());
+}
