@@ -219,6 +219,23 @@ impl fmt::Display for StepReport {
                 p.allocations
             )?;
         }
+        for pool in &self.pools {
+            if let Some(plan) = &pool.plan {
+                writeln!(
+                    f,
+                    "  plan of {} on stream {}: {:.1}% hit, {} deviation(s), slab {}, {}",
+                    pool.phase_name,
+                    pool.stream,
+                    plan.hit_rate() * 100.0,
+                    plan.deviations,
+                    Bytes(plan.slab_bytes),
+                    plan.overhead().map_or_else(
+                        || "no plan yet".to_owned(),
+                        |o| format!("{:.2}% over the lower bound", (o - 1.0) * 100.0)
+                    )
+                )?;
+            }
+        }
         for warning in &self.warnings {
             writeln!(f, "  warning [{}] {warning}", warning.rule())?;
         }

@@ -59,7 +59,19 @@ pub fn step_json(report: &StepReport) -> Value {
                 "allocations": p.allocations,
                 "frees": p.frees,
                 "released_bytes": p.released,
+                "largest_request_bytes": p.largest_request,
                 "free_space": free_space(p.free_space),
+                "plan": p.plan.as_ref().map(|plan| json!({
+                    "hit_rate": plan.hit_rate(),
+                    "planned": plan.planned,
+                    "unplanned": plan.unplanned,
+                    "deviations": plan.deviations,
+                    "missing": plan.missing,
+                    "replans": plan.replans,
+                    "slab_bytes": plan.slab_bytes,
+                    "plans": plan.plans.len(),
+                    "overhead": plan.overhead(),
+                })),
             })
         })
         .collect();
