@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use steppool::{PhaseSpec, Scope, Strategy};
 use steppool_benches::record::{Line, emit};
-use steppool_benches::{bench_config, device_info, driver, pick, runtime};
+use steppool_benches::{Mode, bench_config, device_info, driver, pick, runtime};
 
 const SIZE: u64 = 64 << 10;
 const LIVE: [u64; 5] = [1, 16, 256, 1024, 4096];
@@ -22,8 +22,10 @@ fn step_release(c: &mut Criterion) {
     emit(&Line::Device(device_info(&driver())));
     let mut group = c.benchmark_group("step_release");
     // The untimed setup of each iteration costs more than the release it prepares; keep the
-    // sampling short so the benchmark stays within minutes.
-    group.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    // sampling short so the benchmark stays within minutes (smoke mode is shorter still).
+    if Mode::current() == Mode::Full {
+        group.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    }
     for (name, strategy) in [("steppool_pool", Strategy::Pool), ("steppool_arena", Strategy::ARENA)] {
         let runtime = runtime();
         let stream = runtime.device(0).expect("device 0").create_stream().expect("a stream");
