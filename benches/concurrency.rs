@@ -73,9 +73,8 @@ fn concurrency(c: &mut Criterion) {
     let ctx = Shared(device.raw_context());
     let streams: Vec<Stream> = (0..max_threads).map(|_| device.create_stream().expect("a stream")).collect();
     let persistent = runtime.declare_phase(PhaseSpec::new("bench_pool", Scope::Persistent)).expect("phase");
-    let arena = runtime
-        .declare_phase(PhaseSpec::new("bench_arena", Scope::Step).strategy(Strategy::ARENA))
-        .expect("phase");
+    let arena =
+        runtime.declare_phase(PhaseSpec::new("bench_arena", Scope::Step).strategy(Strategy::ARENA)).expect("phase");
     let own: Shared<CUmemoryPool> = Shared(driver.mem_pool_create(&PoolProps::device(0).build()).expect("a pool"));
     let default = Shared(driver.device_default_mem_pool(0).expect("the default pool"));
     let threshold = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;

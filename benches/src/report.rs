@@ -101,7 +101,13 @@ impl Results {
     }
 
     fn params(&self, bench: &str) -> Vec<u64> {
-        self.records.iter().filter(|r| r.bench == bench).filter_map(|r| r.param).collect::<BTreeSet<_>>().into_iter().collect()
+        self.records
+            .iter()
+            .filter(|r| r.bench == bench)
+            .filter_map(|r| r.param)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect()
     }
 
     fn workloads(&self, bench: &str) -> Vec<String> {
@@ -187,7 +193,9 @@ impl Results {
         let sizes = self.params(bench);
         let _ = writeln!(out, "\n## {title}\n");
         let _ = write!(out, "| allocator |");
-        sizes.iter().for_each(|&s| { let _ = write!(out, " {} |", Bytes(s)); });
+        sizes.iter().for_each(|&s| {
+            let _ = write!(out, " {} |", Bytes(s));
+        });
         let _ = write!(out, "\n| --- |");
         sizes.iter().for_each(|_| out.push_str(" ---: |"));
         out.push('\n');
@@ -222,7 +230,9 @@ impl Results {
              throughput to `driver_pool` at the same thread count.\n"
         );
         let _ = write!(out, "| allocator |");
-        threads.iter().for_each(|t| { let _ = write!(out, " {t} thread{} |", if *t == 1 { "" } else { "s" }); });
+        threads.iter().for_each(|t| {
+            let _ = write!(out, " {t} thread{} |", if *t == 1 { "" } else { "s" });
+        });
         let _ = write!(out, "\n| --- |");
         threads.iter().for_each(|_| out.push_str(" ---: |"));
         out.push('\n');
@@ -270,7 +280,9 @@ impl Results {
              alloc + free pair of 64 KiB.\n"
         );
         let _ = write!(out, "| strategy |");
-        live.iter().for_each(|n| { let _ = write!(out, " {n} live |"); });
+        live.iter().for_each(|n| {
+            let _ = write!(out, " {n} live |");
+        });
         let _ = write!(out, "\n| --- |");
         live.iter().for_each(|_| out.push_str(" ---: |"));
         out.push('\n');
@@ -339,7 +351,9 @@ impl Results {
              packing), and its ratio to `driver_pool`.\n"
         );
         let _ = write!(out, "| allocator |");
-        workloads.iter().for_each(|w| { let _ = write!(out, " `{w}` |"); });
+        workloads.iter().for_each(|w| {
+            let _ = write!(out, " `{w}` |");
+        });
         let _ = write!(out, "\n| --- |");
         workloads.iter().for_each(|_| out.push_str(" ---: |"));
         let _ = write!(out, "\n| peak live |");
@@ -379,7 +393,8 @@ impl Results {
     fn goals(&self, out: &mut String) {
         let rust = |a: &str| Row { allocator: a.to_owned(), source: "rust".to_owned() };
         let mut rows: Vec<(String, String, Option<bool>)> = Vec::new();
-        let worst = |values: Vec<f64>| values.into_iter().fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+        let worst =
+            |values: Vec<f64>| values.into_iter().fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
 
         let ratios: Vec<f64> = self
             .params("latency")
@@ -439,21 +454,33 @@ impl Results {
         for workload in self.workloads("fragmentation") {
             let peak = |row: &Row| self.value("fragmentation", row, Some(&workload), None, "peak_reserved_bytes");
             let all = self.rows("fragmentation");
-            let ours = all.iter().filter(|r| r.allocator.starts_with("steppool")).filter_map(peak).fold(f64::NAN, f64::min);
-            let theirs: Vec<(String, f64)> = all
-                .iter()
-                .filter(|r| !r.allocator.starts_with("steppool"))
-                .filter_map(|r| peak(r).map(|p| (r.label(), p)))
-                .collect();
-            let best = theirs.iter().min_by(|a, b| a.1.total_cmp(&b.1));
-            let met = (!ours.is_nan()).then_some(()).and(best).map(|(_, b)| ours <= *b);
+            let ours =
+                all.iter().filter(|r| r.allocator.starts_with("steppool")).filter_map(peak).fold(f64::NAN, f64::min);
+            let others = |python: bool| -> Option<(String, f64)> {
+                all.iter()
+                    .filter(|r| !r.allocator.starts_with("steppool") && (r.source != "rust") == python)
+                    .filter_map(|r| peak(r).map(|p| (r.label(), p)))
+                    .min_by(|a, b| a.1.total_cmp(&b.1))
+            };
+            let (peer, driver) = (others(true), others(false));
+            let met = peer.as_ref().filter(|_| !ours.is_nan()).map(|(_, b)| ours <= *b);
+            let driver_text = driver
+                .map(|(name, b)| format!("; best driver allocator {} ({name})", Bytes(b as u64)))
+                .unwrap_or_default();
             rows.push((
                 format!("peak reserved at or below every peer (`{workload}`)"),
-                match best {
-                    Some((name, b)) if !ours.is_nan() => {
-                        format!("steppool {} vs best other {} ({name})", Bytes(ours as u64), Bytes(*b as u64))
+                match (&peer, ours.is_nan()) {
+                    (_, true) => "not measured".into(),
+                    (Some((name, b)), false) => {
+                        format!(
+                            "steppool (best strategy) {} vs best peer {} ({name}){driver_text}",
+                            Bytes(ours as u64),
+                            Bytes(*b as u64)
+                        )
                     }
-                    _ => "not measured".into(),
+                    (None, false) => {
+                        format!("steppool (best strategy) {}; no peer measured{driver_text}", Bytes(ours as u64))
+                    }
                 },
                 met,
             ));
@@ -590,7 +617,11 @@ struct Row {
 
 impl Row {
     fn label(&self) -> String {
-        if self.source == "rust" { format!("`{}`", self.allocator) } else { format!("`{}` ({})", self.allocator, self.source) }
+        if self.source == "rust" {
+            format!("`{}`", self.allocator)
+        } else {
+            format!("`{}` ({})", self.allocator, self.source)
+        }
     }
 }
 
@@ -617,10 +648,9 @@ fn time(ns: f64) -> String {
 
 /// Today's date in UTC, `YYYY-MM-DD`.
 pub fn today() -> String {
-    let days = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() / 86_400)
-        .unwrap_or(0) as i64;
+    let days =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() / 86_400).unwrap_or(0)
+            as i64;
     civil_date(days)
 }
 
@@ -668,7 +698,11 @@ mod tests {
             Line::Record(python("fragmentation", "torch_native", "peak_reserved_bytes", 150.0).workload("t5")),
             Line::Record(python("latency", "driver_pool", "ns", 2000.0).param(256)),
             Line::Record(python("latency", "torch_native", "ns", 3000.0).param(256)),
-            Line::Skipped(Skip { allocator: "rmm_pool".into(), reason: "rmm is not installed".into(), source: "python".into() }),
+            Line::Skipped(Skip {
+                allocator: "rmm_pool".into(),
+                reason: "rmm is not installed".into(),
+                source: "python".into(),
+            }),
         ];
         let criterion = vec![
             Record::rust("latency", "driver_pool", "ns", 1000.0).param(256),
@@ -693,14 +727,15 @@ mod tests {
         // 8 threads: 8 pairs per 1.25 µs = 6.4 M/s against 1 M/s.
         assert!(md.contains("| 8 threads at 6× or more of one thread (`steppool_pool`) | 6.40× | yes |"), "{md}");
         assert!(md.contains("| `Pool` within 1.1× of the bare driver pool call | worst size 1.05× | yes |"), "{md}");
-        assert!(md.contains("steppool 110 B vs best other 150 B (`torch_native` (python)) | yes |"), "{md}");
+        assert!(md.contains("steppool (best strategy) 110 B vs best peer 150 B (`torch_native` (python)); best driver allocator 200 B (`driver_pool`) | yes |"), "{md}");
     }
 
     #[test]
     fn results_write_json_markdown_and_plots() {
         let dir = std::env::temp_dir().join(format!("steppool-report-{}", std::process::id()));
         let written = results().write(&dir).unwrap();
-        let names: Vec<String> = written.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> =
+            written.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
         assert_eq!(
             names,
             [

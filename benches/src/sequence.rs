@@ -217,11 +217,8 @@ mod tests {
         sequence.validate().unwrap();
         assert_eq!(sequence.steps(), 3);
         assert!(sequence.peak_live() > 0);
-        let persistent = sequence
-            .ops
-            .iter()
-            .filter(|op| matches!(op, Op::Alloc { lifetime: Lifetime::Persistent, .. }))
-            .count();
+        let persistent =
+            sequence.ops.iter().filter(|op| matches!(op, Op::Alloc { lifetime: Lifetime::Persistent, .. })).count();
         // 6 weights per layer, then two Adam moments for each.
         assert_eq!(persistent, 2 * 6 * 3);
     }

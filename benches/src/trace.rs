@@ -94,8 +94,8 @@ pub fn read(csv: &Path) -> Result<(Sequence, TraceSummary), TraceError> {
     let text = std::fs::read_to_string(csv).map_err(|source| TraceError::Io { path: csv.to_owned(), source })?;
     let sidecar = csv.with_extension("json");
     let starts = if sidecar.is_file() {
-        let json = std::fs::read_to_string(&sidecar)
-            .map_err(|source| TraceError::Io { path: sidecar.clone(), source })?;
+        let json =
+            std::fs::read_to_string(&sidecar).map_err(|source| TraceError::Io { path: sidecar.clone(), source })?;
         let parsed: Sidecar = serde_json::from_str(&json)
             .map_err(|error| TraceError::Sidecar { path: sidecar.clone(), reason: error.to_string() })?;
         parsed.steps_start_ns
@@ -136,7 +136,8 @@ fn parse(path: &Path, name: &str, text: &str, starts: &[i64]) -> Result<(Sequenc
             "allocate failure" => continue,
             other => return Err(bad(format!("unknown action `{other}`"))),
         };
-        let time = parse_time(fields[1]).ok_or_else(|| bad(format!("time `{}` is not ns or HH:MM:SS.ffffff", fields[1])))?;
+        let time =
+            parse_time(fields[1]).ok_or_else(|| bad(format!("time `{}` is not ns or HH:MM:SS.ffffff", fields[1])))?;
         let pointer = parse_pointer(fields[3]).ok_or_else(|| bad(format!("pointer `{}` is not hex", fields[3])))?;
         let size = fields[4].parse().map_err(|_| bad(format!("size `{}` is not a byte count", fields[4])))?;
         events.push(Event { time, allocate, pointer, size });

@@ -62,7 +62,17 @@ pub(crate) fn run(smoke: bool) -> Result<()> {
     let out = root.join("benches/results");
     let (out, criterion, records, peers) = (lossy(&out), lossy(&criterion), lossy(&records), lossy(&peers));
     report(&[
-        "collect", "--out", &out, "--mode", mode, "--criterion", &criterion, "--records", &records, "--records", &peers,
+        "collect",
+        "--out",
+        &out,
+        "--mode",
+        mode,
+        "--criterion",
+        &criterion,
+        "--records",
+        &records,
+        "--records",
+        &peers,
     ])?;
     eprintln!("xtask bench: done in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())

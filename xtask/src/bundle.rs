@@ -42,7 +42,11 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
 
     let benches = executables(&root, &["bench", "--no-run", "-p", "steppool-benches", "--benches"], "bench")?;
     copy_all(&benches, &dir.join("benches"))?;
-    let tests = executables(&root, &["test", "--release", "--no-run", "-p", "steppool-tests", "--test", "conformance"], "test")?;
+    let tests = executables(
+        &root,
+        &["test", "--release", "--no-run", "-p", "steppool-tests", "--test", "conformance"],
+        "test",
+    )?;
     copy_all(&tests, &dir.join("tests"))?;
     let examples = executables(&root, &["build", "--release", "-p", "steppool-examples", "--examples"], "example")?;
     copy_all(&examples, &dir.join("examples"))?;
@@ -59,7 +63,10 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
             copy(&entry.path(), &dir.join("traces").join(entry.file_name()))?;
         }
     } else {
-        eprintln!("xtask gpu-bundle: no traces at {}; the fragmentation benchmark will replay the transformer only", traces.display());
+        eprintln!(
+            "xtask gpu-bundle: no traces at {}; the fragmentation benchmark will replay the transformer only",
+            traces.display()
+        );
     }
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
@@ -88,9 +95,7 @@ fn executables(root: &Path, args: &[&str], kind: &str) -> Result<Vec<PathBuf>> {
     if !cfg!(all(target_arch = "x86_64", target_os = "linux")) {
         command.args(["--target", TARGET]);
     }
-    command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+    command.stdout(Stdio::piped()).stderr(Stdio::inherit());
     let output = command.output().with_context(|| format!("starting cargo {}", args.join(" ")))?;
     if !output.status.success() {
         bail!("cargo {} failed ({})", args.join(" "), output.status);

@@ -65,9 +65,11 @@ fn export(args: &[String]) -> Result<(), BenchError> {
         println!("{}: {} operations, peak live {} bytes", sequence.name, sequence.ops.len(), sequence.peak_live());
     }
     let sizes: Vec<u64> = if smoke { SMOKE_SIZES.to_vec() } else { SIZES.to_vec() };
-    let latency = serde_json::json!({ "sizes": sizes, "sequences": sequences.iter().map(|s| &s.name).collect::<Vec<_>>() });
+    let latency =
+        serde_json::json!({ "sizes": sizes, "sequences": sequences.iter().map(|s| &s.name).collect::<Vec<_>>() });
     let path = dir.join("latency.json");
-    std::fs::write(&path, latency.to_string()).map_err(|source| BenchError::Io { path: path.display().to_string(), source })
+    std::fs::write(&path, latency.to_string())
+        .map_err(|source| BenchError::Io { path: path.display().to_string(), source })
 }
 
 fn collect(args: &[String]) -> Result<(), BenchError> {
