@@ -1,60 +1,94 @@
-//! Allocation latency: one allocation and its free, in a loop, for each size.
+//! 1. Allocation latency: one allocation and its free, in a loop, for each size from 256 B to
+//!    256 MiB, for every allocator of [`Kind`] (see `src/alloc.rs`).
 //!
-//! - `driver_pool`: `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` on a pool with the release
-//!   threshold raised, straight through `steppool-sys`: the floor steppool's `Pool` is measured
-//!   against (goal: within 1.1×).
-//! - `steppool_pool`: a persistent phase with the `Pool` strategy (`Runtime::alloc`, drop).
-//! - `steppool_arena`: a step-scoped arena; each freed buffer is the most recent one, so the bump
-//!   pointer moves back and no memory grows (goal: tens of nanoseconds).
+//! - `latency`: alloc + free pairs with nothing else. `steppool_pool` and `steppool_arena` use
+//!   the `Buffer` API (`Runtime::alloc` / `Step::alloc`, drop); the others call the driver. The
+//!   arena's freed buffer is always the most recent one, so its bump pointer moves back.
+//! - `latency_sync`: the same pair followed by a stream synchronization, as a training loop
+//!   that reads its loss every step does: where the release threshold is 0 the driver gives the
+//!   memory back at each synchronization and maps it again at the next allocation.
+//!
+//! Goals (measured, never asserted): `steppool_pool` within 1.1× of `driver_pool`;
+//! `steppool_arena` under 50 ns per pair.
 
 // criterion's macros generate undocumented items.
 #![allow(missing_docs)]
 
 use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
-use steppool::sys::{CUmemPool_attribute, PoolProps};
-use steppool::{Phase, PhaseSpec, Scope, Strategy};
-use steppool_benches::{SIZES, runtime};
+use steppool::{PhaseSpec, Scope, Strategy};
+use steppool_benches::alloc::Kind;
+use steppool_benches::record::{Line, emit};
+use steppool_benches::sequence::Lifetime;
+use steppool_benches::{SIZES, SMOKE_SIZES, bench_config, device_info, driver, pick, runtime};
 
-fn alloc_free_pairs(c: &mut Criterion) {
-    let runtime = runtime();
-    let device = runtime.device(0).expect("device 0");
-    let stream = device.create_stream().expect("a stream");
-    let driver = runtime.driver().clone();
-    let mut group = c.benchmark_group(format!("alloc_free_pair/{}", if device.is_gpu() { "gpu" } else { "sim" }));
+const DRIVER_KINDS: [Kind; 4] = [Kind::CudaMalloc, Kind::DefaultPoolT0, Kind::DefaultPool, Kind::DriverPool];
+
+fn latency(c: &mut Criterion, group_name: &str, sync: bool) {
+    let sizes = pick(&SIZES, &SMOKE_SIZES);
+    let mut group = c.benchmark_group(group_name);
     group.throughput(Throughput::Elements(1));
+    for kind in DRIVER_KINDS {
+        if sync && kind == Kind::CudaMalloc {
+            // cuMemFree already waits for the device.
+            continue;
+        }
+        let mut allocator = kind.make().expect("an allocator");
+        for &size in &sizes {
+            group.bench_with_input(BenchmarkId::new(kind.name(), size), &size, |b, &size| {
+                b.iter(|| {
+                    let ptr = allocator.alloc(0, size, Lifetime::Persistent).unwrap();
+                    allocator.free(0, black_box(ptr)).unwrap();
+                    if sync {
+                        allocator.end_step().unwrap();
+                    }
+                });
+            });
+        }
+        allocator.finish().expect("finish");
+    }
 
-    let pool = driver.mem_pool_create(&PoolProps::device(0).build()).expect("a pool");
-    // SAFETY: the pool was just created.
-    unsafe { driver.mem_pool_set_attribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX) }
-        .expect("release threshold");
+    let runtime = runtime();
+    let stream = runtime.device(0).expect("device 0").create_stream().expect("a stream");
+    let persistent = runtime.declare_phase(PhaseSpec::new("bench_pool", Scope::Persistent)).expect("a pool phase");
     let arena = runtime
-        .declare_phase(PhaseSpec::new("bench_arena", Scope::Step).strategy(Strategy::Arena { slab_bytes: 512 << 20 }))
+        .declare_phase(PhaseSpec::new("bench_arena", Scope::Step).strategy(Strategy::ARENA))
         .expect("an arena phase");
-
-    for size in SIZES {
-        group.bench_with_input(BenchmarkId::new("driver_pool", size), &size, |b, &size| {
+    for &size in &sizes {
+        group.bench_with_input(BenchmarkId::new("steppool_pool", size), &size, |b, &size| {
             b.iter(|| {
-                // SAFETY: pool and stream are live; the pointer is freed at once and never used.
-                unsafe {
-                    let ptr = driver.mem_alloc_from_pool_async(size as usize, pool, stream.raw()).unwrap();
-                    driver.mem_free_async(black_box(ptr), stream.raw()).unwrap();
+                drop(black_box(runtime.alloc(persistent, size, &stream).unwrap()));
+                if sync {
+                    stream.synchronize().unwrap();
                 }
             });
         });
-        group.bench_with_input(BenchmarkId::new("steppool_pool", size), &size, |b, &size| {
-            b.iter(|| drop(black_box(runtime.alloc(Phase::WEIGHTS, size, &stream).unwrap())));
-        });
         let step = runtime.begin_step().expect("a step");
         group.bench_with_input(BenchmarkId::new("steppool_arena", size), &size, |b, &size| {
-            b.iter(|| drop(black_box(step.alloc(arena, size, &stream).unwrap())));
+            b.iter(|| {
+                drop(black_box(step.alloc(arena, size, &stream).unwrap()));
+                if sync {
+                    stream.synchronize().unwrap();
+                }
+            });
         });
         step.end().expect("end of step");
     }
     group.finish();
     stream.synchronize().expect("synchronize");
-    // SAFETY: every allocation from the pool was freed; it is not used again.
-    unsafe { driver.mem_pool_destroy(pool) }.expect("destroy pool");
 }
 
-criterion_group!(benches, alloc_free_pairs);
+fn alloc_free_pairs(c: &mut Criterion) {
+    emit(&Line::Device(device_info(&driver())));
+    latency(c, "latency", false);
+}
+
+fn alloc_free_sync(c: &mut Criterion) {
+    latency(c, "latency_sync", true);
+}
+
+criterion_group! {
+    name = benches;
+    config = bench_config();
+    targets = alloc_free_pairs, alloc_free_sync
+}
 criterion_main!(benches);

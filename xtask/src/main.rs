@@ -4,7 +4,13 @@
 //! Commands:
 //! - `codegen [--check]`: regenerate `sys/src/bindings.rs` from NVIDIA's `cuda.h`; with `--check`,
 //!   fail when the committed file differs from a fresh generation (CI runs this).
+//! - `bench [--smoke]`: run the benchmark suite and the peer harness; write
+//!   `benches/results/<date>-<device>.{json,md}` and SVG plots.
+//! - `gpu-bundle DIR`: build the release binaries, peer harness and run script a GPU host without
+//!   a Rust toolchain needs, into `DIR` (at most 64 MiB).
 
+mod bench;
+mod bundle;
 mod codegen;
 
 use std::path::{Path, PathBuf};
@@ -14,7 +20,9 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  codegen [--check]   regenerate sys/src/bindings.rs from cuda.h (--check: fail if it is stale)";
+  codegen [--check]   regenerate sys/src/bindings.rs from cuda.h (--check: fail if it is stale)
+  bench [--smoke]     run the benchmarks and peers; write benches/results/<date>-<device>.{json,md,svg}
+  gpu-bundle DIR      build binaries, peer harness and run.sh for a GPU host into DIR (<= 64 MiB)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -22,6 +30,9 @@ fn main() -> ExitCode {
     let result = match args.as_slice() {
         ["codegen"] => codegen::run(codegen::Mode::Write),
         ["codegen", "--check"] => codegen::run(codegen::Mode::Check),
+        ["bench"] => bench::run(false),
+        ["bench", "--smoke"] => bench::run(true),
+        ["gpu-bundle", dir] => bundle::run(Path::new(dir)),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())

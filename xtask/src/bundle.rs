@@ -1,0 +1,234 @@
+//! `cargo xtask gpu-bundle DIR`: everything a GPU host without a Rust toolchain or a network
+//! needs to run steppool's GPU checks, in one folder of at most 64 MiB:
+//!
+//! ```text
+//! DIR/run.sh            runs it all: ./run.sh [--smoke] [--out DIR]
+//! DIR/bin/              device-probe, steppool-bench-report
+//! DIR/tests/            the conformance tests (the same bodies CI runs on the simulated device)
+//! DIR/benches/          the criterion benchmarks
+//! DIR/examples/         training_loop
+//! DIR/peers/            the Python peer harness
+//! DIR/traces/           the recorded traces the fragmentation benchmark replays
+//! ```
+//!
+//! Binaries are x86-64 Linux release builds (`--target x86_64-unknown-linux-gnu` on other hosts),
+//! stripped.
+//! `run.sh` writes `results/<date>-<device>.{json,md,svg}`, the files `cargo xtask bench` writes
+//! into `benches/results/`: copy them there and commit them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+use crate::bench::cargo;
+use crate::project_root;
+
+/// The largest bundle that can be carried to a GPU host in one go.
+const MAX_BYTES: u64 = 64 << 20;
+const TARGET: &str = "x86_64-unknown-linux-gnu";
+
+/// Builds the bundle into `dir`.
+pub(crate) fn run(dir: &Path) -> Result<()> {
+    let started = Instant::now();
+    let root = project_root();
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    for sub in ["bin", "tests", "benches", "examples", "peers", "traces"] {
+        std::fs::create_dir_all(dir.join(sub))?;
+    }
+
+    let benches = executables(&root, &["bench", "--no-run", "-p", "steppool-benches", "--benches"], "bench")?;
+    copy_all(&benches, &dir.join("benches"))?;
+    let tests = executables(
+        &root,
+        &["test", "--release", "--no-run", "-p", "steppool-tests", "--test", "conformance"],
+        "test",
+    )?;
+    copy_all(&tests, &dir.join("tests"))?;
+    let examples = executables(&root, &["build", "--release", "-p", "steppool-examples", "--examples"], "example")?;
+    copy_all(&examples, &dir.join("examples"))?;
+    let mut bins = executables(&root, &["build", "--release", "-p", "steppool-benches", "--bins"], "bin")?;
+    bins.extend(executables(&root, &["build", "--release", "-p", "steppool-tests", "--bin", "device-probe"], "bin")?);
+    copy_all(&bins, &dir.join("bin"))?;
+
+    for name in ["peers.py", "requirements.txt"] {
+        copy(&root.join("benches/peers").join(name), &dir.join("peers").join(name))?;
+    }
+    let traces = root.join("../shared/traces");
+    if let Ok(entries) = std::fs::read_dir(&traces) {
+        for entry in entries.flatten() {
+            copy(&entry.path(), &dir.join("traces").join(entry.file_name()))?;
+        }
+    } else {
+        eprintln!(
+            "xtask gpu-bundle: no traces at {}; the fragmentation benchmark will replay the transformer only",
+            traces.display()
+        );
+    }
+    let script = dir.join("run.sh");
+    std::fs::write(&script, RUN_SH)?;
+    set_executable(&script)?;
+
+    let size = folder_size(dir)?;
+    eprintln!(
+        "xtask gpu-bundle: {} ({:.1} MiB, built in {:.0} s)",
+        dir.display(),
+        size as f64 / (1 << 20) as f64,
+        started.elapsed().as_secs_f64()
+    );
+    if size > MAX_BYTES {
+        bail!("the bundle is {size} bytes, over the {MAX_BYTES} bytes that can be carried to a GPU host");
+    }
+    Ok(())
+}
+
+/// Builds with `cargo <args> --target x86_64-unknown-linux-gnu --message-format=json` and
+/// returns the executables of targets of kind `kind`.
+fn executables(root: &Path, args: &[&str], kind: &str) -> Result<Vec<PathBuf>> {
+    let mut command = Command::new(cargo());
+    command.current_dir(root).args(args).arg("--message-format=json-render-diagnostics");
+    // On an x86-64 Linux host the native build is the target one, and shares `target/release`
+    // with `cargo xtask bench`.
+    if !cfg!(all(target_arch = "x86_64", target_os = "linux")) {
+        command.args(["--target", TARGET]);
+    }
+    command.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let output = command.output().with_context(|| format!("starting cargo {}", args.join(" ")))?;
+    if !output.status.success() {
+        bail!("cargo {} failed ({})", args.join(" "), output.status);
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if message["reason"] != "compiler-artifact" {
+            continue;
+        }
+        let kinds = message["target"]["kind"].as_array().cloned().unwrap_or_default();
+        let test_kind = kind == "test" && message["profile"]["test"] == true;
+        if !(kinds.iter().any(|k| k == kind) || test_kind) {
+            continue;
+        }
+        if let Some(path) = message["executable"].as_str() {
+            found.push(PathBuf::from(path));
+        }
+    }
+    if found.is_empty() {
+        bail!("cargo {} produced no {kind} executable", args.join(" "));
+    }
+    Ok(found)
+}
+
+/// Copies each executable into `dir` under its target name (cargo's hash suffix dropped) and
+/// strips it.
+fn copy_all(executables: &[PathBuf], dir: &Path) -> Result<()> {
+    for path in executables {
+        let stem = path.file_name().and_then(|n| n.to_str()).unwrap_or("binary");
+        // Test and bench executables are named `<target>-<16 hex digits>`.
+        let name = match stem.rsplit_once('-') {
+            Some((name, hash)) if hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()) => name,
+            _ => stem,
+        };
+        let to = dir.join(name);
+        copy(path, &to)?;
+        match Command::new("strip").arg(&to).status() {
+            Ok(status) if status.success() => {}
+            _ => eprintln!("xtask gpu-bundle: could not strip {}; kept it whole", to.display()),
+        }
+    }
+    Ok(())
+}
+
+fn copy(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to).with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    Ok(())
+}
+
+fn set_executable(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut permissions = std::fs::metadata(path)?.permissions();
+    permissions.set_mode(0o755);
+    std::fs::set_permissions(path, permissions)?;
+    Ok(())
+}
+
+fn folder_size(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        total += if meta.is_dir() { folder_size(&entry.path())? } else { meta.len() };
+    }
+    Ok(total)
+}
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# steppool on a GPU host: device probe, conformance tests, the training-loop example, the
+# benchmarks and the peer harness, then the results as `cargo xtask bench` writes them.
+#   ./run.sh [--smoke] [--out DIR]     (results go to DIR, default ./results)
+# Needs no Rust toolchain and no network. Python peers (PyTorch, CuPy, RMM) are measured where
+# python3 has them and recorded as skipped otherwise. Every step runs even if one before failed;
+# the exit status says whether all succeeded.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+mode=full
+out="$here/results"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --smoke) mode=smoke ;;
+        --out) out="$2"; shift ;;
+        *) echo "usage: $0 [--smoke] [--out DIR]" >&2; exit 2 ;;
+    esac
+    shift
+done
+work="$here/work"
+rm -rf "$work"
+mkdir -p "$work" "$out"
+export STEPPOOL_DEVICE="${STEPPOOL_DEVICE:-cuda}"
+export STEPPOOL_REQUIRE_GPU="${STEPPOOL_REQUIRE_GPU:-1}"
+export STEPPOOL_TRACES="$here/traces"
+export STEPPOOL_BENCH_RECORDS="$work/records.jsonl"
+export CRITERION_HOME="$work/criterion"
+smoke=()
+if [ "$mode" = smoke ]; then
+    export STEPPOOL_BENCH_SMOKE=1
+    smoke=(--smoke)
+fi
+status=0
+step() { printf '\n== %s\n' "$*"; }
+
+step "device"
+"$here/bin/device-probe" 2>&1 | tee "$work/device.log" || status=1
+nvidia-smi 2>/dev/null | tee -a "$work/device.log" || true
+
+step "conformance tests"
+for test in "$here"/tests/*; do
+    "$test" 2>&1 | tee -a "$work/tests.log" || status=1
+done
+
+step "example"
+"$here/examples/training_loop" --steps 8 2>&1 | tee "$work/example.log" || status=1
+
+step "benchmarks ($mode)"
+for bench in "$here"/benches/*; do
+    "$bench" --bench 2>&1 | tee -a "$work/benches.log" || status=1
+done
+
+step "peers"
+if "$here/bin/steppool-bench-report" export-sequences "$work/sequences" "${smoke[@]}"; then
+    python3 "$here/peers/peers.py" --sequences "$work/sequences" --out "$work/peers.jsonl" "${smoke[@]}" 2>&1 \
+        | tee "$work/peers.log" || status=1
+else
+    status=1
+fi
+
+step "results"
+"$here/bin/steppool-bench-report" collect --out "$out" --mode "$mode" --criterion "$work/criterion" \
+    --records "$work/records.jsonl" --records "$work/peers.jsonl" || status=1
+mkdir -p "$out/logs"
+cp "$work"/*.log "$out/logs/" 2>/dev/null || true
+echo "results in $out (status $status)"
+exit $status
+"#;
