@@ -8,11 +8,17 @@
 //!   that reads its loss every step does: where the release threshold is 0 the driver gives the
 //!   memory back at each synchronization and maps it again at the next allocation.
 //!
+//! - `steppool_planned` (in `latency` only): steps of [`PLANNED_PAIRS`] pairs, repeated, so from
+//!   the second step of a size on every pair is served at its planned offset; only the pairs are
+//!   timed, not the step boundaries.
+//!
 //! Goals (measured, never asserted): `steppool_pool` within 1.1× of `driver_pool`;
-//! `steppool_arena` under 50 ns per pair.
+//! `steppool_arena` under 50 ns per pair; `steppool_planned` under 50 ns per pair.
 
 // criterion's macros generate undocumented items.
 #![allow(missing_docs)]
+
+use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
 use steppool::{PhaseSpec, Scope, Strategy};
@@ -20,6 +26,9 @@ use steppool_benches::alloc::Kind;
 use steppool_benches::record::{Line, emit};
 use steppool_benches::sequence::Lifetime;
 use steppool_benches::{SIZES, SMOKE_SIZES, bench_config, device_info, driver, pick, runtime};
+
+/// Pairs per step of the `steppool_planned` rows.
+const PLANNED_PAIRS: u64 = 256;
 
 const DRIVER_KINDS: [Kind; 4] = [Kind::CudaMalloc, Kind::DefaultPoolT0, Kind::DefaultPool, Kind::DriverPool];
 
@@ -53,6 +62,9 @@ fn latency(c: &mut Criterion, group_name: &str, sync: bool) {
     let arena = runtime
         .declare_phase(PhaseSpec::new("bench_arena", Scope::Step).strategy(Strategy::ARENA))
         .expect("an arena phase");
+    let planned = runtime
+        .declare_phase(PhaseSpec::new("bench_planned", Scope::Step).strategy(Strategy::PLANNED))
+        .expect("a planned phase");
     for &size in &sizes {
         group.bench_with_input(BenchmarkId::new("steppool_pool", size), &size, |b, &size| {
             b.iter(|| {
@@ -72,6 +84,26 @@ fn latency(c: &mut Criterion, group_name: &str, sync: bool) {
             });
         });
         step.end().expect("end of step");
+        if !sync {
+            group.bench_with_input(BenchmarkId::new("steppool_planned", size), &size, |b, &size| {
+                b.iter_custom(|iters| {
+                    let mut timed = Duration::ZERO;
+                    let mut left = iters;
+                    while left > 0 {
+                        let pairs = left.min(PLANNED_PAIRS);
+                        let step = runtime.begin_step().expect("a step");
+                        let started = Instant::now();
+                        for _ in 0..pairs {
+                            drop(black_box(step.alloc(planned, size, &stream).unwrap()));
+                        }
+                        timed += started.elapsed();
+                        step.end().expect("end of step");
+                        left -= pairs;
+                    }
+                    timed
+                });
+            });
+        }
     }
     group.finish();
     stream.synchronize().expect("synchronize");

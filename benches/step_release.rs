@@ -26,7 +26,12 @@ fn step_release(c: &mut Criterion) {
     if Mode::current() == Mode::Full {
         group.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     }
-    for (name, strategy) in [("steppool_pool", Strategy::Pool), ("steppool_arena", Strategy::ARENA)] {
+    let strategies = [
+        ("steppool_pool", Strategy::Pool),
+        ("steppool_arena", Strategy::ARENA),
+        ("steppool_planned", Strategy::PLANNED),
+    ];
+    for (name, strategy) in strategies {
         let runtime = runtime();
         let stream = runtime.device(0).expect("device 0").create_stream().expect("a stream");
         let phase = runtime.declare_phase(PhaseSpec::new("bench_step", Scope::Step).strategy(strategy)).expect("phase");

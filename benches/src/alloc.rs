@@ -9,8 +9,9 @@
 //! | `driver_pool` | `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on a pool of its own, threshold raised: the bare call steppool's `Pool` wraps, and the baseline of every ratio |
 //! | `steppool_pool` | steppool's raw API, step-lifetime allocations in a step-scoped phase with the `Pool` strategy |
 //! | `steppool_arena` | the same phase with the `Arena` strategy (64 MiB slabs) |
+//! | `steppool_planned` | the same phase with the `Planned` strategy (8 plans, signatures of 4 sizes) |
 //!
-//! Persistent allocations go to a persistent `Pool` phase in both steppool variants.
+//! Persistent allocations go to a persistent `Pool` phase in every steppool variant.
 
 use steppool::sys::{CUdeviceptr, CUmemPool_attribute, CUmemoryPool, CUstream, Driver, PoolProps};
 use steppool::{Phase, PhaseSpec, Runtime, Scope, StepReport, Strategy, Stream};
@@ -74,17 +75,20 @@ pub enum Kind {
     SteppoolPool,
     /// steppool, `Arena` strategy.
     SteppoolArena,
+    /// steppool, `Planned` strategy.
+    SteppoolPlanned,
 }
 
 impl Kind {
     /// Every allocator, slowest first.
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::CudaMalloc,
         Kind::DefaultPoolT0,
         Kind::DefaultPool,
         Kind::DriverPool,
         Kind::SteppoolPool,
         Kind::SteppoolArena,
+        Kind::SteppoolPlanned,
     ];
 
     /// The name in records.
@@ -96,6 +100,7 @@ impl Kind {
             Kind::DriverPool => "driver_pool",
             Kind::SteppoolPool => "steppool_pool",
             Kind::SteppoolArena => "steppool_arena",
+            Kind::SteppoolPlanned => "steppool_planned",
         }
     }
 
@@ -109,6 +114,7 @@ impl Kind {
             Kind::DriverPool => Box::new(DriverPool::own()?),
             Kind::SteppoolPool => Box::new(Steppool::new(Strategy::Pool, "steppool_pool")?),
             Kind::SteppoolArena => Box::new(Steppool::new(Strategy::ARENA, "steppool_arena")?),
+            Kind::SteppoolPlanned => Box::new(Steppool::new(Strategy::PLANNED, "steppool_planned")?),
         })
     }
 }

@@ -21,13 +21,14 @@ use crate::{BenchError, Result};
 pub const SCHEMA: u32 = 1;
 
 /// The Rust allocators, in table order.
-const RUST_ORDER: [&str; 7] = [
+const RUST_ORDER: [&str; 8] = [
     "cuda_malloc",
     "default_pool_t0",
     "default_pool",
     "driver_pool",
     "steppool_pool",
     "steppool_arena",
+    "steppool_planned",
     "preallocated",
 ];
 
@@ -422,6 +423,17 @@ impl Results {
             "`Arena` under 50 ns per pair".into(),
             arena.map(|ns| format!("worst size {}", time(ns))).unwrap_or_else(|| "not measured".into()),
             arena.map(|ns| ns < 50.0),
+        ));
+        let planned = worst(
+            self.params("latency")
+                .into_iter()
+                .filter_map(|s| self.value("latency", &rust("steppool_planned"), None, Some(s), "ns"))
+                .collect(),
+        );
+        rows.push((
+            "`Planned` pair served from a plan under 50 ns".into(),
+            planned.map(|ns| format!("worst size {}", time(ns))).unwrap_or_else(|| "not measured".into()),
+            planned.map(|ns| ns < 50.0),
         ));
         for allocator in ["steppool_pool", "steppool_arena"] {
             let scaling = self.throughput(&rust(allocator), 8).zip(self.throughput(&rust(allocator), 1));
