@@ -1,6 +1,9 @@
 //! Replay speed: a generated training trace of about a million events, replayed once through the
 //! runtime on the simulated device under each strategy (no bisection).
 
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
+
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};

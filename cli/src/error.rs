@@ -90,7 +90,7 @@ pub enum TraceError {
         /// Its line or record.
         location: Location,
         /// What the runtime said.
-        source: steppool::Error,
+        source: Box<steppool::Error>,
     },
 }
 

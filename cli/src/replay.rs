@@ -319,7 +319,7 @@ pub fn run(
         strategy: def.name.to_owned(),
         event,
         location: location_of(trace, event),
-        source,
+        source: Box::new(source),
     };
     let runtime = Runtime::builder().simulated(config).checked(false).build().map_err(|e| at(0, e))?;
 

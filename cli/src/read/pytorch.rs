@@ -101,12 +101,8 @@ pub fn read_pytorch(path: &Path, bytes: &[u8]) -> Result<Trace> {
                     requested.insert(addr);
                     live.remove(&addr);
                 }
-                "free_completed" => {
-                    // The free was replayed at `free_requested`; only a trace without those frees here.
-                    if requested.remove(&addr) || !live.remove(&addr) {
-                        continue;
-                    }
-                }
+                // The free was replayed at `free_requested`; only a trace without those frees here.
+                "free_completed" if requested.remove(&addr) || !live.remove(&addr) => continue,
                 _ => {}
             }
             // Streams are cudaStream_t values stored as int64: keep their bits.
