@@ -189,7 +189,7 @@ impl Progress {
         let target = if visible { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
         let bar = ProgressBar::with_draw_target(Some(ops), target);
         bar.set_style(
-            ProgressStyle::with_template("{msg:32} [{bar:40}] {pos}/{len} ops ({per_sec}, {eta})")
+            ProgressStyle::with_template("{msg:32} [{bar:40}] {human_pos}/{human_len} ops, {elapsed} (eta {eta})")
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
                 .progress_chars("=> "),
         );
