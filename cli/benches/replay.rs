@@ -1,0 +1,35 @@
+//! Replay speed: a generated training trace of about a million events, replayed once through the
+//! runtime on the simulated device under each strategy (no bisection).
+
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use steppool_cli::analysis::analyse;
+use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, run};
+use steppool_cli::steps::infer;
+use steppool_cli::synth::{Shape, training_trace};
+
+fn replay_million(c: &mut Criterion) {
+    let mut trace = training_trace(Shape::with_events(1_000_000));
+    infer(&mut trace);
+    let analysis = analyse(&trace).expect("a synthetic trace analyses");
+    let options = ReplayOptions::new(80 << 30);
+    let mut group = c.benchmark_group("replay");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(trace.events.len() as u64));
+    for def in STRATEGIES {
+        group.bench_function(format!("{}/{}_events", def.name, trace.events.len()), |b| {
+            b.iter(|| {
+                let run = run(&trace, &analysis, def, options.capacity, &options, &Silent).expect("replay");
+                black_box(run.peak_reserved_bytes)
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, replay_million);
+criterion_main!(benches);

@@ -1,0 +1,44 @@
+//! steppool-cli: read GPU allocation traces (RMM logs, PyTorch memory snapshots, steppool's own
+//! traces), inspect them, and replay them through the steppool runtime on the simulated device
+//! under each strategy.
+//!
+//! The `steppool` binary is a thin front end over this library:
+//!
+//! ```text
+//! steppool inspect TRACE [--json FILE]
+//! steppool replay TRACE [--capacity SIZE] [--strategy NAME|all] [--json FILE] [--svg FILE]
+//! ```
+//!
+//! The pipeline is [`read::read_trace`] (format by content, steps from the trace, a sidecar, or
+//! [inference](steps)), [`analysis::analyse`] (lifetimes, scopes, phases, operations, live bytes),
+//! then [`replay::replay`] (the real runtime on the simulated device, with bisection for the
+//! smallest capacity) and [`report`] (tables, JSON, [SVG](svg)).
+//!
+//! ```
+//! use steppool_cli::{analysis, read, replay};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let log = "Thread,Time,Action,Pointer,Size,Stream\n\
+//!            1,0,allocate,0x1000,4194304,0x0\n\
+//!            1,10,free,0x1000,4194304,0x0\n";
+//! let trace = read::read_bytes(std::path::Path::new("log.csv"), log.as_bytes())?;
+//! let analysis = analysis::analyse(&trace)?;
+//! assert_eq!(analysis.peak_live_bytes, 4 << 20);
+//! let options = replay::ReplayOptions::new(1 << 30);
+//! let results = replay::replay(&trace, &analysis, &replay::select("all")?, &options, &replay::Silent)?;
+//! assert!(results.iter().all(|r| r.run.completed()));
+//! assert_eq!(results[0].min_capacity_bytes, Some(4 << 20));
+//! # Ok(()) }
+//! ```
+
+pub mod analysis;
+pub mod error;
+pub mod read;
+pub mod replay;
+pub mod report;
+pub mod steps;
+pub mod svg;
+pub mod synth;
+pub mod trace;
+
+pub use error::{Location, Result, TraceError};
+pub use trace::{Event, EventKind, StepSource, Trace, TraceFormat, WarningKind, Warnings};

@@ -1,0 +1,210 @@
+//! `steppool`: inspect an allocation trace, or replay it through steppool's runtime on the
+//! simulated device under each strategy.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use steppool_cli::replay::{self, Observer, ReplayOptions, STRATEGIES};
+use steppool_cli::{analysis, read, report, svg};
+use steppool_sys::bytes::{Bytes, parse_bytes};
+
+/// Replays below this many operations get no progress bar.
+const PROGRESS_FROM_OPS: u64 = 200_000;
+
+#[derive(Parser)]
+#[command(
+    name = "steppool",
+    version,
+    about = "Inspect GPU allocation traces and replay them through steppool on the simulated device",
+    long_about = "Inspect GPU allocation traces (RMM logs, PyTorch memory snapshots, steppool traces) and replay \
+                  them through steppool's runtime on the simulated device under each strategy: peak reserved \
+                  memory, overhead over the live bytes, and the smallest device that runs them."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Events, steps, threads and streams, peak live bytes, sizes, and lifetimes by phase.
+    Inspect {
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace.
+        trace: PathBuf,
+        /// Also write the inspection as JSON to this file.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+    },
+    /// Replay the trace under each strategy and print peak reserved, overhead, fragmentation,
+    /// the outcome at the capacity, and the smallest capacity that completes.
+    Replay {
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace.
+        trace: PathBuf,
+        /// Memory of each simulated device (`80GiB`, `1.5 GiB`); default: the trace's device, or
+        /// 80 GiB.
+        #[arg(long, value_name = "SIZE", value_parser = size)]
+        capacity: Option<u64>,
+        /// A strategy (default-pool, phase-pools, arena) or `all`.
+        #[arg(long, value_name = "NAME", default_value = "all")]
+        strategy: String,
+        /// Arena slab size; default: an eighth of each phase's peak live bytes, 2 MiB to 256 MiB.
+        #[arg(long, value_name = "SIZE", value_parser = size)]
+        arena_slab: Option<u64>,
+        /// Skip the bisection for the smallest capacity.
+        #[arg(long)]
+        no_bisect: bool,
+        /// Also write the results as JSON to this file.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Draw the reserved-vs-live timeline of each strategy into this SVG file.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
+    },
+    /// Write the trace in steppool's own format (JSON lines), with its step boundaries.
+    Convert {
+        /// The trace to read.
+        trace: PathBuf,
+        /// The .jsonl file to write.
+        output: PathBuf,
+    },
+}
+
+fn size(text: &str) -> Result<u64, String> {
+    parse_bytes(text).map_err(|e| e.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error)
+            if error.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            // The reader of stdout went away (`steppool inspect x | head`): nothing left to say.
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("steppool: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Inspect { trace, json } => {
+            let trace = read::read_trace(&trace)?;
+            let analysis = analysis::analyse(&trace)?;
+            let inspection = report::inspect(&trace, &analysis);
+            out(&inspection.to_text())?;
+            if let Some(path) = json {
+                write(&path, serde_json::to_string_pretty(&inspection)? + "\n")?;
+            }
+        }
+        Command::Replay { trace, capacity, strategy, arena_slab, no_bisect, json, svg } => {
+            let strategies = replay::select(&strategy)?;
+            let trace = read::read_trace(&trace)?;
+            let analysis = analysis::analyse(&trace)?;
+            let inspection = report::inspect(&trace, &analysis);
+            let capacity = capacity.unwrap_or_else(|| {
+                trace.devices.iter().filter_map(|d| d.total_bytes).max().unwrap_or(steppool_sys::sim::DEFAULT_CAPACITY)
+            });
+            let mut options = ReplayOptions::new(capacity);
+            options.arena_slab = arena_slab;
+            options.bisect = !no_bisect;
+            let progress = Progress::new(analysis.ops.len() as u64);
+            let results = replay::replay(&trace, &analysis, &strategies, &options, &progress)?;
+            progress.bar.finish_and_clear();
+            let mut text = report::replay_table(&inspection, capacity, &results);
+            text.push('\n');
+            for def in &strategies {
+                text += &format!("{:<14} {}\n", def.name, def.summary);
+            }
+            if strategies.iter().any(|s| s.name == "arena") {
+                let slabs: Vec<String> = analysis
+                    .phases
+                    .iter()
+                    .zip(&analysis.facts)
+                    .filter(|(p, _)| p.scope != steppool::Scope::Persistent)
+                    .map(|(p, f)| {
+                        format!("{} {}", p.name, Bytes(arena_slab.unwrap_or_else(|| replay::default_slab(f))))
+                    })
+                    .collect();
+                if !slabs.is_empty() {
+                    text += &format!("{:<14} slabs: {}\n", "", slabs.join(", "));
+                }
+            }
+            out(&text)?;
+            if let Some(path) = json {
+                let document = report::replay_json(&inspection, capacity, &results);
+                write(&path, serde_json::to_string_pretty(&document)? + "\n")?;
+            }
+            if let Some(path) = svg {
+                write(&path, svg::timeline_svg(&trace, &results))?;
+            }
+        }
+        Command::Convert { trace, output } => {
+            let trace = read::read_trace(&trace)?;
+            let mut text = Vec::new();
+            read::write_steppool(&trace, &mut text)?;
+            write(&output, text)?;
+            let names: Vec<&str> = STRATEGIES.iter().map(|s| s.name).collect();
+            eprintln!(
+                "wrote {} ({} events); replay it with `steppool replay {}` ({})",
+                output.display(),
+                trace.events.len(),
+                output.display(),
+                names.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Prints to stdout, returning a broken pipe as an error rather than panicking.
+fn out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(text.as_bytes())?;
+    stdout.flush()?;
+    Ok(())
+}
+
+fn write(path: &Path, contents: impl AsRef<[u8]>) -> anyhow::Result<()> {
+    std::fs::write(path, contents).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// A progress bar on stderr, only on a terminal and only for long replays.
+struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    fn new(ops: u64) -> Self {
+        let visible = std::io::stderr().is_terminal() && ops >= PROGRESS_FROM_OPS;
+        let target = if visible { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+        let bar = ProgressBar::with_draw_target(Some(ops), target);
+        bar.set_style(
+            ProgressStyle::with_template("{msg:32} [{bar:40}] {human_pos}/{human_len} ops, {elapsed} (eta {eta})")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        Self { bar }
+    }
+}
+
+impl Observer for Progress {
+    fn start(&self, strategy: &str, capacity: u64, ops: u64) {
+        self.bar.set_length(ops);
+        self.bar.set_position(0);
+        self.bar.set_message(format!("{strategy} at {}", Bytes(capacity)));
+    }
+
+    fn advance(&self, ops: u64) {
+        self.bar.inc(ops);
+    }
+}

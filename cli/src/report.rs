@@ -1,0 +1,424 @@
+//! What the command prints and writes: the inspection of a trace and the replay table, as text
+//! and as JSON.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use steppool_sys::bytes::Bytes;
+use steppool_sys::sim::DEFAULT_GRANULE;
+
+use crate::analysis::Analysis;
+use crate::replay::StrategyResult;
+use crate::trace::{EventKind, Trace};
+
+/// One bucket of the size histogram: allocations of more than `above_bytes` and at most
+/// `up_to_bytes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SizeBucket {
+    /// Exclusive lower bound (0 for the first bucket).
+    pub above_bytes: u64,
+    /// Inclusive upper bound, a power of two.
+    pub up_to_bytes: u64,
+    /// Allocations in the bucket.
+    pub allocations: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// One stream of the trace.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StreamSummary {
+    /// The device.
+    pub device: u32,
+    /// The stream handle, in hex.
+    pub stream: String,
+    /// Allocations on it.
+    pub allocations: u64,
+}
+
+/// Lifetimes of one phase (tagged, or inferred from lifetimes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PhaseSummary {
+    /// The phase.
+    pub name: String,
+    /// Its scope: `persistent`, `step` or `micro-step`.
+    pub scope: String,
+    /// `tagged` by the trace or `inferred` from lifetimes.
+    pub origin: &'static str,
+    /// Allocations.
+    pub allocations: u64,
+    /// Bytes allocated in total.
+    pub bytes: u64,
+    /// The largest allocation.
+    pub largest_bytes: u64,
+    /// The most bytes live at once.
+    pub peak_live_bytes: u64,
+    /// Allocations never freed.
+    pub never_freed: u64,
+    /// Median lifetime of the freed ones.
+    pub median_lifetime_ns: u64,
+    /// Longest lifetime of the freed ones.
+    pub max_lifetime_ns: u64,
+}
+
+/// `steppool inspect`'s report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Inspection {
+    /// The trace file.
+    pub trace: String,
+    /// Its format.
+    pub format: &'static str,
+    /// What recorded it, if it says.
+    pub driver: Option<String>,
+    /// Events in the file (allocations, frees, failures, boundaries; step boundaries added from a
+    /// sidecar or by inference are counted in `steps`, not here).
+    pub events: u64,
+    /// Allocations.
+    pub allocations: u64,
+    /// Frees.
+    pub frees: u64,
+    /// Failed allocations recorded.
+    pub allocation_failures: u64,
+    /// Steps.
+    pub steps: u64,
+    /// Micro-steps.
+    pub micro_steps: u64,
+    /// Where the steps came from.
+    pub step_source: String,
+    /// Thread names.
+    pub threads: Vec<String>,
+    /// Streams, with their allocations.
+    pub streams: Vec<StreamSummary>,
+    /// From the first event to the last, on the trace's clock.
+    pub duration_ns: u64,
+    /// The highest sum of live bytes.
+    pub peak_live_bytes: u64,
+    /// Where it was reached.
+    pub peak_live_at: String,
+    /// Bytes live at the end.
+    pub live_at_end_bytes: u64,
+    /// Sizes, in power-of-two buckets.
+    pub size_histogram: Vec<SizeBucket>,
+    /// Lifetimes by phase.
+    pub phases: Vec<PhaseSummary>,
+    /// Counted warnings, one line per kind.
+    pub warnings: Vec<String>,
+}
+
+/// Builds the inspection of `trace`.
+pub fn inspect(trace: &Trace, analysis: &Analysis) -> Inspection {
+    let added_boundaries = !matches!(trace.steps, crate::trace::StepSource::Trace);
+    let events = trace.events.iter().filter(|e| !(added_boundaries && e.kind.is_boundary())).count() as u64;
+    let count = |f: fn(&EventKind) -> bool| trace.events.iter().filter(|e| f(&e.kind)).count() as u64;
+    let mut histogram: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    let mut per_stream = vec![0u64; analysis.streams.len()];
+    for allocation in &analysis.allocations {
+        let bucket = 64 - (allocation.bytes - 1).leading_zeros();
+        let entry = histogram.entry(bucket).or_default();
+        entry.0 += 1;
+        entry.1 += allocation.bytes;
+        per_stream[usize::from(allocation.stream)] += 1;
+    }
+    let size_histogram = histogram
+        .into_iter()
+        .map(|(bucket, (allocations, bytes))| SizeBucket {
+            above_bytes: if bucket == 0 { 0 } else { 1u64 << (bucket - 1) },
+            up_to_bytes: 1u64.checked_shl(bucket).unwrap_or(u64::MAX),
+            allocations,
+            bytes,
+        })
+        .collect();
+    let streams = analysis
+        .streams
+        .iter()
+        .zip(per_stream)
+        .map(|(&(device, stream), allocations)| StreamSummary { device, stream: format!("{stream:#x}"), allocations })
+        .collect();
+    let phases = analysis
+        .phases
+        .iter()
+        .zip(&analysis.facts)
+        .map(|(phase, f)| PhaseSummary {
+            name: phase.name.clone(),
+            scope: phase.scope.name().to_owned(),
+            origin: if phase.tagged { "tagged" } else { "inferred" },
+            allocations: f.allocations,
+            bytes: f.bytes,
+            largest_bytes: f.largest,
+            peak_live_bytes: f.peak_live,
+            never_freed: f.never_freed,
+            median_lifetime_ns: f.median_lifetime_ns,
+            max_lifetime_ns: f.max_lifetime_ns,
+        })
+        .collect();
+    let first = trace.events.iter().map(|e| e.t_ns).min().unwrap_or(0);
+    let last = trace.events.iter().map(|e| e.t_ns).max().unwrap_or(0);
+    let mut warnings = trace.warnings.clone();
+    warnings.merge(&analysis.warnings);
+    Inspection {
+        trace: trace.path.display().to_string(),
+        format: trace.format.name(),
+        driver: trace.driver.clone(),
+        events,
+        allocations: count(|k| matches!(k, EventKind::Alloc)),
+        frees: count(|k| matches!(k, EventKind::Free { .. })),
+        allocation_failures: analysis.failures,
+        steps: analysis.steps,
+        micro_steps: analysis.micro_steps,
+        step_source: trace.steps.to_string(),
+        threads: trace.threads.clone(),
+        streams,
+        duration_ns: last - first,
+        peak_live_bytes: analysis.peak_live_bytes,
+        peak_live_at: trace
+            .events
+            .get(analysis.peak_live_event)
+            .map_or_else(|| "no allocation".to_owned(), |e| e.location.to_string()),
+        live_at_end_bytes: analysis.live_at_end,
+        size_histogram,
+        phases,
+        warnings: warnings.lines(),
+    }
+}
+
+/// A duration in the largest unit that keeps it readable.
+pub fn duration(ns: u64) -> String {
+    match ns {
+        0..1_000 => format!("{ns} ns"),
+        1_000..1_000_000 => format!("{:.1} µs", ns as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} ms", ns as f64 / 1e6),
+        _ => format!("{:.2} s", ns as f64 / 1e9),
+    }
+}
+
+impl Inspection {
+    /// The inspection as text.
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        let w = &mut out;
+        let _ = writeln!(w, "trace       {} ({})", self.trace, self.format);
+        if let Some(driver) = &self.driver {
+            let _ = writeln!(w, "recorded by {driver}");
+        }
+        let _ = writeln!(
+            w,
+            "events      {} ({} allocations, {} frees, {} failed allocations) over {}",
+            self.events,
+            self.allocations,
+            self.frees,
+            self.allocation_failures,
+            duration(self.duration_ns)
+        );
+        let micro = if self.micro_steps > 0 { format!(", {} micro-steps", self.micro_steps) } else { String::new() };
+        let _ = writeln!(w, "steps       {}{micro} ({})", self.steps, self.step_source);
+        let _ = writeln!(w, "threads     {}: {}", self.threads.len(), abbreviate(&self.threads));
+        let streams: Vec<String> = self
+            .streams
+            .iter()
+            .map(|s| format!("device {} stream {} ({} allocations)", s.device, s.stream, s.allocations))
+            .collect();
+        let _ = writeln!(w, "streams     {}: {}", self.streams.len(), abbreviate(&streams));
+        let _ = writeln!(
+            w,
+            "peak live   {} ({} bytes, at {})",
+            Bytes(self.peak_live_bytes),
+            self.peak_live_bytes,
+            self.peak_live_at
+        );
+        let _ = writeln!(w, "live at end {}", Bytes(self.live_at_end_bytes));
+        let _ = writeln!(w, "\nsizes");
+        let largest = self.size_histogram.iter().map(|b| b.allocations).max().unwrap_or(1).max(1);
+        for bucket in &self.size_histogram {
+            let bar = "#".repeat(((bucket.allocations * 40).div_ceil(largest)) as usize);
+            let _ = writeln!(
+                w,
+                "  {:>10} – {:<10} {:>9} {:>11}  {bar}",
+                Bytes(bucket.above_bytes + 1).to_string(),
+                Bytes(bucket.up_to_bytes).to_string(),
+                bucket.allocations,
+                Bytes(bucket.bytes).to_string()
+            );
+        }
+        let _ = writeln!(w, "\nlifetimes by phase");
+        let _ = writeln!(
+            w,
+            "  {:<20} {:<11} {:<9} {:>9} {:>11} {:>11} {:>11} {:>11} {:>6}",
+            "phase", "scope", "origin", "allocs", "bytes", "peak live", "median life", "max life", "kept"
+        );
+        for p in &self.phases {
+            let _ = writeln!(
+                w,
+                "  {:<20} {:<11} {:<9} {:>9} {:>11} {:>11} {:>11} {:>11} {:>6}",
+                p.name,
+                p.scope,
+                p.origin,
+                p.allocations,
+                Bytes(p.bytes).to_string(),
+                Bytes(p.peak_live_bytes).to_string(),
+                life(p.allocations - p.never_freed, p.median_lifetime_ns),
+                life(p.allocations - p.never_freed, p.max_lifetime_ns),
+                p.never_freed
+            );
+        }
+        if !self.warnings.is_empty() {
+            let _ = writeln!(w, "\nwarnings");
+            for line in &self.warnings {
+                let _ = writeln!(w, "  {line}");
+            }
+        }
+        out
+    }
+}
+
+/// A lifetime, or `-` when no allocation of the phase was freed.
+fn life(freed: u64, ns: u64) -> String {
+    if freed == 0 { "-".to_owned() } else { duration(ns) }
+}
+
+fn abbreviate(items: &[String]) -> String {
+    if items.len() <= 4 {
+        items.join(", ")
+    } else {
+        format!("{}, … and {} more", items[..3].join(", "), items.len() - 3)
+    }
+}
+
+/// One strategy in `steppool replay --json`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ResultJson {
+    /// The strategy.
+    pub strategy: &'static str,
+    /// Peak reserved bytes at the chosen capacity (up to the failure, if one happened).
+    pub peak_reserved_bytes: u64,
+    /// Peak reserved / peak live.
+    pub overhead: f64,
+    /// `1 - peak live / peak reserved`.
+    pub fragmentation_ratio: f64,
+    /// Whether the replay completed at the chosen capacity.
+    pub completed: bool,
+    /// The smallest capacity per device that completes (to the 2 MiB granule); null when none
+    /// does or bisection was skipped.
+    pub min_capacity_bytes: Option<u64>,
+    /// Where it failed at the chosen capacity.
+    pub failure: Option<FailureJson>,
+}
+
+/// A failed allocation in `steppool replay --json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FailureJson {
+    /// The event's index in the trace.
+    pub event: usize,
+    /// Its line or record.
+    pub location: String,
+    /// Bytes requested.
+    pub requested_bytes: u64,
+    /// The runtime phase.
+    pub phase: String,
+    /// `fragmentation` or `demand`.
+    pub verdict: String,
+}
+
+/// `steppool replay --json`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplayJson {
+    /// The trace file.
+    pub trace: String,
+    /// Its events (as in `inspect`).
+    pub events: u64,
+    /// The trace's peak of live bytes.
+    pub peak_live_bytes: u64,
+    /// Capacity of each simulated device.
+    pub capacity_bytes: u64,
+    /// Steps replayed.
+    pub steps: u64,
+    /// Where the steps came from.
+    pub step_source: String,
+    /// One entry per strategy.
+    pub results: Vec<ResultJson>,
+}
+
+/// The JSON of a replay.
+pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyResult]) -> ReplayJson {
+    ReplayJson {
+        trace: inspection.trace.clone(),
+        events: inspection.events,
+        peak_live_bytes: inspection.peak_live_bytes,
+        capacity_bytes: capacity,
+        steps: inspection.steps,
+        step_source: inspection.step_source.clone(),
+        results: results
+            .iter()
+            .map(|r| ResultJson {
+                strategy: r.run.strategy,
+                peak_reserved_bytes: r.run.peak_reserved_bytes,
+                overhead: r.overhead(),
+                fragmentation_ratio: r.fragmentation_ratio(),
+                completed: r.run.completed(),
+                min_capacity_bytes: r.min_capacity_bytes,
+                failure: r.run.failure.as_ref().map(|f| FailureJson {
+                    event: f.event,
+                    location: f.location.to_string(),
+                    requested_bytes: f.requested,
+                    phase: f.phase.clone(),
+                    verdict: f.verdict.to_string(),
+                }),
+            })
+            .collect(),
+    }
+}
+
+/// The replay table.
+pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyResult]) -> String {
+    let mut out = String::new();
+    let w = &mut out;
+    let micro =
+        if inspection.micro_steps > 0 { format!(", {} micro-steps", inspection.micro_steps) } else { String::new() };
+    let _ = writeln!(
+        w,
+        "trace: {} ({}, {} events, {} steps{micro} {})",
+        inspection.trace, inspection.format, inspection.events, inspection.steps, inspection.step_source
+    );
+    let _ = writeln!(
+        w,
+        "peak live: {} ({} bytes); simulated device of {} per trace device, {} granules",
+        Bytes(inspection.peak_live_bytes),
+        inspection.peak_live_bytes,
+        Bytes(capacity),
+        Bytes(DEFAULT_GRANULE)
+    );
+    let at = format!("at {}", Bytes(capacity));
+    let _ = writeln!(
+        w,
+        "\n{:<14} {:>14} {:>9} {:>14} {:>24} {:>16}",
+        "strategy", "peak reserved", "overhead", "fragmentation", at, "smallest device"
+    );
+    for r in results {
+        let outcome = match &r.run.failure {
+            None => "completed".to_owned(),
+            Some(f) => format!("OOM at {} ({})", f.location, f.verdict),
+        };
+        let smallest = match (r.min_capacity_bytes, r.bisection_runs) {
+            (Some(bytes), _) => Bytes(bytes).to_string(),
+            (None, 0) => "-".to_owned(),
+            (None, _) => "none".to_owned(),
+        };
+        let _ = writeln!(
+            w,
+            "{:<14} {:>14} {:>8.3}× {:>13.1} % {:>24} {:>16}",
+            r.run.strategy,
+            Bytes(r.run.peak_reserved_bytes).to_string(),
+            r.overhead(),
+            r.fragmentation_ratio() * 100.0,
+            outcome,
+            smallest
+        );
+    }
+    if !inspection.warnings.is_empty() {
+        let _ = writeln!(w, "\nwarnings");
+        for line in &inspection.warnings {
+            let _ = writeln!(w, "  {line}");
+        }
+    }
+    out
+}

@@ -1,0 +1,63 @@
+//! Replay numbers on traces small enough to work out by hand: reservations in whole granules,
+//! the smallest device, and an allocation larger than the device.
+
+use std::path::Path;
+
+use steppool_cli::analysis::analyse;
+use steppool_cli::read::read_bytes;
+use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
+use steppool_cli::report::{inspect, replay_json};
+
+const MIB: u64 = 1 << 20;
+
+fn log(rows: &[(&str, u64, u64)]) -> steppool_cli::Trace {
+    let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+    for (t, &(action, ptr, bytes)) in rows.iter().enumerate() {
+        text += &format!("1,{t},{action},{ptr:#x},{bytes},0x0\n");
+    }
+    read_bytes(Path::new("small.csv"), text.as_bytes()).unwrap()
+}
+
+#[test]
+fn reservations_are_whole_granules_and_the_smallest_device_is_exact() {
+    // 3 MiB, then 1 MiB placed in the 4 MiB segment's free tail, then 2 MiB, which does not fit
+    // the tail and takes a 2 MiB segment of its own: 6 MiB reserved at the peak ...
+    let trace = log(&[
+        ("allocate", 0x1000_0000, 3 * MIB),
+        ("allocate", 0x2000_0000, MIB),
+        ("free", 0x2000_0000, MIB),
+        ("allocate", 0x3000_0000, 2 * MIB),
+        ("free", 0x1000_0000, 3 * MIB),
+        ("free", 0x3000_0000, 2 * MIB),
+    ]);
+    let analysis = analyse(&trace).unwrap();
+    assert_eq!(analysis.peak_live_bytes, 5 * MIB);
+    let results =
+        replay(&trace, &analysis, &select("default-pool").unwrap(), &ReplayOptions::new(1 << 30), &Silent).unwrap();
+    let result = &results[0];
+    assert!(result.run.completed());
+    // ... of which 5 MiB are live.
+    assert_eq!(result.run.peak_reserved_bytes, 6 * MIB);
+    assert!((result.overhead() - 1.2).abs() < 1e-12);
+    assert!((result.fragmentation_ratio() - 1.0 / 6.0).abs() < 1e-12);
+    // 6 MiB is needed: 4 MiB is below the live bytes, and no device reserves half a granule.
+    assert_eq!(result.min_capacity_bytes, Some(6 * MIB));
+}
+
+#[test]
+fn an_allocation_larger_than_the_device_is_an_oom_result() {
+    let trace = log(&[("allocate", 0x1000, 3 * MIB), ("free", 0x1000, 3 * MIB), ("allocate", 0x2000, 64 * MIB)]);
+    let analysis = analyse(&trace).unwrap();
+    let options = ReplayOptions::new(16 * MIB);
+    let results = replay(&trace, &analysis, &select("all").unwrap(), &options, &Silent).unwrap();
+    for result in &results {
+        let failure = result.run.failure.as_ref().expect("64 MiB does not fit 16 MiB");
+        assert_eq!((failure.event, failure.requested), (2, 64 * MIB));
+        assert_eq!(failure.location.to_string(), "line 4");
+        assert_eq!(result.min_capacity_bytes, Some(64 * MIB), "{}", result.run.strategy);
+    }
+    let json = serde_json::to_value(replay_json(&inspect(&trace, &analysis), options.capacity, &results)).unwrap();
+    assert_eq!(json["results"][0]["completed"], false);
+    assert_eq!(json["results"][0]["failure"]["location"], "line 4");
+    assert_eq!(json["results"][0]["min_capacity_bytes"], 64 * MIB);
+}

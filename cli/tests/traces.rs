@@ -1,0 +1,194 @@
+//! The shared training traces: they read, their steps and peak live bytes are right, they replay
+//! under every strategy, and the `steppool` binary prints and writes what the library computes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use steppool_cli::analysis::analyse;
+use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, replay, select};
+use steppool_cli::trace::{EventKind, StepSource};
+use steppool_cli::{read, steps};
+
+const TRACES: [&str; 2] = ["vit_static_train", "t5_varlen_train"];
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+}
+
+/// The peak of live bytes, computed straight from the CSV text: a map of pointer to size.
+fn peak_live_from_csv(path: &Path) -> u64 {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut live: HashMap<String, u64> = HashMap::new();
+    let (mut now, mut peak) = (0u64, 0u64);
+    for line in text.lines().skip(1) {
+        let fields: Vec<&str> = line.split(',').collect();
+        let size: u64 = fields[4].parse().unwrap();
+        match fields[2] {
+            "allocate" => {
+                live.insert(fields[3].to_owned(), size);
+                now += size;
+                peak = peak.max(now);
+            }
+            "free" => now -= live.remove(fields[3]).unwrap(),
+            other => panic!("unexpected action {other}"),
+        }
+    }
+    peak
+}
+
+#[test]
+fn peak_live_bytes_is_the_true_peak() {
+    for name in TRACES {
+        let path = data(&format!("{name}.csv"));
+        let trace = read::read_trace(&path).unwrap();
+        let analysis = analyse(&trace).unwrap();
+        assert_eq!(analysis.peak_live_bytes, peak_live_from_csv(&path), "{name}");
+        assert!(trace.warnings.is_empty() && analysis.warnings.is_empty(), "{name}: {:?}", trace.warnings);
+    }
+}
+
+#[test]
+fn sidecar_steps_are_used_and_inference_finds_the_same_boundaries() {
+    for (name, steps) in [("vit_static_train", 5), ("t5_varlen_train", 6)] {
+        let path = data(&format!("{name}.csv"));
+        let with_sidecar = read::read_trace(&path).unwrap();
+        assert!(matches!(with_sidecar.steps, StepSource::Sidecar(_)), "{name}: {:?}", with_sidecar.steps);
+        assert_eq!(with_sidecar.step_count(), steps, "{name}");
+
+        let bytes = std::fs::read(&path).unwrap();
+        let mut inferred = read::read_bytes(&path, &bytes).unwrap();
+        assert!(matches!(steps::infer(&mut inferred), StepSource::Inferred { every: 1 }), "{name}");
+        let begins = |trace: &steppool_cli::Trace| -> Vec<u64> {
+            // The record (line) each step begins before.
+            let mut lines = Vec::new();
+            for window in trace.events.windows(2) {
+                if matches!(window[0].kind, EventKind::StepBegin(_)) {
+                    lines.push(match window[1].location {
+                        steppool_cli::Location::Line(line) => line,
+                        other => panic!("{other:?}"),
+                    });
+                }
+            }
+            lines
+        };
+        assert_eq!(begins(&with_sidecar), begins(&inferred), "{name}");
+    }
+}
+
+#[test]
+fn every_shared_trace_replays_under_every_strategy() {
+    for name in TRACES {
+        let trace = read::read_trace(data(&format!("{name}.csv"))).unwrap();
+        let analysis = analyse(&trace).unwrap();
+        let results =
+            replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(80 << 30), &Silent).unwrap();
+        assert_eq!(results.len(), STRATEGIES.len());
+        for result in &results {
+            let run = &result.run;
+            assert!(run.completed(), "{name} {}: {:?}", run.strategy, run.failure);
+            assert_eq!(run.peak_live_bytes, analysis.peak_live_bytes, "{name} {}", run.strategy);
+            assert!(run.peak_reserved_bytes >= analysis.peak_live_bytes, "{name} {}", run.strategy);
+            assert_eq!(run.peak_reserved_bytes % (2 << 20), 0, "reservations are whole granules");
+            let min = result.min_capacity_bytes.unwrap();
+            assert!(min >= analysis.peak_live_bytes && min <= run.peak_reserved_bytes, "{name} {}", run.strategy);
+            // The smallest capacity completes and one granule less does not.
+            let def = STRATEGIES.iter().find(|s| s.name == run.strategy).unwrap();
+            let options = ReplayOptions::new(min);
+            let at_min = steppool_cli::replay::run(&trace, &analysis, def, min, &options, &Silent).unwrap();
+            assert!(at_min.completed(), "{name} {} at {min}", run.strategy);
+            let below = steppool_cli::replay::run(&trace, &analysis, def, min - (2 << 20), &options, &Silent).unwrap();
+            assert!(!below.completed(), "{name} {} at {min} - 2 MiB", run.strategy);
+        }
+    }
+}
+
+fn steppool(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_steppool")).args(args).output().expect("the steppool binary runs")
+}
+
+#[test]
+fn the_binary_prints_the_table_and_writes_json_and_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in TRACES {
+        let trace = data(&format!("{name}.csv"));
+        let json = dir.path().join(format!("{name}.json"));
+        let svg = dir.path().join(format!("{name}.svg"));
+        let output = steppool(&[
+            "replay",
+            trace.to_str().unwrap(),
+            "--capacity",
+            "80GiB",
+            "--json",
+            json.to_str().unwrap(),
+            "--svg",
+            svg.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{name}: {}", String::from_utf8_lossy(&output.stderr));
+        for strategy in STRATEGIES {
+            assert!(stdout.contains(strategy.name), "{stdout}");
+        }
+        assert!(stdout.contains("at 80 GiB") && stdout.contains("completed"), "{stdout}");
+
+        let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let peak = peak_live_from_csv(&trace);
+        assert_eq!(document["peak_live_bytes"], peak);
+        assert_eq!(document["events"], if name == "vit_static_train" { 16182 } else { 32331 });
+        let results = document["results"].as_array().unwrap();
+        assert_eq!(results.len(), STRATEGIES.len());
+        for result in results {
+            for key in [
+                "strategy",
+                "peak_reserved_bytes",
+                "overhead",
+                "fragmentation_ratio",
+                "completed",
+                "min_capacity_bytes",
+            ] {
+                assert!(result.get(key).is_some(), "{key} missing in {result}");
+            }
+            let reserved = result["peak_reserved_bytes"].as_u64().unwrap();
+            let overhead = result["overhead"].as_f64().unwrap();
+            assert!((overhead - reserved as f64 / peak as f64).abs() < 1e-9);
+            let fragmentation = result["fragmentation_ratio"].as_f64().unwrap();
+            assert!((fragmentation - (1.0 - peak as f64 / reserved as f64)).abs() < 1e-9);
+            // The table prints the same peak as the JSON.
+            let shown = steppool_sys::bytes::Bytes(reserved).to_string();
+            assert!(stdout.contains(&shown), "{shown} not in {stdout}");
+        }
+        let picture = std::fs::read_to_string(&svg).unwrap();
+        assert!(picture.starts_with("<svg") && picture.trim_end().ends_with("</svg>"));
+        assert_eq!(picture.matches("<polyline").count(), STRATEGIES.len());
+    }
+}
+
+#[test]
+fn the_binary_inspects_and_explains_bad_input() {
+    let trace = data("t5_varlen_train.csv");
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("inspect.json");
+    let output = steppool(&["inspect", trace.to_str().unwrap(), "--json", json.to_str().unwrap()]);
+    assert!(output.status.success());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("16299 allocations") && stdout.contains("6 (from"), "{stdout}");
+    assert!(stdout.contains("lifetimes by phase"), "{stdout}");
+    let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(document["steps"], 6);
+    assert_eq!(document["peak_live_bytes"], peak_live_from_csv(&trace));
+
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(&bad, "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,64,0x0\n1,5,allocate,0x20\n")
+        .unwrap();
+    let output = steppool(&["replay", bad.to_str().unwrap()]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("bad.csv") && stderr.contains("line 3") && stderr.contains("found 4"), "{stderr}");
+
+    let output = steppool(&["replay", trace.to_str().unwrap(), "--strategy", "best"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("no strategy `best`"));
+    let output = steppool(&["replay", trace.to_str().unwrap(), "--capacity", "80 gigs"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("gigs"));
+}
