@@ -6,7 +6,14 @@
 //! ```text
 //! cargo run --release --example training_loop -- [--steps 8] [--capacity 24GiB] [--micro-batches 4]
 //!     [--layers 16] [--hidden 1536] [--seed 7]
+//!     [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]
 //! ```
+//!
+//! The telemetry flags write each run's step reports and warnings as JSON lines, its counters as
+//! Prometheus text, its history as a PyTorch memory snapshot (pytorch.org/memory_viz), an SVG
+//! timeline and a steppool trace (for `steppool replay`); each file gets the run's name before
+//! its extension (`--svg t.svg` writes `t-plain.svg` and `t-steppool.svg`). Both runs go through
+//! steppool's runtime: the plain one as a single pool, so the same telemetry watches it.
 //!
 //! Without a GPU (or with `STEPPOOL_DEVICE=sim`) each run gets a fresh simulated device of
 //! `--capacity`, so an out-of-memory is a real one. On a GPU both runs use it in turn, every
@@ -26,7 +33,7 @@ use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
 use steppool_examples::{Event, Lifetime, StepPlan, TransformerConfig, Workload, peak_live};
 
 const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
-     [--seed N] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE]";
+     [--seed N] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]";
 
 struct Options {
     steps: u32,
@@ -36,7 +43,7 @@ struct Options {
 }
 
 fn parse_options() -> Result<Options, String> {
-    let outputs = Outputs { jsonl: None, prometheus: None, snapshot: None, svg: None };
+    let outputs = Outputs { jsonl: None, prometheus: None, snapshot: None, svg: None, trace: None };
     let mut options = Options { steps: 8, capacity: 24 << 30, model: TransformerConfig::default(), outputs };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -56,6 +63,7 @@ fn parse_options() -> Result<Options, String> {
             "--prometheus" => options.outputs.prometheus = Some(value),
             "--snapshot" => options.outputs.snapshot = Some(value),
             "--svg" => options.outputs.svg = Some(value),
+            "--trace" => options.outputs.trace = Some(value),
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
     }
@@ -163,11 +171,12 @@ struct Outputs {
     prometheus: Option<String>,
     snapshot: Option<String>,
     svg: Option<String>,
+    trace: Option<String>,
 }
 
 impl Outputs {
     fn recording(&self) -> bool {
-        self.snapshot.is_some() || self.svg.is_some()
+        self.snapshot.is_some() || self.svg.is_some() || self.trace.is_some()
     }
 
     /// `path` with the run's name before its extension: `steps.jsonl` → `steps-plain.jsonl`.
@@ -349,6 +358,10 @@ fn run(
     if let Some((path, mut file)) = Outputs::create(&outputs.snapshot, short)? {
         history.write_memory_snapshot(&mut file)?;
         println!("  wrote {path} (open it at https://pytorch.org/memory_viz)");
+    }
+    if let Some((path, file)) = Outputs::create(&outputs.trace, short)? {
+        history.write_trace(&mut std::io::BufWriter::new(file))?;
+        println!("  wrote {path} (replay it with `cargo run -p steppool-cli -- replay {path}`)");
     }
     if let Some((path, mut file)) = Outputs::create(&outputs.svg, short)? {
         file.write_all(history.timeline_svg(&format!("{} — {}", run.name, driver.describe())).as_bytes())?;

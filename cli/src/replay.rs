@@ -6,8 +6,9 @@
 //! stream, the phases of the [analysis](crate::analysis) declared as the strategy lays them out,
 //! and every operation in trace order through the raw API (`alloc_raw`, `free_raw`,
 //! `begin_step_raw`, `end_step_raw`, and the micro-step pair). A free is issued on the stream the
-//! memory was allocated on, as the runtime does. Failed allocations recorded in the trace are not
-//! replayed (as RMM's replay benchmark skips them).
+//! memory was allocated on, as the runtime does. Before each step's end the host waits for every
+//! stream, as a training loop that reads its loss each step does. Failed allocations recorded in
+//! the trace are not replayed (as RMM's replay benchmark skips them).
 //!
 //! **Peak reserved** is exact: the device's reservation (`total - free` from `cuMemGetInfo`,
 //! which on the simulated device counts every pool's segments) is read after every allocation and
@@ -63,6 +64,11 @@ pub const STRATEGIES: &[StrategyDef] = &[
         summary: "phase pools, with step and micro-step phases as bump arenas reset at their boundary",
         layout: arena,
     },
+    StrategyDef {
+        name: "planned",
+        summary: "phase pools, with step and micro-step phases served from slabs packed offline from their first scope",
+        layout: planned,
+    },
 ];
 
 fn default_pool(_: &ReplayPhase, _: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
@@ -82,6 +88,14 @@ fn arena(phase: &ReplayPhase, facts: &PhaseFacts, options: &ReplayOptions) -> Ph
         Scope::Step | Scope::MicroStep => {
             spec.strategy(Strategy::Arena { slab_bytes: options.arena_slab.unwrap_or_else(|| default_slab(facts)) })
         }
+    }
+}
+
+fn planned(phase: &ReplayPhase, _: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
+    let spec = PhaseSpec::new(phase.name.clone(), phase.scope);
+    match phase.scope {
+        Scope::Persistent => spec,
+        Scope::Step | Scope::MicroStep => spec.strategy(Strategy::PLANNED),
     }
 }
 
@@ -423,6 +437,13 @@ pub fn run(
                 runtime.begin_micro_step_raw().map_err(|e| at(event, e))?;
             }
             Op::EndStep | Op::EndMicro => {
+                if op == Op::EndStep {
+                    // The host waits for each step, as a training loop reading its loss does:
+                    // the step's frees are then complete, and a boundary's trim can give back.
+                    for stream in &streams {
+                        stream.synchronize().map_err(|e| at(event, e))?;
+                    }
+                }
                 // SAFETY: as for the allocations: nothing uses simulated memory.
                 let ended = unsafe {
                     if op == Op::EndStep {
