@@ -6,10 +6,10 @@
 //! ```text
 //! cargo run --release --example training_loop -- [--steps 8] [--capacity 24GiB] [--micro-batches 4]
 //!     [--layers 16] [--hidden 1536] [--seed 7]
-//!     [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]
+//!     [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]
 //! ```
 //!
-//! The telemetry flags write each run's step reports and warnings as JSON lines, its counters as
+//! `--reports` prints each step's report. The telemetry flags write each run's step reports and warnings as JSON lines, its counters as
 //! Prometheus text, its history as a PyTorch memory snapshot (pytorch.org/memory_viz), an SVG
 //! timeline and a steppool trace (for `steppool replay`); each file gets the run's name before
 //! its extension (`--svg t.svg` writes `t-plain.svg` and `t-steppool.svg`). Both runs go through
@@ -33,7 +33,7 @@ use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
 use steppool_examples::{Event, Lifetime, StepPlan, TransformerConfig, Workload, peak_live};
 
 const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
-     [--seed N] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]";
+     [--seed N] [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]";
 
 struct Options {
     steps: u32,
@@ -43,12 +43,16 @@ struct Options {
 }
 
 fn parse_options() -> Result<Options, String> {
-    let outputs = Outputs { jsonl: None, prometheus: None, snapshot: None, svg: None, trace: None };
+    let outputs = Outputs { jsonl: None, prometheus: None, snapshot: None, svg: None, trace: None, reports: false };
     let mut options = Options { steps: 8, capacity: 24 << 30, model: TransformerConfig::default(), outputs };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
             return Err(USAGE.to_owned());
+        }
+        if flag == "--reports" {
+            options.outputs.reports = true;
+            continue;
         }
         let value = args.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
         let number = |value: &str| value.parse::<u64>().map_err(|_| format!("{flag}: `{value}` is not a number"));
@@ -172,6 +176,8 @@ struct Outputs {
     snapshot: Option<String>,
     svg: Option<String>,
     trace: Option<String>,
+    /// Print each step's report.
+    reports: bool,
 }
 
 impl Outputs {
@@ -341,6 +347,9 @@ fn run(
         // Reading the loss: the host waits for the step.
         stream.synchronize()?;
         let report = step.end()?;
+        if outputs.reports {
+            print!("{report}");
+        }
         if let Some((_, jsonl)) = &mut jsonl {
             jsonl.step(&report)?;
         }

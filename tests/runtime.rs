@@ -606,6 +606,49 @@ fn out_of_memory_recovers_by_synchronizing_and_trimming_other_pools() {
 }
 
 #[test]
+fn out_of_memory_recovery_reaches_the_slabs_arenas_and_plans_keep() {
+    for strategy in [Strategy::Arena { slab_bytes: 256 * MIB }, Strategy::PLANNED] {
+        let rt = simulated_runtime(2 * GIB);
+        let spec = PhaseSpec::new("activations", Scope::Step).strategy(strategy).trim(TrimPolicy::Never);
+        rt.set_phase_spec(Phase::ACTIVATIONS, spec).unwrap();
+        let stream = rt.device(0).unwrap().create_stream().unwrap();
+        for _ in 0..3 {
+            let step = rt.begin_step().unwrap();
+            let buffers: Vec<_> = (0..3).map(|_| step.alloc(Phase::ACTIVATIONS, 200 * MIB, &stream).unwrap()).collect();
+            drop(buffers);
+            step.end().unwrap();
+        }
+        // Between steps the phase keeps its slabs (trim policy `Never`); a persistent request
+        // that needs them back gets them through recovery.
+        let big = rt.alloc(Phase::WEIGHTS, 1600 * MIB, &stream);
+        assert!(big.is_ok(), "{strategy:?}: {:?}", big.err());
+        assert_eq!(rt.oom_recoveries(), 1);
+        drop(big);
+        // And the phase takes memory again in the next step.
+        let step = rt.begin_step().unwrap();
+        drop(step.alloc(Phase::ACTIVATIONS, 200 * MIB, &stream).unwrap());
+        step.end().unwrap();
+    }
+}
+
+#[test]
+fn release_idle_gives_back_an_arenas_spare_slabs_in_one_call() {
+    let rt = simulated_runtime(4 * GIB);
+    let spec = PhaseSpec::new("activations", Scope::Step)
+        .strategy(Strategy::Arena { slab_bytes: 256 * MIB })
+        .trim(TrimPolicy::Never);
+    rt.set_phase_spec(Phase::ACTIVATIONS, spec).unwrap();
+    let device = rt.device(0).unwrap();
+    let stream = device.create_stream().unwrap();
+    let step = rt.begin_step().unwrap();
+    let buffers: Vec<_> = (0..3).map(|_| step.alloc(Phase::ACTIVATIONS, 200 * MIB, &stream).unwrap()).collect();
+    drop(buffers);
+    step.end().unwrap();
+    assert_eq!(device.release_idle().unwrap(), 768 * MIB);
+    assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &stream).reserved, 0);
+}
+
+#[test]
 fn impossible_requests_are_refused_up_front() {
     let rt = simulated_runtime(GIB);
     let stream = rt.device(0).unwrap().create_stream().unwrap();

@@ -181,7 +181,6 @@ impl Device {
     /// Synchronizes the device and gives back every byte its pools hold without live data, what
     /// `torch.cuda.empty_cache()` does. Returns the bytes released.
     pub fn release_idle(&self) -> Result<u64> {
-        self.synchronize()?;
         self.runtime.trim_device(self.core.ordinal, None)
     }
 

@@ -121,6 +121,13 @@ pub enum Error {
         /// The step.
         index: u64,
     },
+    /// A callback registered with [`Runtime::on_warning`](crate::Runtime::on_warning) panicked;
+    /// the panic was caught and the other callbacks still ran.
+    #[error("a warning callback panicked while handling a `{rule}` warning")]
+    CallbackPanicked {
+        /// The rule of the warning it was handling.
+        rule: &'static str,
+    },
     /// A device ordinal the driver does not have.
     #[error("device {ordinal} does not exist: the driver has {count} device(s)")]
     NoSuchDevice {

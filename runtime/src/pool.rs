@@ -17,7 +17,7 @@ use crate::phase::{Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::PoolStats;
 use crate::strategy::{Allocator, Backing, FreeSpace, Source, SourceState, allocator};
 use crate::stream::StreamCore;
-use crate::telemetry::{self, EventKind, PoolKey, PoolMetrics, Recorder, Usage, thread_number};
+use crate::telemetry::{self, EventKind, PoolKey, PoolMetrics, Recorder, Retired, Usage, thread_number};
 
 /// Errors raised where they cannot be returned (in `Drop`), kept for
 /// [`Runtime::take_errors`](crate::Runtime::take_errors).
@@ -46,6 +46,55 @@ struct Counters {
     largest_request: u64,
 }
 
+/// One allocation call in this many is timed.
+const TIMING_SAMPLE: u64 = 16;
+
+/// A random sample of allocation times, scaled to every call: an unbiased estimate of the time
+/// spent allocating, at a sixteenth of the cost of timing every call.
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    /// xorshift state, never zero.
+    rng: u64,
+    calls: u64,
+    timed: u64,
+    ticks: u64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self { rng: 0x9e37_79b9_7f4a_7c15, calls: 0, timed: 0, ticks: 0 }
+    }
+}
+
+impl Timing {
+    /// Counts a call; the clock's reading if this call is sampled.
+    #[inline]
+    fn start(&mut self) -> Option<u64> {
+        self.calls += 1;
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng.is_multiple_of(TIMING_SAMPLE).then(|| telemetry::clock().raw())
+    }
+
+    #[inline]
+    fn stop(&mut self, started: Option<u64>) {
+        if let Some(started) = started {
+            self.timed += 1;
+            self.ticks += telemetry::clock().raw().saturating_sub(started);
+        }
+    }
+
+    /// Nanoseconds spent in every call, estimated from the sampled ones.
+    fn estimate_nanos(&self) -> u64 {
+        if self.timed == 0 {
+            return 0;
+        }
+        let sampled = telemetry::clock().delta_as_nanos(0, self.ticks) as u128;
+        (sampled * u128::from(self.calls) / u128::from(self.timed)) as u64
+    }
+}
+
 /// What a boundary released from one pool.
 #[derive(Debug, Default)]
 pub(crate) struct Released {
@@ -68,8 +117,9 @@ pub(crate) struct PoolState {
     counters: Counters,
     /// Counters over the pool's life, for [`Runtime::metrics`](crate::Runtime::metrics).
     totals: Usage,
-    /// Raw cycle-counter ticks spent allocating (converted to nanoseconds when read).
-    alloc_ticks: u64,
+    /// Allocation timing, sampled: reading a clock twice costs more than the rest of an arena
+    /// allocation, so one call in [`TIMING_SAMPLE`], picked at random, is timed.
+    timing: Timing,
     /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
     recent: VecDeque<u64>,
 }
@@ -88,6 +138,7 @@ pub(crate) struct PhasePool {
     state: Mutex<PoolState>,
     errors: Arc<ErrorSink>,
     recorder: Arc<Recorder>,
+    retired: Arc<Retired>,
 }
 
 // SAFETY: the fields that are not Send + Sync by themselves are driver handles: the CUmemoryPool
@@ -111,6 +162,7 @@ impl PhasePool {
         stream: Arc<StreamCore>,
         errors: Arc<ErrorSink>,
         recorder: Arc<Recorder>,
+        retired: Arc<Retired>,
     ) -> Result<Self> {
         let device = &stream.device;
         let backing = if device.pools_supported {
@@ -136,10 +188,10 @@ impl PhasePool {
             cross_uses: Vec::new(),
             counters: Counters::default(),
             totals: Usage::default(),
-            alloc_ticks: 0,
+            timing: Timing::default(),
             recent: VecDeque::new(),
         };
-        let pool = Self { entry, stream, backing, state: Mutex::new(state), errors, recorder };
+        let pool = Self { entry, stream, backing, state: Mutex::new(state), errors, recorder, retired };
         pool.grant_access(&pool.stream.device.peers())?;
         Ok(pool)
     }
@@ -216,11 +268,10 @@ impl PhasePool {
                 return Err(Error::BudgetExceeded { phase: spec.name.clone(), budget, live, requested: bytes });
             }
         }
-        let clock = telemetry::clock();
-        let started = clock.raw();
-        let PoolState { allocator, source, counters, totals, alloc_ticks, .. } = state;
+        let PoolState { allocator, source, counters, totals, timing, .. } = state;
+        let started = timing.start();
         let result = allocator.allocate(&mut self.source(source), bytes);
-        *alloc_ticks += clock.raw().saturating_sub(started);
+        timing.stop(started);
         match result {
             Ok(ptr) => {
                 counters.used += bytes;
@@ -275,6 +326,13 @@ impl PhasePool {
         for other in uses {
             self.stream.wait_for(other)?;
         }
+        // The block's free is recorded before the strategy gives its segment back (a `Pool`
+        // strategy's allocation is its own segment): a history never has a live block outside
+        // every segment.
+        if self.recorder.is_on() {
+            let (step, thread) = (self.recorder.step(), thread_number());
+            self.recorder.record(EventKind::Free { pool: self.key(), ptr, bytes, step, thread, release });
+        }
         let PoolState { allocator, source, counters, totals, .. } = state;
         allocator.free(&mut self.source(source), ptr, bytes)?;
         counters.used -= bytes;
@@ -285,10 +343,6 @@ impl PhasePool {
         }
         if self.entry.spec.budget.is_some() {
             self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
-        }
-        if self.recorder.is_on() {
-            let (step, thread) = (self.recorder.step(), thread_number());
-            self.recorder.record(EventKind::Free { pool: self.key(), ptr, bytes, step, thread, release });
         }
         Ok(())
     }
@@ -303,6 +357,9 @@ impl PhasePool {
 
     /// Starts a step's counters: peaks from the current values, counts from zero.
     pub(crate) fn begin_step(&self, state: &mut PoolState) -> Result<()> {
+        // The last step's peak reservation goes into the lifetime mark before it is reset.
+        let (_, peak_reserved) = self.reserved(state)?;
+        state.totals.reserved_high = state.totals.reserved_high.max(peak_reserved);
         let counters = &mut state.counters;
         *counters = Counters { used: counters.used, peak_used: counters.used, ..Counters::default() };
         state.allocator.begin_step();
@@ -439,11 +496,16 @@ impl PhasePool {
         }
     }
 
+    /// Memory is short: the strategy gives back to the CUDA pool what its scope has not touched
+    /// (in stream order; a synchronization completes it). Returns the bytes given back.
+    pub(crate) fn release_unused(&self, state: &mut PoolState) -> Result<u64> {
+        let PoolState { allocator, source, .. } = state;
+        allocator.release_unused(&mut self.source(source))
+    }
+
     /// After the device was synchronized: gives back everything idle (out-of-memory recovery,
     /// [`Device::release_idle`](crate::Device::release_idle)).
     pub(crate) fn release_idle(&self, state: &mut PoolState) -> Result<u64> {
-        let PoolState { allocator, source, .. } = state;
-        allocator.release_unused(&mut self.source(source))?;
         match self.backing {
             Backing::Pool(_) => self.trim_to(state, 0),
             Backing::Synchronous => self.source(&mut state.source).reclaim(true),
@@ -473,17 +535,23 @@ impl PhasePool {
         let totals = &mut state.totals;
         totals.reserved = reserved;
         totals.reserved_high = totals.reserved_high.max(peak_reserved).max(reserved);
-        totals.alloc_nanos = telemetry::clock().delta_as_nanos(0, state.alloc_ticks);
-        Ok(PoolMetrics {
+        totals.alloc_nanos = state.timing.estimate_nanos();
+        let free_space = self.free_space(state);
+        Ok(self.pool_metrics(state.totals, free_space))
+    }
+
+    fn pool_metrics(&self, usage: Usage, free_space: Option<FreeSpace>) -> PoolMetrics {
+        PoolMetrics {
             phase: self.entry.phase,
             phase_name: self.entry.spec.name.clone(),
             scope: self.entry.spec.scope,
             strategy: self.entry.spec.strategy,
             device: self.stream.device.ordinal,
             stream: self.stream.id,
-            usage: state.totals,
-            free_space: self.free_space(state),
-        })
+            retired: false,
+            usage,
+            free_space,
+        }
     }
 
     /// The pool's numbers now.
@@ -513,6 +581,13 @@ impl PhasePool {
 
 impl Drop for PhasePool {
     fn drop(&mut self) {
+        // Its counts outlive it, so the runtime's counters never go back.
+        let (mut usage, nanos) = {
+            let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+            (state.totals, state.timing.estimate_nanos())
+        };
+        usage.alloc_nanos = nanos;
+        self.retired.add(self.pool_metrics(usage, None));
         let key = self.key();
         let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         let PoolState { allocator, source, raw, .. } = state;

@@ -18,7 +18,9 @@ use crate::pool::{ErrorSink, PhasePool, PoolState, RawAllocation};
 use crate::report::{MicroStepReport, PoolStats, StepReport};
 use crate::step::Step;
 use crate::stream::Stream;
-use crate::telemetry::{DeviceMemory, EventKind, History, Metrics, Recorder, Warning, WarningRules, WarningState};
+use crate::telemetry::{
+    DeviceMemory, EventKind, History, Metrics, Recorder, Retired, Warning, WarningRules, WarningState,
+};
 
 /// Set in [`RuntimeInner::activity`] while a step is active.
 pub(crate) const STEP_ACTIVE: u8 = 1;
@@ -130,6 +132,8 @@ pub(crate) struct RuntimeInner {
     pub(crate) errors: Arc<ErrorSink>,
     pub(crate) oom_recoveries: AtomicU64,
     pub(crate) recorder: Arc<Recorder>,
+    /// Counts of pools gone with their streams.
+    retired: Arc<Retired>,
     /// Steps ended.
     steps_ended: AtomicU64,
     /// The early-warning rules and their memory between steps.
@@ -260,6 +264,9 @@ impl Runtime {
     }
 
     fn with_config(driver: Driver, checked: bool) -> Result<Self> {
+        // Calibrating the clock takes up to a few hundred milliseconds: here, not in the first
+        // allocation.
+        crate::telemetry::clock();
         let count = driver.device_count()?;
         let phases = Phase::built_in_specs()
             .into_iter()
@@ -282,6 +289,7 @@ impl Runtime {
             errors: Arc::new(Mutex::new(Vec::new())),
             oom_recoveries: AtomicU64::new(0),
             recorder: Arc::new(Recorder::default()),
+            retired: Arc::new(Retired::default()),
             steps_ended: AtomicU64::new(0),
             warnings: Mutex::new((WarningRules::default(), WarningState::default())),
             warning_sinks: RwLock::new(Vec::new()),
@@ -407,6 +415,7 @@ impl Runtime {
         for pool in self.inner.all_pools() {
             pools.push(pool.metrics(&mut pool.lock())?);
         }
+        pools.extend(self.inner.retired.pools());
         let mut devices = Vec::new();
         for (ordinal, slot) in self.inner.devices.iter().enumerate() {
             if let Some(core) = slot.get() {
@@ -547,7 +556,13 @@ impl RuntimeInner {
         // change between this read and marking the phase in use.
         let entry = self.phase_entry(phase)?;
         entry.in_use.store(true, Ordering::Release);
-        let pool = Arc::new(PhasePool::new(entry, stream.core.clone(), self.errors.clone(), self.recorder.clone())?);
+        let pool = Arc::new(PhasePool::new(
+            entry,
+            stream.core.clone(),
+            self.errors.clone(),
+            self.recorder.clone(),
+            self.retired.clone(),
+        )?);
         // A step in progress measures the new pool from its creation.
         if self.activity.load(Ordering::Acquire) & STEP_ACTIVE != 0 {
             pool.begin_step(&mut pool.lock())?;
@@ -655,21 +670,27 @@ impl RuntimeInner {
     /// Out-of-memory recovery: synchronize the device so every pending free is observed, then
     /// give back the idle memory of the device's other pools.
     fn recover(&self, failing: &Arc<PhasePool>) -> Result<()> {
-        let device = &failing.stream.device;
-        device.make_current()?;
-        self.driver.context_synchronize()?;
-        self.trim_device(device.ordinal, Some(failing))?;
+        self.trim_device(failing.stream.device.ordinal, Some(failing))?;
         Ok(())
     }
 
-    /// Gives back the idle memory of every pool on `device` (but `except`), after a
-    /// synchronization. Returns the bytes released.
+    /// Gives back the idle memory of every pool on `device` (but `except`): strategies first
+    /// return what their scope has not touched (an arena's spare slabs) to their CUDA pools, the
+    /// device is synchronized so every free is complete, then every pool is trimmed. Returns the
+    /// bytes released to the device.
     pub(crate) fn trim_device(&self, device: usize, except: Option<&Arc<PhasePool>>) -> Result<u64> {
+        let pools: Vec<Arc<PhasePool>> = self
+            .pools_on(device)
+            .into_iter()
+            .filter(|pool| !except.is_some_and(|failing| Arc::ptr_eq(failing, pool)))
+            .collect();
+        for pool in &pools {
+            pool.release_unused(&mut pool.lock())?;
+        }
+        self.device_core(device)?.make_current()?;
+        self.driver.context_synchronize()?;
         let mut released = 0;
-        for pool in self.pools_on(device) {
-            if except.is_some_and(|failing| Arc::ptr_eq(failing, &pool)) {
-                continue;
-            }
+        for pool in &pools {
             released += pool.release_idle(&mut pool.lock())?;
         }
         Ok(released)
@@ -813,10 +834,13 @@ impl RuntimeInner {
             .into_iter()
             .map(|(device, phase, used, reserved)| (device, phase, crate::fragmentation_ratio(used, reserved)))
             .collect();
+        let cache = std::cell::RefCell::new(std::collections::HashMap::new());
         let memory = |ordinal: usize| -> Option<(u64, u64)> {
-            let core = self.devices.get(ordinal)?.get()?;
-            core.make_current().ok()?;
-            self.driver.mem_get_info().ok()
+            *cache.borrow_mut().entry(ordinal).or_insert_with(|| {
+                let core = self.devices.get(ordinal)?.get()?;
+                core.make_current().ok()?;
+                self.driver.mem_get_info().ok()
+            })
         };
         let mut warnings = self.warnings.lock().unwrap_or_else(PoisonError::into_inner);
         let (rules, state) = &mut *warnings;
@@ -841,7 +865,12 @@ impl RuntimeInner {
             );
             self.recorder.record(EventKind::Warning { rule: warning.rule(), message: warning.to_string() });
             for sink in &sinks {
-                sink(warning);
+                // A panicking callback must not unwind through `Step`'s drop, which may be where
+                // the step ends: it is recorded like any error raised where it cannot return.
+                let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(warning)));
+                if called.is_err() {
+                    crate::pool::record(&self.errors, Error::CallbackPanicked { rule: warning.rule() });
+                }
             }
         }
     }

@@ -8,6 +8,7 @@
 //! {"t_ns":T,"event":"step_begin","step":N}        {"t_ns":T,"event":"step_end","step":N}
 //! {"t_ns":T,"event":"micro_begin","step":N,"micro":K}   {"t_ns":T,"event":"micro_end","step":N,"micro":K}
 //! {"t_ns":T,"event":"oom","bytes":B,"device":D,"stream":S,"phase":"..."}
+//! {"t_ns":T,"event":"warning","rule":"fragmentation","message":"..."}   (skipped: telemetry)
 //! ```
 //!
 //! Unknown keys are ignored; an unknown `event` is a counted warning; a phase the header does not
@@ -152,6 +153,8 @@ pub fn read_steppool(path: &Path, bytes: &[u8]) -> Result<Trace> {
             "micro_end" => {
                 EventKind::MicroEnd(need(record.step, "step")?, need(record.micro.map(u64::from), "micro")? as u32)
             }
+            // The runtime's early warnings are telemetry, not workload.
+            "warning" => continue,
             other => {
                 trace.warnings.add(WarningKind::UnknownAction, location, || format!("event `{other}`"));
                 continue;

@@ -206,11 +206,13 @@ impl Allocator for Arena {
         Some(space)
     }
 
-    /// Gives back the regular slabs after the current one and the unused oversize slabs: the
-    /// scope has not touched them, and it takes new ones if it grows.
+    /// Gives back the regular slabs after the current one (and the current one too when nothing
+    /// was bumped in it) and the unused oversize slabs: the scope has not touched them, and it
+    /// takes new ones if it grows.
     fn release_unused(&mut self, source: &mut Source<'_>) -> Result<u64> {
         let mut released = 0;
-        while self.slabs.len() > self.current + 1 {
+        let keep = if self.current == 0 && self.offset == 0 { 0 } else { self.current + 1 };
+        while self.slabs.len() > keep {
             let slab = self.slabs[self.slabs.len() - 1];
             source.free(slab.base, slab.size)?;
             self.slabs.pop();

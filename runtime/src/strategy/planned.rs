@@ -727,6 +727,19 @@ impl Allocator for Planned {
         Some(space)
     }
 
+    /// Gives the slab back when nothing lives in it: the scope takes it again (at its planned
+    /// size) when it next serves from a plan.
+    fn release_unused(&mut self, source: &mut Source<'_>) -> Result<u64> {
+        if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
+            return Ok(0);
+        }
+        let Some(slab) = self.slab else { return Ok(0) };
+        source.free(slab.base, slab.size)?;
+        self.slab = None;
+        self.slab_refused = false;
+        Ok(slab.size)
+    }
+
     fn release_all(&mut self, source: &mut Source<'_>) -> Result<()> {
         let mut outcome = Ok(());
         for (ptr, (_, bytes)) in self.pooled.drain() {

@@ -3,7 +3,7 @@
 //! thread, one request per connection.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -80,8 +80,13 @@ fn answer(mut stream: TcpStream, runtime: &Weak<RuntimeInner>) -> io::Result<()>
 impl Drop for MetricsServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the accept loop; if the connection fails the thread is already gone.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        // Wake the accept loop (at loopback when bound to every address); if the connection
+        // fails the thread is already gone.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(if wake.is_ipv4() { Ipv4Addr::LOCALHOST.into() } else { Ipv6Addr::LOCALHOST.into() });
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }

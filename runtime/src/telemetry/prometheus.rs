@@ -27,7 +27,8 @@ fn header(out: &mut String, family: &Family<'_>) {
 }
 
 fn pool_labels(pool: &PoolMetrics) -> String {
-    format!("device=\"{}\",stream=\"{}\",phase=\"{}\"", pool.device, pool.stream, escape(&pool.phase_name))
+    let stream = if pool.retired { "retired".to_owned() } else { pool.stream.to_string() };
+    format!("device=\"{}\",stream=\"{stream}\",phase=\"{}\"", pool.device, escape(&pool.phase_name))
 }
 
 impl Metrics {

@@ -8,7 +8,7 @@
 //! viewer colours and lists in its legend. Frees are written as `free_requested` followed by
 //! `free_completed`, stream order being the runtime's concern.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::io::{self, Write};
 
 use super::history::{EventKind, History, PoolKey};
@@ -46,14 +46,44 @@ fn snapshot(history: &History) -> Value {
     let devices =
         history.devices_used().into_iter().chain(history.devices.iter().map(|d| d.0)).max().map_or(0, |d| d + 1);
     let mut traces: Vec<Vec<Value>> = vec![Vec::new(); devices];
+    // The viewer replays the events backwards from the final state and needs every live block
+    // inside a live segment at every point. Segments live when the retained window began are the
+    // final ones with the window's segment events undone; a block that lands in no known segment
+    // (in an arena slab taken before recording began) gets a segment of its own around it.
+    let mut segments: HashSet<(usize, u64, u64)> =
+        history.segments.iter().map(|s| (s.pool.device, s.ptr, s.bytes)).collect();
+    for event in history.events.iter().rev() {
+        match event.kind {
+            EventKind::SegmentAlloc { pool, ptr, bytes, .. } => {
+                segments.remove(&(pool.device, ptr, bytes));
+            }
+            EventKind::SegmentFree { pool, ptr, bytes, .. } => {
+                segments.insert((pool.device, ptr, bytes));
+            }
+            _ => {}
+        }
+    }
+    let mut live_segments: BTreeMap<(usize, u64), u64> = segments.into_iter().map(|(d, p, b)| ((d, p), b)).collect();
+    let inside = |live: &BTreeMap<(usize, u64), u64>, device: usize, ptr: u64| {
+        live.range(..=(device, ptr)).next_back().is_some_and(|(&(d, base), &size)| d == device && ptr < base + size)
+    };
+    let mut own_segments: HashSet<(usize, u64)> = HashSet::new();
     // Blocks allocated inside the retained window: frees of older ones are left out, since the
     // viewer could not place them in a segment.
     let mut allocated: HashSet<(usize, u64)> = HashSet::new();
+    let mut last_t = 0;
     for event in &history.events {
         let t = event.t_ns;
+        last_t = last_t.max(t);
         match &event.kind {
             EventKind::Alloc { pool, ptr, bytes, step, thread } => {
                 allocated.insert((pool.device, *ptr));
+                if !inside(&live_segments, pool.device, *ptr) {
+                    own_segments.insert((pool.device, *ptr));
+                    live_segments.insert((pool.device, *ptr), *bytes);
+                    let frames = frames(history, *pool, None, None);
+                    traces[pool.device].push(trace_entry("segment_alloc", *ptr, *bytes, *pool, t, frames, "unknown"));
+                }
                 let frames = frames(history, *pool, *step, Some(*thread));
                 traces[pool.device].push(trace_entry(
                     "alloc",
@@ -74,10 +104,20 @@ fn snapshot(history: &History) -> Value {
                     let frames = frames(history, *pool, *step, Some(*thread));
                     traces[pool.device].push(trace_entry(action, *ptr, *bytes, *pool, t, frames, category));
                 }
+                if own_segments.remove(&(pool.device, *ptr)) {
+                    live_segments.remove(&(pool.device, *ptr));
+                    let frames = frames(history, *pool, None, None);
+                    traces[pool.device].push(trace_entry("segment_free", *ptr, *bytes, *pool, t, frames, "unknown"));
+                }
             }
             EventKind::SegmentAlloc { pool, ptr, bytes, .. } | EventKind::SegmentFree { pool, ptr, bytes, .. } => {
-                let action =
-                    if matches!(event.kind, EventKind::SegmentAlloc { .. }) { "segment_alloc" } else { "segment_free" };
+                let action = if matches!(event.kind, EventKind::SegmentAlloc { .. }) {
+                    live_segments.insert((pool.device, *ptr), *bytes);
+                    "segment_alloc"
+                } else {
+                    live_segments.remove(&(pool.device, *ptr));
+                    "segment_free"
+                };
                 // The viewer requires the category `unknown` once any event has a category.
                 traces[pool.device].push(trace_entry(
                     action,
@@ -101,6 +141,19 @@ fn snapshot(history: &History) -> Value {
             ])),
             _ => {}
         }
+    }
+    // The viewer fails to load a snapshot whose events have categories but not `unknown`: one
+    // closing `snapshot` event (which it lists and otherwise ignores) guarantees it.
+    for trace in &mut traces {
+        trace.push(dict([
+            ("action", "snapshot".into()),
+            ("addr", 0u64.into()),
+            ("size", 0u64.into()),
+            ("stream", 0u64.into()),
+            ("time_us", (last_t / 1000).into()),
+            ("frames", Value::List(Vec::new())),
+            ("category", "unknown".into()),
+        ]));
     }
 
     // Live segments, each tiled by its live blocks and the free gaps between them; a live block

@@ -41,7 +41,11 @@ fn series(history: &History) -> Series {
     phases.dedup();
     let t0 = history.events.first().map_or(0, |e| e.t_ns);
     let t1 = history.events.last().map_or(0, |e| e.t_ns).max(t0 + 1);
-    let bucket_of = |t: u64| (((t - t0) as u128 * BUCKETS as u128) / ((t1 - t0) as u128 + 1)) as usize;
+    // Histories built by hand may be out of order: clamp rather than trust the order.
+    let bucket_of = |t: u64| {
+        let bucket = (t.saturating_sub(t0) as u128 * BUCKETS as u128) / ((t1 - t0) as u128 + 1);
+        (bucket as usize).min(BUCKETS - 1)
+    };
     let mut used = vec![0u64; phases.len()];
     let mut reserved: BTreeMap<PoolKey, u64> = BTreeMap::new();
     let mut buckets = vec![vec![(0u64, 0u64); phases.len()]; BUCKETS];

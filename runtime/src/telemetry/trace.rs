@@ -1,16 +1,4 @@
-//! The history as a steppool trace file (format 1): JSON lines, which `steppool replay` reads.
-//!
-//! Line 1 is a header:
-//! `{"format":"steppool-trace","version":1,"driver":…,"devices":[{"ordinal":0,"total_bytes":N}],
-//! "phases":[{"name":"weights","scope":"persistent"},…]}`. Then one object per event, in order,
-//! with `t_ns` (nanoseconds since recording began, never decreasing) and `event`:
-//! - `alloc` and `free`: `ptr`, `bytes`, `device`, `stream`, `phase`, `step` (or null), `thread`;
-//!   a free made by a boundary's release has `"release":true`;
-//! - `step_begin` and `step_end`: `step`; `micro_begin` and `micro_end`: `step`, `micro`;
-//! - `oom`: `bytes`, `device`, `stream`, `phase`;
-//! - `warning`: `rule`, `message`.
-//!
-//! Segments and trims are the runtime's own doing, not the workload's, and are not written.
+//! The history as a steppool trace file; the format is documented in [`crate::telemetry`].
 
 use std::io::{self, Write};
 
@@ -28,7 +16,8 @@ fn scope_name(scope: Scope) -> &'static str {
 }
 
 impl History {
-    /// Writes the history as a steppool trace (format 1; see [`crate::telemetry`]).
+    /// Writes the history as a steppool trace (format 1, documented in [`crate::telemetry`]),
+    /// which `steppool replay` reads.
     pub fn write_trace(&self, out: &mut impl Write) -> io::Result<()> {
         let header = json!({
             "format": "steppool-trace",

@@ -12,8 +12,13 @@ use steppool_sys::bytes::Bytes;
 
 use crate::report::PoolStats;
 
-/// Fragmentation ratio (`1 - peak_used / peak_reserved`) of a phase on a device above
-/// `threshold` for `steps` consecutive steps.
+/// Fragmentation of a phase on a device above `threshold` for `steps` consecutive steps.
+///
+/// The ratio judged is the step's peak reservation against the largest peak of live bytes of the
+/// last `window` steps, `1 - max(peak_used) / peak_reserved`: memory a pool keeps for the next
+/// long step of a variable-length workload is not waste while such steps keep coming, but a
+/// reservation that outgrows every recent need is. With steps of one shape this is the step's
+/// own fragmentation ratio.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FragmentationRule {
     /// The ratio above which a step counts (default 0.25: a quarter of the peak reservation
@@ -21,6 +26,8 @@ pub struct FragmentationRule {
     pub threshold: f64,
     /// Consecutive steps above it before the rule fires (default 3).
     pub steps: u32,
+    /// Steps whose peak of live bytes the reservation is judged against (default 10).
+    pub window: u32,
     /// A step counts only when the memory it wasted (`peak_reserved - peak_used`) is at least
     /// this share of the device (default 0.02): a few megabytes of rounding in a small phase are
     /// not an OOM risk.
@@ -43,24 +50,25 @@ pub struct ReservedCreepRule {
 
 /// A device's headroom below the largest recent step demand: the next step like it will not fit.
 ///
-/// Headroom is the device's free memory plus what its pools reserve without live data at the
-/// step end; a step's demand is how far live bytes rose above what outlives the step (the sum
-/// over pools of `peak_used - used` at the step end).
+/// A step's demand is how far live bytes rose above what outlives the step (the sum over pools of
+/// `peak_used - used` at the step end). What the pools already reserve without live data serves
+/// it first; the shortfall must come from the device's free memory, with a margin for the
+/// fragmentation that new segments bring. The rule fires when free memory is below the shortfall
+/// times `1 + margin`: a loop whose pools keep what it needs stays silent however full the
+/// device is.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LowHeadroomRule {
     /// Steps whose demand is remembered (default 10).
     pub window: u32,
-    /// Fires when headroom < demand × (1 + margin) (default 0.1).
+    /// Fires when free memory < (demand - reserved unused) × (1 + margin) (default 0.1).
     pub margin: f64,
 }
 
 /// A pool's free space, where its layout is known, large enough in total for the largest request
 /// it served in recent steps but in pieces smaller than it, with no room on the device for a new
-/// segment of that size: the
-/// next such request can only fail or wait for a trim. This is the failure the fragmentation
-/// ratio foretells, seen one step ahead. Where the layout is unknown (a real device's `Pool`
-/// strategy), the pool's whole unused reservation counts as one piece, so the rule stays silent
-/// rather than guess.
+/// segment of that size: the next such request can only fail or wait for a trim. This is the
+/// failure the fragmentation ratio foretells, seen one step ahead. Pools whose layout steppool
+/// does not know (a real device's `Pool` strategy) are not judged, rather than guessed at.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScatteredFreeRule {
     /// Steps whose largest request is remembered (default 10).
@@ -80,18 +88,38 @@ pub struct WarningRules {
     pub low_headroom: Option<LowHeadroomRule>,
 }
 
+impl Default for FragmentationRule {
+    fn default() -> Self {
+        Self { threshold: 0.25, steps: 3, window: 10, min_waste: 0.02 }
+    }
+}
+
+impl Default for ScatteredFreeRule {
+    fn default() -> Self {
+        Self { window: 10 }
+    }
+}
+
+impl Default for ReservedCreepRule {
+    fn default() -> Self {
+        Self { steps: 5, min_growth: 0.05, min_growth_bytes: 64 << 20, flat_tolerance: 0.01 }
+    }
+}
+
+impl Default for LowHeadroomRule {
+    fn default() -> Self {
+        Self { window: 10, margin: 0.1 }
+    }
+}
+
 impl Default for WarningRules {
+    /// Every rule, with its defaults.
     fn default() -> Self {
         Self {
-            fragmentation: Some(FragmentationRule { threshold: 0.25, steps: 3, min_waste: 0.02 }),
-            scattered_free: Some(ScatteredFreeRule { window: 10 }),
-            reserved_creep: Some(ReservedCreepRule {
-                steps: 5,
-                min_growth: 0.05,
-                min_growth_bytes: 64 << 20,
-                flat_tolerance: 0.01,
-            }),
-            low_headroom: Some(LowHeadroomRule { window: 10, margin: 0.1 }),
+            fragmentation: Some(FragmentationRule::default()),
+            scattered_free: Some(ScatteredFreeRule::default()),
+            reserved_creep: Some(ReservedCreepRule::default()),
+            low_headroom: Some(LowHeadroomRule::default()),
         }
     }
 }
@@ -117,9 +145,9 @@ pub enum WarningKind {
         threshold: f64,
         /// Consecutive steps above it.
         steps: u32,
-        /// The phase's peak live bytes in that step.
+        /// The largest peak of live bytes of the phase in the rule's window.
         peak_used: u64,
-        /// Its peak reservation in that step.
+        /// Its peak reservation in the step that fired.
         peak_reserved: u64,
     },
     /// See [`ScatteredFreeRule`].
@@ -178,7 +206,7 @@ pub struct Warning {
 }
 
 impl Warning {
-    /// The rule's name: `fragmentation`, `reserved_creep` or `low_headroom`.
+    /// The rule's name: `fragmentation`, `scattered_free`, `reserved_creep` or `low_headroom`.
     pub fn rule(&self) -> &'static str {
         match self.kind {
             WarningKind::Fragmentation { .. } => "fragmentation",
@@ -205,7 +233,7 @@ impl fmt::Display for Warning {
         match &self.kind {
             WarningKind::Fragmentation { phase, ratio, threshold, steps, peak_used, peak_reserved } => write!(
                 f,
-                "fragmentation of `{phase}` above {:.0}% for {steps} steps: {:.1}% now, {} reserved at the peak for {} live; free memory is scattering",
+                "fragmentation of `{phase}` above {:.0}% for {steps} steps: {:.1}% now ({} reserved at the peak, while recent steps needed at most {} live)",
                 threshold * 100.0,
                 ratio * 100.0,
                 Bytes(*peak_reserved),
@@ -233,7 +261,7 @@ impl fmt::Display for Warning {
             }
             WarningKind::LowHeadroom { headroom, demand, device_free, margin } => write!(
                 f,
-                "headroom {} ({} free on the device) is below the largest recent step demand {} plus {:.0}%: the next such step may run out of memory",
+                "headroom {} ({} free on the device, the rest reserved without live data) is short of the largest recent step demand {}, with {:.0}% margin on what must come from the device: the next such step may run out of memory",
                 Bytes(*headroom),
                 Bytes(*device_free),
                 Bytes(*demand),
@@ -256,6 +284,8 @@ struct PhaseStep {
 pub(crate) struct WarningState {
     /// Consecutive steps above the fragmentation threshold, per (device, phase).
     above: HashMap<(usize, String), u32>,
+    /// Recent peaks of live bytes per (device, phase), for the fragmentation window.
+    peaks: HashMap<(usize, String), VecDeque<u64>>,
     /// Recent steps per (device, phase), for creep.
     recent: HashMap<(usize, String), VecDeque<PhaseStep>>,
     /// Recent step demands per device.
@@ -333,9 +363,15 @@ impl WarningState {
         }
         for ((device, phase), now) in &phases {
             if let Some(rule) = &rules.fragmentation {
-                let ratio = crate::report::fragmentation_ratio(now.peak_used, now.peak_reserved);
+                let peaks = self.peaks.entry((*device, phase.clone())).or_default();
+                peaks.push_back(now.peak_used);
+                while peaks.len() > rule.window.max(1) as usize {
+                    peaks.pop_front();
+                }
+                let needed = peaks.iter().copied().max().unwrap_or(0);
+                let ratio = crate::report::fragmentation_ratio(needed, now.peak_reserved);
                 let total = memory(*device).map_or(0, |(_, total)| total);
-                let waste = now.peak_reserved.saturating_sub(now.peak_used);
+                let waste = now.peak_reserved.saturating_sub(needed);
                 let count = self.above.entry((*device, phase.clone())).or_default();
                 *count = if ratio > rule.threshold && waste as f64 >= rule.min_waste * total as f64 {
                     *count + 1
@@ -349,7 +385,7 @@ impl WarningState {
                     ratio,
                     threshold: rule.threshold,
                     steps,
-                    peak_used: now.peak_used,
+                    peak_used: needed,
                     peak_reserved: now.peak_reserved,
                 };
                 self.episode(condition, step, *device, Some(phase), kind, &mut fired);
@@ -389,7 +425,8 @@ impl WarningState {
                 }
                 let demand = demands.iter().copied().max().unwrap_or(0);
                 let headroom = free.saturating_add(unused);
-                let condition = (headroom as f64) < demand as f64 * (1.0 + rule.margin);
+                let shortfall = demand.saturating_sub(unused);
+                let condition = shortfall > 0 && (free as f64) < shortfall as f64 * (1.0 + rule.margin);
                 let kind = WarningKind::LowHeadroom { headroom, demand, device_free: free, margin: rule.margin };
                 self.episode(condition, step, device, None, kind, &mut fired);
             }
