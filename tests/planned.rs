@@ -606,11 +606,12 @@ struct TraceEvent {
     size: u64,
 }
 
-/// Reads `../shared/traces/<name>.csv` and the step start times of its JSON sidecar. Only what
+/// Reads `cli/tests/data/<name>.csv` (the shared training traces, kept in the repository) and
+/// the step start times of its JSON sidecar. Only what
 /// these tests need: times in nanoseconds, `allocate` and `free` rows.
 fn read_trace(name: &str) -> (Vec<TraceEvent>, Vec<i64>) {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/");
-    let csv = std::fs::read_to_string(format!("{dir}{name}.csv")).expect("the shared traces beside the project");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../cli/tests/data/");
+    let csv = std::fs::read_to_string(format!("{dir}{name}.csv")).expect("the training traces in cli/tests/data");
     let events = csv
         .lines()
         .skip(1)

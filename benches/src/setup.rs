@@ -120,11 +120,11 @@ pub fn device_info(driver: &Driver) -> DeviceInfo {
     }
 }
 
-/// The folder of the recorded traces: `STEPPOOL_TRACES`, else `../shared/traces` beside the
-/// project.
+/// The folder of the recorded traces: `STEPPOOL_TRACES`, else `cli/tests/data`, where the
+/// repository keeps the shared training traces.
 pub fn traces_dir() -> PathBuf {
     match std::env::var_os("STEPPOOL_TRACES") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces")),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../cli/tests/data")),
     }
 }

@@ -57,10 +57,15 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
     for name in ["peers.py", "requirements.txt"] {
         copy(&root.join("benches/peers").join(name), &dir.join("peers").join(name))?;
     }
-    let traces = root.join("../shared/traces");
+    let traces = root.join("cli/tests/data");
     if let Ok(entries) = std::fs::read_dir(&traces) {
+        // The training traces and their step sidecars; the test-only fixtures stay behind.
         for entry in entries.flatten() {
-            copy(&entry.path(), &dir.join("traces").join(entry.file_name()))?;
+            let name = entry.file_name();
+            let is_trace = name.to_str().is_some_and(|n| n.ends_with("_train.csv") || n.ends_with("_train.json"));
+            if is_trace {
+                copy(&entry.path(), &dir.join("traces").join(name))?;
+            }
         }
     } else {
         eprintln!(
