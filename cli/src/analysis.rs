@@ -238,6 +238,13 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
                 };
                 let id = u32::try_from(allocations.len())
                     .map_err(|_| TraceError::malformed(&trace.path, location, "more than 4 billion allocations"))?;
+                if live_bytes.checked_add(event.bytes).is_none() {
+                    return Err(TraceError::malformed(
+                        &trace.path,
+                        location,
+                        format!("{} bytes allocated while {live_bytes} are live: more than 16 EiB", event.bytes),
+                    ));
+                }
                 allocations.push(Allocation {
                     event: index,
                     free: None,
@@ -405,7 +412,7 @@ fn phase_facts(allocations: &[Allocation], ops: &[(usize, Op)], count: usize) ->
     for allocation in allocations {
         let f = &mut facts[usize::from(allocation.phase)];
         f.allocations += 1;
-        f.bytes += allocation.bytes;
+        f.bytes = f.bytes.saturating_add(allocation.bytes);
         f.largest = f.largest.max(allocation.bytes);
         match allocation.t_free {
             Some(t) => lifetimes[usize::from(allocation.phase)].push(t.saturating_sub(allocation.t_alloc)),

@@ -24,7 +24,7 @@ impl fmt::Display for Location {
         match self {
             Location::Line(line) => write!(f, "line {line}"),
             Location::Entry { device, index } => write!(f, "device_traces[{device}][{index}]"),
-            Location::File => f.write_str("end of trace"),
+            Location::File => f.write_str("the file as a whole"),
         }
     }
 }

@@ -48,7 +48,7 @@ enum Command {
         /// 80 GiB.
         #[arg(long, value_name = "SIZE", value_parser = size)]
         capacity: Option<u64>,
-        /// A strategy (default-pool, phase-pools, arena) or `all`.
+        /// A strategy (default-pool, phase-pools, arena, planned) or `all`.
         #[arg(long, value_name = "NAME", default_value = "all")]
         strategy: String,
         /// Arena slab size; default: an eighth of each phase's peak live bytes, 2 MiB to 256 MiB.
@@ -94,9 +94,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// Refuses to write `--json` over the trace's step sidecar (`<stem>.json` beside it), which the
+/// next read of the trace would take for its steps.
+fn refuse_sidecar(trace: &std::path::Path, json: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if let Some(json) = json
+        && json == trace.with_extension("json")
+    {
+        anyhow::bail!(
+            "--json {}: that is the trace's step sidecar, which the next read would take for its steps; write elsewhere (for example {})",
+            json.display(),
+            trace.with_extension("replay.json").display()
+        );
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Inspect { trace, json } => {
+            refuse_sidecar(&trace, json.as_deref())?;
             let trace = read::read_trace(&trace)?;
             let analysis = analysis::analyse(&trace)?;
             let inspection = report::inspect(&trace, &analysis);
@@ -106,6 +122,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Replay { trace, capacity, strategy, arena_slab, no_bisect, json, svg } => {
+            refuse_sidecar(&trace, json.as_deref())?;
+            if let Some(slab) = arena_slab
+                && let Err(error) = steppool::PhaseSpec::new("arena", steppool::Scope::Step)
+                    .strategy(steppool::Strategy::Arena { slab_bytes: slab })
+                    .validate()
+            {
+                anyhow::bail!("--arena-slab: {error}");
+            }
             let strategies = replay::select(&strategy)?;
             let trace = read::read_trace(&trace)?;
             let analysis = analysis::analyse(&trace)?;
@@ -135,7 +159,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     })
                     .collect();
                 if !slabs.is_empty() {
-                    text += &format!("{:<14} slabs: {}\n", "", slabs.join(", "));
+                    text += &format!("{:<14} arena slabs: {}\n", "", slabs.join(", "));
                 }
             }
             out(&text)?;

@@ -357,6 +357,13 @@ pub fn run(
         };
         phases.push(runtime_phase);
     }
+    // Allocations a boundary releases in the trace are released by the runtime's boundary too,
+    // unless the strategy puts them in a persistent phase, which no boundary releases.
+    let persistent: Vec<bool> = phases
+        .iter()
+        .map(|&phase| runtime.phase_spec(phase).map(|spec| spec.scope == Scope::Persistent))
+        .collect::<steppool::Result<_>>()
+        .map_err(|e| at(0, e))?;
 
     let devices =
         (0..device_count).map(|d| runtime.device(d)).collect::<steppool::Result<Vec<_>>>().map_err(|e| at(0, e))?;
@@ -424,7 +431,7 @@ pub fn run(
             Op::Free(id) => {
                 let allocation = &analysis.allocations[id as usize];
                 live -= allocation.bytes;
-                if !allocation.released_at_boundary {
+                if !allocation.released_at_boundary || persistent[usize::from(allocation.phase)] {
                     // SAFETY: as for the allocation: nothing uses simulated memory.
                     unsafe { runtime.free_raw(pointers[id as usize]) }.map_err(|e| at(event, e))?;
                 }
@@ -440,8 +447,9 @@ pub fn run(
                 if op == Op::EndStep {
                     // The host waits for each step, as a training loop reading its loss does:
                     // the step's frees are then complete, and a boundary's trim can give back.
-                    for stream in &streams {
-                        stream.synchronize().map_err(|e| at(event, e))?;
+                    // One wait per device covers all its streams.
+                    for device in &devices {
+                        device.synchronize().map_err(|e| at(event, e))?;
                     }
                 }
                 // SAFETY: as for the allocations: nothing uses simulated memory.

@@ -403,13 +403,18 @@ pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyR
             (None, 0) => "-".to_owned(),
             (None, _) => "none".to_owned(),
         };
+        // A run that stopped short did not reach the trace's peak: its ratios would mislead.
+        let (overhead, fragmentation) = match r.run.failure {
+            None => (format!("{:.3}×", r.overhead()), format!("{:.1} %", r.fragmentation_ratio() * 100.0)),
+            Some(_) => ("-".to_owned(), "-".to_owned()),
+        };
         let _ = writeln!(
             w,
-            "{:<14} {:>14} {:>8.3}× {:>13.1} % {:>24} {:>16}",
+            "{:<14} {:>14} {:>9} {:>15} {:>24} {:>16}",
             r.run.strategy,
             Bytes(r.run.peak_reserved_bytes).to_string(),
-            r.overhead(),
-            r.fragmentation_ratio() * 100.0,
+            overhead,
+            fragmentation,
             outcome,
             smallest
         );

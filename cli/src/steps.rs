@@ -24,9 +24,11 @@ pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     let mut step: Option<u64> = None;
     let mut clock = 0u64;
     for event in std::mem::take(&mut trace.events) {
+        let before = clock;
         clock = clock.max(event.t_ns);
         while next < starts.len() && starts[next] <= clock.min(i64::MAX as u64) as i64 {
-            let at = clock.min(starts[next].max(0) as u64);
+            // Between the events around it: a boundary never goes back in time.
+            let at = (starts[next].max(0) as u64).clamp(before, clock);
             if let Some(n) = step {
                 events.push(Event::new(at, EventKind::StepEnd(n), event.location));
             }
@@ -133,7 +135,8 @@ fn period(events: &[Event], points: &[usize]) -> usize {
         .collect();
     // Leave out the warm-up segment and the last one (a run may stop mid-step).
     let body = if segments.len() > 3 { &segments[1..segments.len() - 1] } else { &segments[..] };
-    for r in 1..=body.len() / 2 {
+    // Steps of more than 64 quiescent points are not looked for: the search is quadratic.
+    for r in 1..=(body.len() / 2).min(64) {
         let pairs = body.len() - r;
         let same = (0..pairs).filter(|&j| body[j] == body[j + r]).count();
         if same * 4 >= pairs * 3 {

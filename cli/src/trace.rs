@@ -170,6 +170,9 @@ pub enum WarningKind {
     /// A step or micro-step boundary out of order (an end without a begin, a begin inside an
     /// active one); fixed up.
     BoundaryOrder,
+    /// Events the recorder dropped (its bound was reached) before the trace begins: allocations
+    /// made then are missing, so peaks may come out low. Counted once per dropped event.
+    DroppedEvents,
 }
 
 impl WarningKind {
@@ -184,6 +187,9 @@ impl WarningKind {
             WarningKind::UnknownPhase => "allocation(s) of a phase the header does not declare; taken as untagged",
             WarningKind::ScopeMismatch => "allocation(s) outliving their phase's scope; scope inferred instead",
             WarningKind::BoundaryOrder => "step boundary(ies) out of order, fixed up",
+            WarningKind::DroppedEvents => {
+                "event(s) dropped by the recorder before the trace begins; allocations made then are missing"
+            }
         }
     }
 }
@@ -210,6 +216,18 @@ impl Warnings {
     pub fn add(&mut self, kind: WarningKind, location: Location, detail: impl FnOnce() -> String) {
         self.counts.entry(kind).and_modify(|count| count.count += 1).or_insert_with(|| WarningCount {
             count: 1,
+            first: location,
+            detail: detail(),
+        });
+    }
+
+    /// Counts `count` warnings of one kind at once.
+    pub fn add_many(&mut self, kind: WarningKind, count: u64, location: Location, detail: impl FnOnce() -> String) {
+        if count == 0 {
+            return;
+        }
+        self.counts.entry(kind).and_modify(|c| c.count += count).or_insert_with(|| WarningCount {
+            count,
             first: location,
             detail: detail(),
         });

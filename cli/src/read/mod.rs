@@ -1,6 +1,7 @@
 //! Reading traces: the format is recognized by content (not only by extension), the file is
 //! parsed by its reader, and step boundaries come from the trace, a sidecar, or inference.
 
+mod pickle_scan;
 mod pytorch;
 mod rmm;
 mod steppool;

@@ -27,6 +27,22 @@ use crate::trace::{Event, EventKind, Trace, TraceFormat, WarningKind};
 
 /// Reads a PyTorch memory snapshot pickle.
 pub fn read_pytorch(path: &Path, bytes: &[u8]) -> Result<Trace> {
+    let refused = |message: String| TraceError::malformed(path, Location::File, message);
+    match super::pickle_scan::scan(bytes) {
+        Ok(()) => {}
+        Err(super::pickle_scan::Refusal::TooDeep(at)) => {
+            return Err(refused(format!(
+                "values nested deeper than {} at byte {at}: not a memory snapshot",
+                super::pickle_scan::MAX_DEPTH
+            )));
+        }
+        Err(super::pickle_scan::Refusal::TooManyMarks(at)) => {
+            return Err(refused(format!(
+                "more than {} marks open at byte {at}: not a memory snapshot",
+                super::pickle_scan::MAX_OPEN_MARKS
+            )));
+        }
+    }
     let value = serde_pickle::value_from_slice(bytes, DeOptions::new().replace_unresolved_globals())
         .map_err(|e| TraceError::Pickle { path: path.to_owned(), message: e.to_string() })?;
     let file = Location::File;

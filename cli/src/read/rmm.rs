@@ -77,12 +77,13 @@ pub fn read_rmm(path: &Path, bytes: &[u8]) -> Result<Trace> {
                 let mut t = parse_time(fields[column]).map_err(bad)?;
                 if fields[column].contains(':') {
                     // Clock time: count days when it goes back by more than half a day.
-                    t += day_offset;
+                    let overflow = || bad("clock time past 584 years of days".to_owned());
+                    t = t.checked_add(day_offset).ok_or_else(overflow)?;
                     if let Some(last) = last_time
-                        && t + NS_PER_DAY / 2 < last
+                        && t.saturating_add(NS_PER_DAY / 2) < last
                     {
-                        day_offset += NS_PER_DAY;
-                        t += NS_PER_DAY;
+                        day_offset = day_offset.checked_add(NS_PER_DAY).ok_or_else(overflow)?;
+                        t = t.checked_add(NS_PER_DAY).ok_or_else(overflow)?;
                     }
                 }
                 t

@@ -35,6 +35,8 @@ struct Header {
     devices: Vec<HeaderDevice>,
     #[serde(default)]
     phases: Vec<HeaderPhase>,
+    #[serde(default)]
+    dropped_events: u64,
 }
 
 #[derive(Deserialize, Serialize)]
@@ -109,6 +111,9 @@ pub fn read_steppool(path: &Path, bytes: &[u8]) -> Result<Trace> {
                 )));
             }
             trace.driver = header.driver;
+            trace.warnings.add_many(WarningKind::DroppedEvents, header.dropped_events, location, || {
+                "record with a larger bound (`record_history`, `start_recording`)".to_owned()
+            });
             for device in header.devices {
                 let ordinal = check_device(path, location, device.ordinal)?;
                 trace.note_device(ordinal);
