@@ -121,6 +121,9 @@ class Peer:
     def own_reserved(self):
         return None
 
+    def release_cached(self):
+        """Gives back what the allocator caches, so each replay starts from an empty cache."""
+
 
 class Torch(Peer):
     def __init__(self, name):
@@ -150,6 +153,10 @@ class Torch(Peer):
 
     def own_reserved(self):
         return self.torch.cuda.memory_reserved()
+
+    def release_cached(self):
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()
 
 
 class Cupy(Peer):
@@ -197,21 +204,21 @@ class Cupy(Peer):
     def own_reserved(self):
         return self.pool.total_bytes() if self.pool is not None else None
 
+    def release_cached(self):
+        self.stream.synchronize()
+        if self.pool is not None:
+            self.pool.free_all_blocks()
+        else:
+            self.rt.memPoolTrimTo(self.handle, 0)
+
 
 class Rmm(Peer):
     def __init__(self, name):
         import rmm
 
         self.rmm = rmm
-        upstream = rmm.mr.CudaMemoryResource()
-        if name == "rmm_pool":
-            mr = rmm.mr.PoolMemoryResource(upstream, initial_pool_size=0)
-        elif name == "rmm_arena":
-            mr = rmm.mr.ArenaMemoryResource(upstream)
-        else:
-            mr = rmm.mr.CudaAsyncMemoryResource()
-        rmm.mr.set_current_device_resource(mr)
-        self.mr = mr
+        self.kind = name
+        self.mr = self.fresh_resource()
         try:
             from cuda.bindings import runtime as cudart
         except ImportError:
@@ -222,6 +229,25 @@ class Rmm(Peer):
         self.name = name.decode().rstrip("\0") if isinstance(name, bytes) else str(name)
         self.total = int(props.totalGlobalMem)
         self.package = f"rmm {rmm.__version__}"
+
+    def fresh_resource(self):
+        """A new resource of this peer's kind, made current: RMM's pools cannot be emptied."""
+        rmm = self.rmm
+        upstream = rmm.mr.CudaMemoryResource()
+        if self.kind == "rmm_pool":
+            mr = rmm.mr.PoolMemoryResource(upstream, initial_pool_size=0)
+        elif self.kind == "rmm_arena":
+            mr = rmm.mr.ArenaMemoryResource(upstream)
+        else:
+            mr = rmm.mr.CudaAsyncMemoryResource()
+        rmm.mr.set_current_device_resource(mr)
+        return mr
+
+    def release_cached(self):
+        self.sync()
+        self.mr = None
+        self.mr = self.fresh_resource()
+        self.sync()
 
     def alloc(self, nbytes):
         return self.rmm.DeviceBuffer(size=max(nbytes, 1))
@@ -260,8 +286,12 @@ def latency(peer, name, sizes, smoke, emit):
 def replay(peer, name, sequence, emit):
     ops = sequence["ops"]
     live = {}
+    # Every replay starts from an empty cache, as the Rust side's fresh allocators do: what
+    # the latency sweep or an earlier sequence left cached would hide this sequence's growth.
+    peer.release_cached()
     peer.sync()
     baseline = peer.used()
+    own_baseline = peer.own_reserved() or 0
     peak = 0
     own_peak = 0
     for op in ops:
@@ -271,7 +301,7 @@ def replay(peer, name, sequence, emit):
             peak = max(peak, peer.used() - baseline)
             own = peer.own_reserved()
             if own is not None:
-                own_peak = max(own_peak, own)
+                own_peak = max(own_peak, own - own_baseline)
         elif kind == "free":
             peer.free(live.pop(op["id"]))
         elif kind == "step":
