@@ -148,6 +148,15 @@ impl Source<'_> {
         Ok(())
     }
 
+    /// Waits for the work enqueued so far on the source's stream, so that its frees are complete
+    /// and a trim can give them back. For rare events only (a planned slab that must grow).
+    pub(crate) fn synchronize(&mut self) -> Result<()> {
+        self.stream.prepare()?;
+        // SAFETY: the stream is live while the phase pool that owns this source is.
+        unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw) }?;
+        Ok(())
+    }
+
     /// Fallback only: `cuMemFree`s the deferred allocations whose stream work is done, or all of
     /// them after waiting when `wait` is set. Returns the bytes given back.
     pub(crate) fn reclaim(&mut self, wait: bool) -> Result<u64> {

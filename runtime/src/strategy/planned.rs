@@ -476,6 +476,10 @@ impl Planned {
             }
             self.slab = None;
             source.free(slab.base, slab.size)?;
+            // A larger shape replaces the slab: wait for the old one's free, so the trim below
+            // gives it back and the new slab takes its place rather than adding to it. Rare:
+            // only when a new largest plan appears.
+            source.synchronize()?;
         }
         // Idle memory goes back first (as far as its frees were seen complete), so the slab can
         // take its place instead of adding to it.
@@ -697,6 +701,11 @@ impl Allocator for Planned {
             if unfit || released {
                 self.slab = None;
                 outcome = outcome.and(source.free(slab.base, slab.size));
+                if unfit && !released {
+                    // Replaced below: wait for the free so the trim gives the old slab back
+                    // before the new one is taken.
+                    outcome = outcome.and(source.synchronize());
+                }
             }
         }
         if !released {
