@@ -23,6 +23,7 @@ use steppool::sys::bytes::{Bytes, parse_bytes};
 use steppool::sys::sim::SimConfig;
 use steppool::telemetry::json::JsonLines;
 use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope};
+use steppool_examples::path_for;
 
 const USAGE: &str = "usage: fragmentation [--capacity SIZE] [--steps N] [--jsonl FILE] [--prometheus FILE] \
      [--snapshot FILE] [--svg FILE] [--trace FILE]";
@@ -62,17 +63,6 @@ fn parse_options() -> Result<Options, String> {
         }
     }
     Ok(options)
-}
-
-/// `path` with `run` before its extension.
-fn path_for(path: &str, run: &str) -> String {
-    let path = std::path::Path::new(path);
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("telemetry");
-    let name = match path.extension().and_then(|e| e.to_str()) {
-        Some(ext) => format!("{stem}-{run}.{ext}"),
-        None => format!("{stem}-{run}"),
-    };
-    path.with_file_name(name).to_string_lossy().into_owned()
 }
 
 fn run(options: &Options, phases: bool) -> Result<(), Box<dyn std::error::Error>> {

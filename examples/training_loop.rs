@@ -30,7 +30,7 @@ use steppool::sys::sim::SimConfig;
 use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverKind, Selection};
 use steppool::telemetry::json::JsonLines;
 use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
-use steppool_examples::{Event, Lifetime, StepPlan, TransformerConfig, Workload, peak_live};
+use steppool_examples::{Event, Lifetime, StepPlan, TransformerConfig, Workload, path_for, peak_live};
 
 const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
      [--seed N] [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]";
@@ -185,20 +185,9 @@ impl Outputs {
         self.snapshot.is_some() || self.svg.is_some() || self.trace.is_some()
     }
 
-    /// `path` with the run's name before its extension: `steps.jsonl` → `steps-plain.jsonl`.
-    fn path_for(path: &str, run: &str) -> String {
-        let path = std::path::Path::new(path);
-        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("telemetry");
-        let name = match path.extension().and_then(|e| e.to_str()) {
-            Some(ext) => format!("{stem}-{run}.{ext}"),
-            None => format!("{stem}-{run}"),
-        };
-        path.with_file_name(name).to_string_lossy().into_owned()
-    }
-
     fn create(path: &Option<String>, run: &str) -> std::io::Result<Option<(String, std::fs::File)>> {
         let Some(path) = path else { return Ok(None) };
-        let path = Self::path_for(path, run);
+        let path = path_for(path, run);
         let file = std::fs::File::create(&path)?;
         Ok(Some((path, file)))
     }

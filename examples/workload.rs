@@ -238,6 +238,18 @@ pub fn peak_live(events: &[Event], live: u64) -> (u64, u64) {
     (peak, current)
 }
 
+/// `path` with a run's name before its extension, for examples that write one file per run:
+/// `steps.jsonl` and `plain` give `steps-plain.jsonl`.
+pub fn path_for(path: &str, run: &str) -> String {
+    let path = std::path::Path::new(path);
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("telemetry");
+    let name = match path.extension().and_then(|e| e.to_str()) {
+        Some(ext) => format!("{stem}-{run}.{ext}"),
+        None => format!("{stem}-{run}"),
+    };
+    path.with_file_name(name).to_string_lossy().into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
