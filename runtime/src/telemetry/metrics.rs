@@ -84,14 +84,7 @@ impl Usage {
     fn retire(&mut self, other: &Usage) {
         self.used_high = self.used_high.max(other.used_high);
         self.reserved_high = self.reserved_high.max(other.reserved_high);
-        self.allocations += other.allocations;
-        self.frees += other.frees;
-        self.requested_bytes += other.requested_bytes;
-        self.failures += other.failures;
-        self.oom_recoveries += other.oom_recoveries;
-        self.ooms += other.ooms;
-        self.released_bytes += other.released_bytes;
-        self.alloc_nanos += other.alloc_nanos;
+        self.add_counts(other);
     }
 
     fn add(&mut self, other: &Usage) {
@@ -99,6 +92,11 @@ impl Usage {
         self.used_high += other.used_high;
         self.reserved += other.reserved;
         self.reserved_high += other.reserved_high;
+        self.add_counts(other);
+    }
+
+    /// Sums the counts that only grow.
+    fn add_counts(&mut self, other: &Usage) {
         self.allocations += other.allocations;
         self.frees += other.frees;
         self.requested_bytes += other.requested_bytes;
