@@ -118,6 +118,21 @@ impl Axis {
     }
 }
 
+/// The horizontal grid lines of `axis` across a plot `plot_w` wide, with their labels.
+fn y_grid(out: &mut String, axis: &Axis, plot_w: f64, y: &dyn Fn(f64) -> f64) {
+    for tick in axis.ticks() {
+        let _ = writeln!(
+            out,
+            r##"<line x1="{LEFT}" x2="{}" y1="{py}" y2="{py}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
+            LEFT + plot_w,
+            LEFT - 6.0,
+            y(tick) + 4.0,
+            number(tick),
+            py = y(tick)
+        );
+    }
+}
+
 impl LineChart {
     /// The chart as an SVG document.
     pub(crate) fn render(&self) -> String {
@@ -129,17 +144,7 @@ impl LineChart {
         let y = |v: f64| TOP + plot_h - y_axis.position(v) * plot_h;
         let mut out = String::new();
         header(&mut out, &self.title);
-        for tick in y_axis.ticks() {
-            let _ = writeln!(
-                out,
-                r##"<line x1="{LEFT}" x2="{}" y1="{py}" y2="{py}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
-                LEFT + plot_w,
-                LEFT - 6.0,
-                y(tick) + 4.0,
-                number(tick),
-                py = y(tick)
-            );
-        }
+        y_grid(&mut out, &y_axis, plot_w, &y);
         for (value, label) in &self.x_ticks {
             let _ = writeln!(
                 out,
@@ -202,17 +207,7 @@ impl BarChart {
         let y = |v: f64| TOP + plot_h - y_axis.position(v) * plot_h;
         let mut out = String::new();
         header(&mut out, &self.title);
-        for tick in y_axis.ticks() {
-            let _ = writeln!(
-                out,
-                r##"<line x1="{LEFT}" x2="{}" y1="{py}" y2="{py}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
-                LEFT + plot_w,
-                LEFT - 6.0,
-                y(tick) + 4.0,
-                number(tick),
-                py = y(tick)
-            );
-        }
+        y_grid(&mut out, &y_axis, plot_w, &y);
         let groups = self.categories.len().max(1) as f64;
         let group_w = plot_w / groups;
         let bar_w = group_w * 0.8 / self.series.len().max(1) as f64;
