@@ -111,13 +111,13 @@ fn concurrency(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("steppool_pool", threads), &threads, |b, &threads| {
             b.iter_custom(|iters| on_threads(threads, iters, &work));
         });
-        runtime.begin_step_raw().expect("a step");
+        runtime.raw().begin_step().expect("a step");
         let work = |thread: usize, iters: u64| {
             for _ in 0..iters {
                 // SAFETY: the pointer is freed at once and never used; the stream outlives it.
                 unsafe {
-                    let ptr = runtime.alloc_raw(arena, SIZE, &streams[thread]).unwrap();
-                    runtime.free_raw(black_box(ptr)).unwrap();
+                    let ptr = runtime.raw().alloc(arena, SIZE, &streams[thread]).unwrap();
+                    runtime.raw().free(black_box(ptr)).unwrap();
                 }
             }
         };
@@ -125,7 +125,7 @@ fn concurrency(c: &mut Criterion) {
             b.iter_custom(|iters| on_threads(threads, iters, &work));
         });
         // SAFETY: every pointer of the step was freed and is not used again.
-        unsafe { runtime.end_step_raw() }.expect("end of step");
+        unsafe { runtime.raw().end_step() }.expect("end of step");
     }
     group.finish();
     for stream in &streams {

@@ -27,7 +27,7 @@ fn step_release(c: &mut Criterion) {
         group.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     }
     let strategies = [
-        ("steppool_pool", Strategy::Pool),
+        ("steppool_pool", Strategy::Direct),
         ("steppool_arena", Strategy::ARENA),
         ("steppool_planned", Strategy::PLANNED),
     ];
@@ -40,14 +40,14 @@ fn step_release(c: &mut Criterion) {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
-                        runtime.begin_step_raw().unwrap();
+                        runtime.raw().begin_step().unwrap();
                         for _ in 0..live {
                             // SAFETY: never used; released by the step's end below.
-                            unsafe { runtime.alloc_raw(phase, SIZE, &stream) }.unwrap();
+                            unsafe { runtime.raw().alloc(phase, SIZE, &stream) }.unwrap();
                         }
                         let start = Instant::now();
                         // SAFETY: nothing uses the released pointers.
-                        unsafe { runtime.end_step_raw() }.unwrap();
+                        unsafe { runtime.raw().end_step() }.unwrap();
                         total += start.elapsed();
                     }
                     total

@@ -72,7 +72,7 @@ fn run(options: &Options, phases: bool) -> Result<(), Box<dyn std::error::Error>
         builder = builder.record_history(1 << 22);
     }
     let runtime = builder.build()?;
-    runtime.on_warning(|warning| println!("  ⚠ [{}] {warning}", warning.rule()));
+    runtime.telemetry().on_warning(|warning| println!("  ⚠ [{}] {warning}", warning.rule()));
     let mut jsonl = match &options.jsonl {
         Some(path) => Some(JsonLines::new(std::fs::File::create(path_for(path, name))?)),
         None => None,
@@ -143,10 +143,10 @@ fn run(options: &Options, phases: bool) -> Result<(), Box<dyn std::error::Error>
     }
     if let Some(path) = &options.prometheus {
         let path = path_for(path, name);
-        std::fs::write(&path, runtime.metrics()?.to_prometheus())?;
+        std::fs::write(&path, runtime.telemetry().metrics()?.to_prometheus())?;
         println!("  wrote {path}");
     }
-    let history = runtime.history();
+    let history = runtime.telemetry().history();
     if let Some(path) = &options.snapshot {
         let path = path_for(path, name);
         history.write_memory_snapshot(&mut std::io::BufWriter::new(std::fs::File::create(&path)?))?;

@@ -223,14 +223,14 @@ fn run(
         builder = builder.record_history(4 << 20);
     }
     let runtime = builder.build()?;
-    runtime.on_warning(move |warning| println!("  warning [{}] ({short}) {warning}", warning.rule()));
+    runtime.telemetry().on_warning(move |warning| println!("  warning [{}] ({short}) {warning}", warning.rule()));
     let mut jsonl = Outputs::create(&outputs.jsonl, short)?.map(|(path, file)| (path, JsonLines::new(file)));
 
     // Activations and workspace are freed in the reverse order of their allocation within a
     // micro-batch: arenas pack them without fragmentation, whatever the sequence length. Slabs of
     // 1 GiB, several times the largest activation, keep the tails lost at slab ends small.
     let everything = runtime.declare_phase(
-        PhaseSpec::new("default_pool", Scope::Persistent).strategy(Strategy::Pool).release_threshold(u64::MAX),
+        PhaseSpec::new("default_pool", Scope::Persistent).strategy(Strategy::Direct).release_threshold(u64::MAX),
     )?;
     let activations =
         PhaseSpec::new("micro_activations", Scope::MicroStep).strategy(Strategy::Arena { slab_bytes: 1 << 30 });
@@ -346,13 +346,13 @@ fn run(
     }
     if let Some((path, file)) = Outputs::create(&outputs.prometheus, short)? {
         let mut file = file;
-        file.write_all(runtime.metrics()?.to_prometheus().as_bytes())?;
+        file.write_all(runtime.telemetry().metrics()?.to_prometheus().as_bytes())?;
         println!("  wrote {path}");
     }
     if let Some((path, _)) = &jsonl {
         println!("  wrote {path}");
     }
-    let history = runtime.history();
+    let history = runtime.telemetry().history();
     if let Some((path, mut file)) = Outputs::create(&outputs.snapshot, short)? {
         history.write_memory_snapshot(&mut file)?;
         println!("  wrote {path} (open it at https://pytorch.org/memory_viz)");

@@ -24,7 +24,7 @@ fn planned_phase(rt: &Runtime, name: &str, scope: Scope, strategy: Allocation) -
 }
 
 fn pool_stats(rt: &Runtime, phase: Phase, stream: &steppool::Stream) -> PoolStats {
-    rt.stats().unwrap().into_iter().find(|s| s.phase == phase && s.stream == stream.id()).expect("the pool")
+    rt.stats().unwrap().into_iter().find(|s| s.pool.phase == phase && s.pool.stream == stream.id()).expect("the pool")
 }
 
 fn plan_of(stats: &PoolStats) -> &PlanStats {
@@ -79,7 +79,7 @@ fn planned_specs_are_checked_with_the_numbers() {
 fn plan_keys_are_for_planned_phases() {
     let rt = runtime(GIB);
     match rt.set_plan_key(Phase::ACTIVATIONS, Some(3)) {
-        Err(error @ Error::NotPlanned { .. }) => assert!(error.to_string().contains("pool strategy"), "{error}"),
+        Err(error @ Error::NotPlanned { .. }) => assert!(error.to_string().contains("direct strategy"), "{error}"),
         other => panic!("expected NotPlanned, got {other:?}"),
     }
     let phase = planned_phase(&rt, "planned", Scope::Step, Allocation::PLANNED);
@@ -123,7 +123,7 @@ fn a_repeating_step_is_served_from_its_plan_at_the_same_addresses() {
         addresses.push(model_step(&step, phase, &stream, 4));
         stream.synchronize().unwrap();
         let report = step.end().unwrap();
-        let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+        let stats = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
         let plan = plan_of(stats);
         if index == 0 {
             assert_eq!((plan.planned, plan.replans), (0, 1), "the first step is recorded and planned");
@@ -156,7 +156,7 @@ fn each_shape_gets_its_plan_and_the_slab_fits_the_largest() {
         let step = rt.begin_step().unwrap();
         model_step(&step, phase, &stream, batch);
         let report = step.end().unwrap();
-        let plan = plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone();
+        let plan = plan_of(report.pools.iter().find(|p| p.pool.phase == phase).unwrap()).clone();
         let seen_before = batches[..index].contains(&batch);
         assert_eq!(plan.planned == 19, seen_before, "step {index} (batch {batch}): {plan:?}");
         assert_eq!(plan.deviations, 0, "a new first size is a new signature, not a deviation");
@@ -178,7 +178,7 @@ fn user_keys_select_plans_and_the_bound_evicts_the_least_recently_used() {
         let step = rt.begin_step().unwrap();
         model_step(&step, phase, &stream, batch);
         let report = step.end().unwrap();
-        plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone()
+        plan_of(report.pools.iter().find(|p| p.pool.phase == phase).unwrap()).clone()
     };
     assert_eq!(run(1, 2).planned, 0);
     assert_eq!(run(1, 2).planned, 19);
@@ -215,7 +215,7 @@ fn a_deviation_is_served_from_the_pool_and_refreshes_the_plan() {
         assert_eq!(stats.used, 12 * KIB + 4 * 144 * KIB + 3 * MIB);
         drop((input, first, second, extra));
         let report = step.end().unwrap();
-        (plan_of(&stats).clone(), plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone())
+        (plan_of(&stats).clone(), plan_of(report.pools.iter().find(|p| p.pool.phase == phase).unwrap()).clone())
     };
     let (during, after) = deviating(&rt);
     assert_eq!((during.planned, during.deviations), (4, 1), "the extra allocation came from the pool");
@@ -242,7 +242,7 @@ fn a_new_first_size_is_a_new_shape_served_from_the_slab_free_space() {
     let step = rt.begin_step().unwrap();
     model_step(&step, phase, &stream, 2);
     let report = step.end().unwrap();
-    let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+    let stats = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
     let plan = plan_of(stats);
     assert_eq!((plan.planned, plan.unplanned, plan.deviations), (0, 19, 0));
     assert_eq!(plan.slab_bytes, slab_before);
@@ -290,7 +290,7 @@ fn leaked_buffers_are_reclaimed_and_leaked_deviations_given_back() {
             drop((kept, extra));
         }
         let report = step.end().unwrap();
-        let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+        let stats = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
         assert_eq!(stats.used, 0);
         assert_eq!(stats.released, if leak { 7 * MIB } else { 0 });
         let pool = rt.pool_handle(phase, &stream).unwrap().unwrap();
@@ -317,7 +317,7 @@ fn micro_steps_are_planned_like_steps() {
             micro.end().unwrap();
         }
         let report = step.end().unwrap();
-        let plan = plan_of(report.pools.iter().find(|p| p.phase == phase).unwrap()).clone();
+        let plan = plan_of(report.pools.iter().find(|p| p.pool.phase == phase).unwrap()).clone();
         let expected = if index == 0 { (9, 3) } else { (12, 0) };
         assert_eq!((plan.planned, plan.unplanned), expected, "step {index}");
         assert_eq!(plan.plans[0].bytes, plan.plans[0].lower_bound, "{plan:?}");
@@ -411,7 +411,7 @@ impl Harness {
 
     fn alloc(&mut self, phase: usize, stream: usize, size: u64) -> Result<CUdeviceptr, TestCaseError> {
         // SAFETY: nothing runs on the device; pointers are freed or released by the harness.
-        let ptr = unsafe { self.rt.alloc_raw(self.phases[phase], size, &self.streams[stream]) };
+        let ptr = unsafe { self.rt.raw().alloc(self.phases[phase], size, &self.streams[stream]) };
         let ptr = ptr.map_err(|error| TestCaseError::fail(format!("allocation of {size} failed: {error}")))?;
         prop_assert_eq!(ptr % 512, 0);
         self.ranges.insert(ptr, size).map_err(TestCaseError::fail)?;
@@ -422,7 +422,7 @@ impl Harness {
 
     fn free(&mut self, ptr: CUdeviceptr) -> Result<(), TestCaseError> {
         // SAFETY: as above.
-        unsafe { self.rt.free_raw(ptr) }.map_err(|error| TestCaseError::fail(error.to_string()))?;
+        unsafe { self.rt.raw().free(ptr) }.map_err(|error| TestCaseError::fail(error.to_string()))?;
         self.ranges.remove(ptr);
         self.live.remove(&ptr);
         Ok(())
@@ -444,8 +444,8 @@ impl Harness {
     /// Every pool's `used` is exactly what the harness holds in it.
     fn check_used(&self) -> Result<(), TestCaseError> {
         for stats in self.rt.stats().unwrap() {
-            let Some(phase) = self.phases.iter().position(|&p| p == stats.phase) else { continue };
-            let stream = self.streams.iter().position(|s| s.id() == stats.stream).unwrap();
+            let Some(phase) = self.phases.iter().position(|&p| p == stats.pool.phase) else { continue };
+            let stream = self.streams.iter().position(|s| s.id() == stats.pool.stream).unwrap();
             let held: u64 =
                 self.live.values().filter(|&&(ph, st, _)| ph == phase && st == stream).map(|&(_, _, size)| size).sum();
             prop_assert_eq!(stats.used, held, "phase {} stream {}", phase, stream);
@@ -524,8 +524,8 @@ impl Harness {
         // Micro-step phases released theirs at the micro-step ends (checked there).
         let expected: u64 = self.live.values().filter(|&&(phase, _, _)| phase != 1).map(|&(_, _, size)| size).sum();
         // SAFETY: nothing uses the released pointers.
-        let report = unsafe { self.rt.end_step_raw() }.map_err(|error| TestCaseError::fail(error.to_string()))?;
-        let released: u64 = report.pools.iter().filter(|p| p.phase != self.phases[1]).map(|p| p.released).sum();
+        let report = unsafe { self.rt.raw().end_step() }.map_err(|error| TestCaseError::fail(error.to_string()))?;
+        let released: u64 = report.pools.iter().filter(|p| p.pool.phase != self.phases[1]).map(|p| p.released).sum();
         prop_assert_eq!(released, expected);
         for ptr in std::mem::take(&mut self.live).into_keys() {
             self.ranges.remove(ptr);
@@ -534,8 +534,8 @@ impl Harness {
             prop_assert_eq!(stats.used, 0);
             if let Some(plan) = &stats.plan {
                 // What the strategy holds in the pool after the boundary: the slab, nothing else.
-                let stream = self.streams.iter().find(|s| s.id() == stats.stream).unwrap();
-                let pool = self.rt.pool_handle(stats.phase, stream).unwrap().unwrap();
+                let stream = self.streams.iter().find(|s| s.id() == stats.pool.stream).unwrap();
+                let pool = self.rt.pool_handle(stats.pool.phase, stream).unwrap().unwrap();
                 let layout = self.rt.driver().sim().unwrap().pool_layout(pool).unwrap();
                 let held: Vec<u64> = layout.allocations.iter().map(|&(_, size)| size).collect();
                 let slab: Vec<u64> = Some(plan.slab_bytes).filter(|&b| b > 0).into_iter().collect();
@@ -571,16 +571,16 @@ proptest! {
             let shape = &shapes[step.shape % shapes.len()];
             h.rt.set_plan_key(h.phases[0], step.key).unwrap();
             h.rt.set_plan_key(h.phases[1], step.key).unwrap();
-            h.rt.begin_step_raw().unwrap();
+            h.rt.raw().begin_step().unwrap();
             // A pool-strategy allocation that lives through the step, between planned ones.
             h.alloc(2, 0, 3 * KIB)?;
             if step.micro {
                 for micro in 0..2 {
-                    h.rt.begin_micro_step_raw().unwrap();
+                    h.rt.raw().begin_micro_step().unwrap();
                     h.run(1, micro % 2, shape, &step.deviations)?;
                     let expected: u64 = h.live.values().filter(|&&(p, _, _)| p == 1).map(|&(_, _, s)| s).sum();
                     // SAFETY: nothing uses the released pointers.
-                    let report = unsafe { h.rt.end_micro_step_raw() }.unwrap();
+                    let report = unsafe { h.rt.raw().end_micro_step() }.unwrap();
                     prop_assert_eq!(report.released, expected);
                     let released: Vec<_> = h.live.iter().filter(|(_, v)| v.0 == 1).map(|(&p, _)| p).collect();
                     for ptr in released {
@@ -669,19 +669,19 @@ fn replay(name: &str, strategy: Allocation) -> Vec<StepNumbers> {
             if step.is_some() {
                 numbers.push(end_step(&rt, phase, &stream));
             }
-            rt.begin_step_raw().unwrap();
+            rt.raw().begin_step().unwrap();
             step = Some(at);
         }
         if event.allocate {
             let target = if freed_in_step[index] { phase } else { Phase::WEIGHTS };
             // SAFETY: nothing runs on the device.
-            let ptr = unsafe { rt.alloc_raw(target, event.size.max(1), &stream) }.unwrap();
+            let ptr = unsafe { rt.raw().alloc(target, event.size.max(1), &stream) }.unwrap();
             ranges.insert(ptr, event.size.max(1)).unwrap();
             ours.insert(event.pointer, ptr);
         } else if let Some(ptr) = ours.remove(&event.pointer) {
             ranges.remove(ptr);
             // SAFETY: as above.
-            unsafe { rt.free_raw(ptr) }.unwrap();
+            unsafe { rt.raw().free(ptr) }.unwrap();
         }
     }
     numbers.push(end_step(&rt, phase, &stream));
@@ -693,8 +693,8 @@ fn end_step(rt: &Runtime, phase: Phase, stream: &steppool::Stream) -> StepNumber
     // boundary only gives back memory whose frees the host has seen complete.
     stream.synchronize().unwrap();
     // SAFETY: nothing runs on the device.
-    let report = unsafe { rt.end_step_raw() }.unwrap();
-    let stats = report.pools.iter().find(|p| p.phase == phase).unwrap();
+    let report = unsafe { rt.raw().end_step() }.unwrap();
+    let stats = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
     StepNumbers {
         peak_used: stats.peak_used,
         peak_reserved: stats.peak_reserved,
@@ -724,7 +724,7 @@ fn print_comparison(name: &str, pool: &[StepNumbers], planned: &[StepNumbers]) {
 
 #[test]
 fn a_static_training_trace_is_served_from_its_plan_from_the_second_step_on() {
-    let pool = replay("vit_static_train", Allocation::Pool);
+    let pool = replay("vit_static_train", Allocation::Direct);
     let planned = replay("vit_static_train", Allocation::PLANNED);
     print_comparison("vit_static_train", &pool, &planned);
     // Step 0 builds the optimizer state and differs; step 1 deviates from it and refreshes the
@@ -739,7 +739,7 @@ fn a_static_training_trace_is_served_from_its_plan_from_the_second_step_on() {
 
 #[test]
 fn a_variable_length_training_trace_gets_a_plan_per_shape() {
-    let pool = replay("t5_varlen_train", Allocation::Pool);
+    let pool = replay("t5_varlen_train", Allocation::Direct);
     let planned = replay("t5_varlen_train", Allocation::PLANNED);
     print_comparison("t5_varlen_train", &pool, &planned);
     let last = planned.last().unwrap().plan.as_ref().unwrap();

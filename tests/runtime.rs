@@ -21,7 +21,12 @@ fn layout(runtime: &Runtime, phase: Phase, stream: &steppool::Stream) -> PoolLay
 }
 
 fn stats_of(runtime: &Runtime, phase: Phase, stream: &steppool::Stream) -> steppool::PoolStats {
-    runtime.stats().unwrap().into_iter().find(|s| s.phase == phase && s.stream == stream.id()).expect("the pool")
+    runtime
+        .stats()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.pool.phase == phase && s.pool.stream == stream.id())
+        .expect("the pool")
 }
 
 // ----- runtime, devices, streams, events -------------------------------------------------------
@@ -151,7 +156,7 @@ fn each_device_stream_and_phase_gets_its_own_pool_on_first_use() {
     let w = rt.alloc(Phase::WEIGHTS, MIB, &a).unwrap();
     let o = rt.alloc(Phase::OPTIMIZER_STATE, MIB, &a).unwrap();
     let w2 = rt.alloc(Phase::WEIGHTS, MIB, &b).unwrap();
-    let pools: Vec<(u32, Phase)> = rt.stats().unwrap().iter().map(|s| (s.stream, s.phase)).collect();
+    let pools: Vec<(u32, Phase)> = rt.stats().unwrap().iter().map(|s| (s.pool.stream, s.pool.phase)).collect();
     assert_eq!(pools.len(), 3);
     assert!(pools.contains(&(a.id(), Phase::WEIGHTS)) && pools.contains(&(b.id(), Phase::WEIGHTS)));
     let handles = [
@@ -280,10 +285,10 @@ fn ending_a_step_releases_its_raw_allocations_and_leaves_persistent_ones() {
     let mut raw = Vec::new();
     for (i, stream) in [&a, &b, &a, &b].into_iter().enumerate() {
         // SAFETY: nothing uses the pointers; the step end releases them.
-        raw.push(unsafe { rt.alloc_raw(Phase::ACTIVATIONS, (i as u64 + 1) * 10 * MIB, stream) }.unwrap());
+        raw.push(unsafe { rt.raw().alloc(Phase::ACTIVATIONS, (i as u64 + 1) * 10 * MIB, stream) }.unwrap());
     }
     // SAFETY: as above.
-    raw.push(unsafe { rt.alloc_raw(Phase::GRADIENTS, 64 * MIB, &b) }.unwrap());
+    raw.push(unsafe { rt.raw().alloc(Phase::GRADIENTS, 64 * MIB, &b) }.unwrap());
     let kept = step.alloc(Phase::GRADIENTS, MIB, &a).unwrap();
     drop(kept);
     let report = step.end().unwrap();
@@ -303,7 +308,7 @@ fn ending_a_step_releases_its_raw_allocations_and_leaves_persistent_ones() {
     assert_eq!(layout(&rt, Phase::WEIGHTS, &a).allocations, vec![(weights.ptr(), 256 * MIB)]);
     for ptr in raw {
         // SAFETY: the simulated device and the runtime check the pointer.
-        assert!(matches!(unsafe { rt.free_raw(ptr) }, Err(Error::UnknownPointer { .. })));
+        assert!(matches!(unsafe { rt.raw().free(ptr) }, Err(Error::UnknownPointer { .. })));
     }
     assert!(report.to_string().contains("activations"), "{report}");
 }
@@ -320,7 +325,7 @@ fn micro_steps_release_their_phases_and_steps_keep_theirs() {
         assert_eq!(micro.index(), i);
         let _activations = micro.alloc(micro_phase, 128 * MIB, &stream).unwrap();
         // SAFETY: released at the micro-step end; nothing uses it.
-        unsafe { rt.alloc_raw(micro_phase, 32 * MIB, &stream) }.unwrap();
+        unsafe { rt.raw().alloc(micro_phase, 32 * MIB, &stream) }.unwrap();
         let also_step = micro.alloc(Phase::ACTIVATIONS, MIB, &stream).unwrap();
         drop(also_step);
         drop(_activations);
@@ -366,7 +371,7 @@ fn the_release_is_atomic_for_other_threads() {
     for stream in &streams {
         for _ in 0..50 {
             // SAFETY: released at the step end; nothing uses them.
-            unsafe { rt.alloc_raw(Phase::ACTIVATIONS, 3 * MIB, stream) }.unwrap();
+            unsafe { rt.raw().alloc(Phase::ACTIVATIONS, 3 * MIB, stream) }.unwrap();
         }
     }
     let live = 4 * 50 * 3 * MIB;
@@ -376,8 +381,13 @@ fn the_release_is_atomic_for_other_threads() {
                 scope.spawn(|| {
                     let mut seen = Vec::new();
                     while seen.len() < 200 {
-                        let used: u64 =
-                            rt.stats().unwrap().iter().filter(|s| s.phase == Phase::ACTIVATIONS).map(|s| s.used).sum();
+                        let used: u64 = rt
+                            .stats()
+                            .unwrap()
+                            .iter()
+                            .filter(|s| s.pool.phase == Phase::ACTIVATIONS)
+                            .map(|s| s.used)
+                            .sum();
                         seen.push(used);
                     }
                     seen
@@ -396,25 +406,25 @@ fn raw_allocations_racing_a_step_end_are_released_or_refused() {
     let rt = simulated_runtime(16 * GIB);
     let device = rt.device(0).unwrap();
     let stream = device.create_stream().unwrap();
-    rt.begin_step_raw().unwrap();
+    rt.raw().begin_step().unwrap();
     let outcomes = std::thread::scope(|scope| {
         let allocator = scope.spawn(|| {
             let mut outcomes = Vec::new();
             for _ in 0..400 {
                 // SAFETY: nothing uses the pointers.
-                outcomes.push(unsafe { rt.alloc_raw(Phase::ACTIVATIONS, MIB, &stream) });
+                outcomes.push(unsafe { rt.raw().alloc(Phase::ACTIVATIONS, MIB, &stream) });
             }
             outcomes
         });
         std::thread::sleep(std::time::Duration::from_millis(1));
         // SAFETY: nothing uses the released pointers.
-        unsafe { rt.end_step_raw() }.unwrap();
+        unsafe { rt.raw().end_step() }.unwrap();
         allocator.join().unwrap()
     });
     for outcome in outcomes {
         match outcome {
             // SAFETY: the runtime checks the pointer.
-            Ok(ptr) => assert!(matches!(unsafe { rt.free_raw(ptr) }, Err(Error::UnknownPointer { .. }))),
+            Ok(ptr) => assert!(matches!(unsafe { rt.raw().free(ptr) }, Err(Error::UnknownPointer { .. }))),
             Err(error) => assert!(matches!(error, Error::NoActiveStep), "{error}"),
         }
     }
@@ -493,22 +503,22 @@ fn the_raw_api_reports_misuse() {
     let stream = rt.device(0).unwrap().create_stream().unwrap();
     // SAFETY: the runtime checks every pointer; none is used on the device.
     unsafe {
-        assert!(matches!(rt.alloc_raw(Phase::ACTIVATIONS, MIB, &stream), Err(Error::NoActiveStep)));
-        let ptr = rt.alloc_raw(Phase::WEIGHTS, MIB, &stream).unwrap();
-        rt.check_range(ptr, MIB).unwrap();
-        assert!(matches!(rt.check_range(ptr, MIB + 1), Err(Error::OutOfBounds { .. })));
-        rt.free_raw(ptr).unwrap();
-        assert!(matches!(rt.free_raw(ptr), Err(Error::UnknownPointer { ptr: p }) if p == ptr), "double free");
-        assert!(matches!(rt.free_raw(0x1234), Err(Error::UnknownPointer { .. })));
-        assert!(matches!(rt.end_step_raw(), Err(Error::NoActiveStep)));
-        rt.begin_step_raw().unwrap();
-        assert!(matches!(rt.begin_step_raw(), Err(Error::StepActive { .. })));
+        assert!(matches!(rt.raw().alloc(Phase::ACTIVATIONS, MIB, &stream), Err(Error::NoActiveStep)));
+        let ptr = rt.raw().alloc(Phase::WEIGHTS, MIB, &stream).unwrap();
+        rt.raw().check_range(ptr, MIB).unwrap();
+        assert!(matches!(rt.raw().check_range(ptr, MIB + 1), Err(Error::OutOfBounds { .. })));
+        rt.raw().free(ptr).unwrap();
+        assert!(matches!(rt.raw().free(ptr), Err(Error::UnknownPointer { ptr: p }) if p == ptr), "double free");
+        assert!(matches!(rt.raw().free(0x1234), Err(Error::UnknownPointer { .. })));
+        assert!(matches!(rt.raw().end_step(), Err(Error::NoActiveStep)));
+        rt.raw().begin_step().unwrap();
+        assert!(matches!(rt.raw().begin_step(), Err(Error::StepActive { .. })));
         let micro = rt.declare_phase(PhaseSpec::new("micro", Scope::MicroStep)).unwrap();
-        assert!(matches!(rt.alloc_raw(micro, MIB, &stream), Err(Error::NoActiveMicroStep)));
-        rt.end_step_raw().unwrap();
-        assert!(matches!(rt.end_step_raw(), Err(Error::NoActiveStep)), "ending a step twice");
+        assert!(matches!(rt.raw().alloc(micro, MIB, &stream), Err(Error::NoActiveMicroStep)));
+        rt.raw().end_step().unwrap();
+        assert!(matches!(rt.raw().end_step(), Err(Error::NoActiveStep)), "ending a step twice");
         let guard = rt.begin_step().unwrap();
-        assert!(matches!(rt.end_step_raw(), Err(Error::OwnedByGuard { .. })));
+        assert!(matches!(rt.raw().end_step(), Err(Error::OwnedByGuard { .. })));
         guard.end().unwrap();
     }
 }
@@ -517,13 +527,13 @@ fn the_raw_api_reports_misuse() {
 fn checked_mode_names_the_step_that_released_a_pointer() {
     let rt = Runtime::builder().simulated(SimConfig::with_capacity(GIB)).checked(true).build().unwrap();
     let stream = rt.device(0).unwrap().create_stream().unwrap();
-    rt.begin_step_raw().unwrap();
+    rt.raw().begin_step().unwrap();
     // SAFETY: the runtime checks the pointer after the release; nothing uses it on the device.
     unsafe {
-        let ptr = rt.alloc_raw(Phase::ACTIVATIONS, 4 * MIB, &stream).unwrap();
-        rt.check_range(ptr + MIB, MIB).unwrap();
-        rt.end_step_raw().unwrap();
-        for error in [rt.check_range(ptr + 100, 8).unwrap_err(), rt.free_raw(ptr).unwrap_err()] {
+        let ptr = rt.raw().alloc(Phase::ACTIVATIONS, 4 * MIB, &stream).unwrap();
+        rt.raw().check_range(ptr + MIB, MIB).unwrap();
+        rt.raw().end_step().unwrap();
+        for error in [rt.raw().check_range(ptr + 100, 8).unwrap_err(), rt.raw().free(ptr).unwrap_err()] {
             match error {
                 Error::UseAfterRelease { ptr: p, phase, step } => {
                     assert_eq!((p, phase.as_str(), step), (if p == ptr { ptr } else { ptr + 100 }, "activations", 0));
@@ -531,11 +541,11 @@ fn checked_mode_names_the_step_that_released_a_pointer() {
                 other => panic!("expected UseAfterRelease, got {other:?}"),
             }
         }
-        rt.begin_step_raw().unwrap();
-        let reused = rt.alloc_raw(Phase::ACTIVATIONS, 4 * MIB, &stream).unwrap();
+        rt.raw().begin_step().unwrap();
+        let reused = rt.raw().alloc(Phase::ACTIVATIONS, 4 * MIB, &stream).unwrap();
         assert_eq!(reused, ptr, "the address is reused by the next step");
-        rt.check_range(ptr, 4 * MIB).expect("a new allocation at the address is live, not released");
-        rt.end_step_raw().unwrap();
+        rt.raw().check_range(ptr, 4 * MIB).expect("a new allocation at the address is live, not released");
+        rt.raw().end_step().unwrap();
     }
 }
 
@@ -544,13 +554,13 @@ fn raw_uses_on_other_streams_order_the_release() {
     let rt = simulated_runtime(GIB);
     let device = rt.device(0).unwrap();
     let (owner, other) = (device.create_stream().unwrap(), device.create_stream().unwrap());
-    rt.begin_step_raw().unwrap();
+    rt.raw().begin_step().unwrap();
     // SAFETY: the other stream uses the allocation and is recorded; the step end releases it.
     unsafe {
-        let ptr = rt.alloc_raw(Phase::ACTIVATIONS, MIB, &owner).unwrap();
+        let ptr = rt.raw().alloc(Phase::ACTIVATIONS, MIB, &owner).unwrap();
         rt.driver().memset_d8_async(ptr, 1, MIB as usize, other.raw()).unwrap();
-        rt.record_use_raw(ptr, &other).unwrap();
-        rt.end_step_raw().unwrap();
+        rt.raw().record_use(ptr, &other).unwrap();
+        rt.raw().end_step().unwrap();
     }
     assert_eq!(rt.driver().sim().unwrap().is_ordered_after(owner.raw(), other.raw()), Some(true));
 }
@@ -600,7 +610,7 @@ fn out_of_memory_recovers_by_synchronizing_and_trimming_other_pools() {
     // 800 MiB freed on stream a but not yet observed: the device cannot reuse it on stream b.
     drop(rt.alloc(Phase::WEIGHTS, 800 * MIB, &a).unwrap());
     let recovered = rt.alloc(Phase::OPTIMIZER_STATE, 800 * MIB, &b).unwrap();
-    assert_eq!(rt.oom_recoveries(), 1);
+    assert_eq!(rt.telemetry().oom_recoveries(), 1);
     assert_eq!(stats_of(&rt, Phase::WEIGHTS, &a).reserved, 0, "the other pool was trimmed");
     drop(recovered);
 }
@@ -622,7 +632,7 @@ fn out_of_memory_recovery_reaches_the_slabs_arenas_and_plans_keep() {
         // that needs them back gets them through recovery.
         let big = rt.alloc(Phase::WEIGHTS, 1600 * MIB, &stream);
         assert!(big.is_ok(), "{strategy:?}: {:?}", big.err());
-        assert_eq!(rt.oom_recoveries(), 1);
+        assert_eq!(rt.telemetry().oom_recoveries(), 1);
         drop(big);
         // And the phase takes memory again in the next step.
         let step = rt.begin_step().unwrap();
@@ -660,7 +670,7 @@ fn impossible_requests_are_refused_up_front() {
         }
         other => panic!("expected ExceedsDevice, got {other:?}"),
     }
-    assert_eq!(rt.oom_recoveries(), 0, "no recovery attempted");
+    assert_eq!(rt.telemetry().oom_recoveries(), 0, "no recovery attempted");
     let unknown = rt.alloc(phase_of_another_runtime(40), MIB, &stream);
     assert!(matches!(unknown, Err(Error::UnknownPhase { index: 40, count: 5 })));
 }
@@ -694,7 +704,7 @@ fn without_pools_the_same_api_runs_on_cu_mem_alloc() {
             drop(step.alloc(Phase::ACTIVATIONS, 300 * MIB, &stream).unwrap());
             drop(step.alloc(Phase::WORKSPACE, 10 * MIB, &stream).unwrap());
             // SAFETY: released at the step end.
-            unsafe { rt.alloc_raw(Phase::GRADIENTS, 200 * MIB, &stream) }.unwrap();
+            unsafe { rt.raw().alloc(Phase::GRADIENTS, 200 * MIB, &stream) }.unwrap();
             let report = step.end().unwrap();
             assert_eq!(report.phase(Phase::GRADIENTS).unwrap().released, 200 * MIB);
         }
@@ -724,7 +734,7 @@ fn pools_are_per_device_and_peers_are_granted_access_on_request() {
     let (s0, s1) = (d0.create_stream().unwrap(), d1.create_stream().unwrap());
     let before = rt.alloc(Phase::WEIGHTS, MIB, &s0).unwrap();
     let other = rt.alloc(Phase::WEIGHTS, MIB, &s1).unwrap();
-    let devices: Vec<usize> = rt.stats().unwrap().iter().map(|s| s.device).collect();
+    let devices: Vec<usize> = rt.stats().unwrap().iter().map(|s| s.pool.device).collect();
     assert_eq!(devices, vec![0, 1]);
     let location =
         steppool_sys::CUmemLocation { type_: steppool_sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 1 };
@@ -749,9 +759,9 @@ fn objects_of_another_runtime_are_refused() {
     assert!(matches!(two.pool_handle(Phase::WEIGHTS, &stream), Err(Error::ForeignStream)));
     // SAFETY: the runtimes check the pointer.
     unsafe {
-        let ptr = one.alloc_raw(Phase::WEIGHTS, MIB, &stream).unwrap();
-        assert!(matches!(two.free_raw(ptr), Err(Error::UnknownPointer { .. })));
-        one.free_raw(ptr).unwrap();
+        let ptr = one.raw().alloc(Phase::WEIGHTS, MIB, &stream).unwrap();
+        assert!(matches!(two.raw().free(ptr), Err(Error::UnknownPointer { .. })));
+        one.raw().free(ptr).unwrap();
     }
 }
 
@@ -764,7 +774,7 @@ fn dropping_guards_ends_their_scope_and_keeps_errors_for_later() {
         let micro = step.begin_micro_step().unwrap();
         drop(micro);
         // SAFETY: released when the step guard drops.
-        unsafe { rt.alloc_raw(Phase::ACTIVATIONS, MIB, &stream) }.unwrap();
+        unsafe { rt.raw().alloc(Phase::ACTIVATIONS, MIB, &stream) }.unwrap();
     }
     assert_eq!(rt.active_step(), None, "the dropped guard ended the step");
     assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &stream).used, 0);
@@ -819,8 +829,8 @@ fn threads_freeing_raw_pointers_on_one_stream_never_free_each_other() {
                 for _ in 0..40_000 {
                     // SAFETY: each thread frees only what it allocated; nothing uses the memory.
                     unsafe {
-                        let ptr = rt.alloc_raw(Phase::WEIGHTS, 4096, &stream).unwrap();
-                        rt.free_raw(ptr).expect("a thread's own pointer is never unregistered by another");
+                        let ptr = rt.raw().alloc(Phase::WEIGHTS, 4096, &stream).unwrap();
+                        rt.raw().free(ptr).expect("a thread's own pointer is never unregistered by another");
                     }
                 }
             });
@@ -854,25 +864,25 @@ fn a_failing_release_still_ends_the_step_and_forgets_every_pointer() {
     // SAFETY: a live stream; it is destroyed early below on purpose, breaking the contract, so
     // that the simulated device (which checks handles) fails the release's frees.
     let doomed = unsafe { device.wrap_stream(raw) }.unwrap();
-    rt.begin_step_raw().unwrap();
+    rt.raw().begin_step().unwrap();
     // SAFETY: the runtime checks the pointers; nothing uses them on the device.
     let (lost, kept) = unsafe {
-        let lost: Vec<_> = (0..3).map(|_| rt.alloc_raw(Phase::ACTIVATIONS, MIB, &doomed).unwrap()).collect();
-        (lost, rt.alloc_raw(Phase::ACTIVATIONS, MIB, &healthy).unwrap())
+        let lost: Vec<_> = (0..3).map(|_| rt.raw().alloc(Phase::ACTIVATIONS, MIB, &doomed).unwrap()).collect();
+        (lost, rt.raw().alloc(Phase::ACTIVATIONS, MIB, &healthy).unwrap())
     };
     // SAFETY: breaking the wrap contract on purpose (see above).
     unsafe { rt.driver().stream_destroy(raw) }.unwrap();
     // SAFETY: nothing uses the released pointers.
-    let error = unsafe { rt.end_step_raw() }.unwrap_err();
+    let error = unsafe { rt.raw().end_step() }.unwrap_err();
     assert!(error.to_string().contains("cuMemFreeAsync"), "{error}");
     assert_eq!(rt.active_step(), None, "the step ended anyway");
     for ptr in lost.into_iter().chain([kept]) {
-        assert!(matches!(rt.check_range(ptr, 1), Err(Error::UseAfterRelease { step: 0, .. })), "forgotten");
+        assert!(matches!(rt.raw().check_range(ptr, 1), Err(Error::UseAfterRelease { step: 0, .. })), "forgotten");
     }
     assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &healthy).used, 0, "the healthy stream's memory was released");
-    rt.begin_step_raw().unwrap();
+    rt.raw().begin_step().unwrap();
     // SAFETY: as above.
-    unsafe { rt.end_step_raw() }.unwrap();
+    unsafe { rt.raw().end_step() }.unwrap();
 }
 
 #[test]

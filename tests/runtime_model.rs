@@ -121,7 +121,7 @@ impl Harness {
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         let m = &mut self.model;
         match *op {
-            Op::BeginStep => match (self.rt.begin_step_raw(), m.step) {
+            Op::BeginStep => match (self.rt.raw().begin_step(), m.step) {
                 (Ok(index), None) => {
                     prop_assert_eq!(index, m.next_step);
                     m.step = Some(index);
@@ -132,7 +132,7 @@ impl Harness {
             },
             Op::EndStep => {
                 // SAFETY: nothing uses the released pointers on the device.
-                match (unsafe { self.rt.end_step_raw() }, m.step) {
+                match (unsafe { self.rt.raw().end_step() }, m.step) {
                     (Ok(report), Some(index)) => {
                         let expected = m.release(&[Scope::Step, Scope::MicroStep], &self.phases, index);
                         prop_assert_eq!(report.index, index);
@@ -149,7 +149,7 @@ impl Harness {
                     (other, _) => prop_assert!(false, "end step: {:?} with step {:?}", other.map(|r| r.index), m.step),
                 }
             }
-            Op::BeginMicro => match (self.rt.begin_micro_step_raw(), m.step, m.micro) {
+            Op::BeginMicro => match (self.rt.raw().begin_micro_step(), m.step, m.micro) {
                 (Ok(_), Some(_), false) => m.micro = true,
                 (Err(Error::NoActiveStep), None, _) => {}
                 (Err(Error::MicroStepActive { .. }), Some(_), true) => {}
@@ -157,7 +157,7 @@ impl Harness {
             },
             Op::EndMicro => {
                 // SAFETY: nothing uses the released pointers on the device.
-                match (unsafe { self.rt.end_micro_step_raw() }, m.step, m.micro) {
+                match (unsafe { self.rt.raw().end_micro_step() }, m.step, m.micro) {
                     (Ok(report), Some(index), true) => {
                         let expected = m.release(&[Scope::MicroStep], &self.phases, index);
                         prop_assert_eq!(report.released, expected);
@@ -172,7 +172,7 @@ impl Harness {
             Op::Alloc { phase, stream, size } => {
                 let (handle, scope) = self.phases[phase];
                 // SAFETY: the pointer is only freed or checked through the runtime.
-                let result = unsafe { self.rt.alloc_raw(handle, size, &self.streams[stream]) };
+                let result = unsafe { self.rt.raw().alloc(handle, size, &self.streams[stream]) };
                 let expected_ok = size > 0
                     && match scope {
                         Scope::Persistent => true,
@@ -197,10 +197,10 @@ impl Harness {
                 }
                 let ptr = *m.live.keys().nth(pick % m.live.len()).unwrap();
                 // SAFETY: a live raw allocation; nothing uses it on the device.
-                unsafe { self.rt.free_raw(ptr) }.map_err(|e| TestCaseError::fail(e.to_string()))?;
+                unsafe { self.rt.raw().free(ptr) }.map_err(|e| TestCaseError::fail(e.to_string()))?;
                 m.live.remove(&ptr);
                 // SAFETY: as above; the runtime refuses the second free.
-                let again = unsafe { self.rt.free_raw(ptr) };
+                let again = unsafe { self.rt.raw().free(ptr) };
                 let expected_step = m.released.get(&ptr).map(|&(_, step)| step);
                 match (again, expected_step) {
                     (Err(Error::UnknownPointer { .. }), None) => {}
@@ -220,11 +220,11 @@ impl Harness {
                 }
                 let (ptr, step) = candidates[pick % candidates.len()];
                 // SAFETY: the runtime refuses the pointer.
-                match unsafe { self.rt.free_raw(ptr) } {
+                match unsafe { self.rt.raw().free(ptr) } {
                     Err(Error::UseAfterRelease { ptr: p, step: s, .. }) => prop_assert_eq!((p, s), (ptr, step)),
                     other => prop_assert!(false, "free of a released pointer: {:?}", other),
                 }
-                match self.rt.check_range(ptr, 1) {
+                match self.rt.raw().check_range(ptr, 1) {
                     Err(Error::UseAfterRelease { step: s, .. }) => prop_assert_eq!(s, step),
                     other => prop_assert!(false, "check of a released pointer: {:?}", other),
                 }
@@ -245,7 +245,7 @@ impl Harness {
                 }
                 let ptr = *m.live.keys().nth(pick % m.live.len()).unwrap();
                 // SAFETY: a live raw allocation; the stream outlives its release.
-                unsafe { self.rt.record_use_raw(ptr, &self.streams[stream]) }.unwrap();
+                unsafe { self.rt.raw().record_use(ptr, &self.streams[stream]) }.unwrap();
             }
         }
         self.check()
@@ -260,11 +260,11 @@ impl Harness {
             *expected.entry((self.streams[*stream].id(), Phase::WEIGHTS)).or_default() += buffer.len();
         }
         for stats in self.rt.stats().unwrap() {
-            let want = expected.get(&(stats.stream, stats.phase)).copied().unwrap_or(0);
-            prop_assert_eq!(stats.used, want, "live bytes of {} on stream {}", stats.phase_name, stats.stream);
+            let want = expected.get(&(stats.pool.stream, stats.pool.phase)).copied().unwrap_or(0);
+            prop_assert_eq!(stats.used, want, "live bytes of {} on stream {}", stats.phase_name, stats.pool.stream);
         }
         for (&ptr, live) in &self.model.live {
-            prop_assert!(self.rt.check_range(ptr, live.size).is_ok(), "{:#x} should be live", ptr);
+            prop_assert!(self.rt.raw().check_range(ptr, live.size).is_ok(), "{:#x} should be live", ptr);
         }
         Ok(())
     }
@@ -286,7 +286,7 @@ proptest! {
         let persistent: Vec<CUdeviceptr> = harness.model.live.keys().copied().collect();
         for ptr in persistent {
             // SAFETY: a live raw allocation; nothing uses it.
-            unsafe { harness.rt.free_raw(ptr) }.unwrap();
+            unsafe { harness.rt.raw().free(ptr) }.unwrap();
             harness.model.live.remove(&ptr);
         }
         harness.held.clear();

@@ -82,7 +82,7 @@ fn churn<'a>(
         if rng.below(5) == 0 && phase != Phase::WORKSPACE {
             // A raw allocation, released by the boundary of its scope.
             // SAFETY: nothing uses the pointer; the boundary releases it.
-            let ptr = unsafe { rt.alloc_raw(phase, size, stream) }.unwrap();
+            let ptr = unsafe { rt.raw().alloc(phase, size, stream) }.unwrap();
             live.insert(ptr, size);
             raw.lock().unwrap().push((ptr, phase));
             continue;

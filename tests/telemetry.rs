@@ -19,14 +19,14 @@ const MIB: u64 = 1 << 20;
 
 fn only(rules: WarningRules) -> Runtime {
     let runtime = simulated_runtime(1 << 30);
-    runtime.set_warning_rules(rules);
+    runtime.telemetry().set_warning_rules(rules);
     runtime
 }
 
 fn collect(runtime: &Runtime) -> Arc<Mutex<Vec<Warning>>> {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink = seen.clone();
-    runtime.on_warning(move |warning| sink.lock().unwrap().push(warning.clone()));
+    runtime.telemetry().on_warning(move |warning| sink.lock().unwrap().push(warning.clone()));
     seen
 }
 
@@ -47,10 +47,10 @@ fn counters_add_up_per_pool_phase_stream_and_device() {
         step.end().unwrap();
     }
     drop(more);
-    let metrics = runtime.metrics().unwrap();
+    let metrics = runtime.telemetry().metrics().unwrap();
     assert_eq!(metrics.steps, 3);
     let pool = |phase: Phase, stream: u32| {
-        metrics.pools.iter().find(|p| p.phase == phase && p.stream == stream).unwrap().usage
+        metrics.pools.iter().find(|p| p.pool.phase == phase && p.pool.stream == stream).unwrap().usage
     };
     let (sa, sb) = (a.id(), b.id());
     assert_eq!(pool(Phase::WEIGHTS, sa).used, 10 * MIB);
@@ -76,7 +76,7 @@ fn counters_add_up_per_pool_phase_stream_and_device() {
     assert_eq!(metrics.devices[0].total, 4 << 30);
     // A stream's pools go with it; their counts stay, so counters never go back.
     drop((weights, a, b));
-    let after = runtime.metrics().unwrap();
+    let after = runtime.telemetry().metrics().unwrap();
     assert!(after.pools.iter().all(|p| p.retired));
     assert_eq!(after.total().allocations, 8);
     assert_eq!(after.total().requested_bytes, total.requested_bytes);
@@ -100,7 +100,7 @@ fn failures_recoveries_and_ooms_are_counted() {
     let big = runtime.alloc(Phase::WEIGHTS, 200 * MIB, &stream).unwrap();
     let failed = runtime.alloc(Phase::WEIGHTS, 200 * MIB, &stream);
     assert!(matches!(failed, Err(Error::OutOfMemory(_))));
-    let metrics = runtime.metrics().unwrap();
+    let metrics = runtime.telemetry().metrics().unwrap();
     let usage = |name: &str| metrics.pools.iter().find(|p| p.phase_name == name).unwrap().usage;
     assert_eq!(usage("capped").failures, 1);
     assert_eq!(usage("weights").oom_recoveries, 1);
@@ -127,18 +127,19 @@ fn step_reports_know_the_free_space_where_the_layout_is_known() {
     drop(gone);
     // Mid-step: the activations pool has a 6 MiB hole between live buffers.
     let stats = runtime.stats().unwrap();
-    let activations = stats.iter().find(|p| p.phase == Phase::ACTIVATIONS).unwrap();
-    let space = activations.free_space.expect("the simulated device publishes its layout");
-    assert!(space.largest_free >= 6 * MIB && space.total_free >= 6 * MIB, "{space:?}");
-    let arena_space = stats.iter().find(|p| p.phase == arena).unwrap().free_space.unwrap();
+    let activations = stats.iter().find(|p| p.pool.phase == Phase::ACTIVATIONS).unwrap();
+    // A Direct pool's layout is the CUDA pool's, which no driver publishes: absent on the
+    // simulated device too.
+    assert_eq!(activations.free_space, None);
+    let arena_space = stats.iter().find(|p| p.pool.phase == arena).unwrap().free_space.unwrap();
     assert_eq!(arena_space.largest_free, 11 * MIB);
     assert_eq!(arena_space.fragmentation(), 0.0);
     drop((keep, scratch, tail));
     let report = step.end().unwrap();
     let phase = report.phase(Phase::ACTIVATIONS).unwrap();
     assert_eq!(phase.peak_used, 18 * MIB);
-    assert!(phase.free_space.is_some());
-    let pool = report.pools.iter().find(|p| p.phase == Phase::ACTIVATIONS).unwrap();
+    assert_eq!(phase.free_space, None, "the layout of a Direct pool is not known");
+    let pool = report.pools.iter().find(|p| p.pool.phase == Phase::ACTIVATIONS).unwrap();
     assert_eq!(pool.largest_request, 6 * MIB);
     let text = report.to_string();
     assert!(text.contains("largest free") && text.contains("free frag"), "{text}");
@@ -197,9 +198,12 @@ fn fragmentation_fires_once_per_episode_after_k_steps_beyond_the_window() {
         }
         other => panic!("unexpected {other:?}"),
     }
-    assert_eq!(seen[0].rule(), "fragmentation");
+    assert_eq!(seen[0].rule(), steppool::WarningRule::Fragmentation);
     assert!(seen[0].to_string().contains("fragmentation of `kept` above 50% for 2 steps"), "{}", seen[0]);
-    assert_eq!(runtime.metrics().unwrap().warnings, [("fragmentation", 2)]);
+    assert_eq!(
+        runtime.telemetry().metrics().unwrap().warnings,
+        [steppool::telemetry::WarningCount { rule: steppool::WarningRule::Fragmentation, fired: 2 }]
+    );
 }
 
 #[test]
@@ -228,12 +232,14 @@ fn fragmentation_stays_silent_on_steady_steps_and_small_waste() {
 fn scattered(spare: u64) -> (Runtime, Vec<Warning>) {
     let capacity = 128 * MIB;
     let runtime = simulated_runtime(capacity);
-    runtime.set_warning_rules(WarningRules {
+    runtime.telemetry().set_warning_rules(WarningRules {
         scattered_free: Some(ScatteredFreeRule { window: 4 }),
         ..WarningRules::none()
     });
     let stream = runtime.device(0).unwrap().create_stream().unwrap();
-    let phase = runtime.declare_phase(PhaseSpec::new("cache", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    // An arena of 1 MiB slabs: each 4 MiB piece is a slab of its own, whose layout the arena knows.
+    let cache = PhaseSpec::new("cache", Scope::Persistent).strategy(Strategy::Arena { slab_bytes: MIB });
+    let phase = runtime.declare_phase(cache.release_threshold(u64::MAX)).unwrap();
     let step = runtime.begin_step().unwrap();
     drop(runtime.alloc(phase, 8 * MIB, &stream).unwrap());
     let mut warnings = step.end().unwrap().warnings;
@@ -311,7 +317,9 @@ fn reserved_creep_is_silent_when_use_grows_with_it() {
         }),
         ..WarningRules::none()
     });
-    let phase = runtime.declare_phase(PhaseSpec::new("cache", Scope::Persistent).release_threshold(u64::MAX)).unwrap();
+    // An arena of 1 MiB slabs: each 4 MiB piece is a slab of its own, whose layout the arena knows.
+    let cache = PhaseSpec::new("cache", Scope::Persistent).strategy(Strategy::Arena { slab_bytes: MIB });
+    let phase = runtime.declare_phase(cache.release_threshold(u64::MAX)).unwrap();
     let stream = runtime.device(0).unwrap().create_stream().unwrap();
     let mut kept = Vec::new();
     for _ in 0..6 {
@@ -323,7 +331,7 @@ fn reserved_creep_is_silent_when_use_grows_with_it() {
 
 fn headroom_run(demand: u64) -> Vec<Warning> {
     let runtime = simulated_runtime(1 << 30);
-    runtime.set_warning_rules(WarningRules {
+    runtime.telemetry().set_warning_rules(WarningRules {
         low_headroom: Some(LowHeadroomRule { window: 4, margin: 0.1 }),
         ..WarningRules::none()
     });
@@ -424,9 +432,9 @@ fn oom_reports_say_fragmentation_or_demand_with_the_numbers() {
     let Err(Error::OutOfMemory(report)) = runtime.alloc(Phase::WEIGHTS, 8 * MIB, &stream) else { panic!() };
     assert_eq!(report.verdict, Verdict::Fragmentation, "{report}");
     assert_eq!(report.step, None);
-    assert_eq!(report.pools[0].largest_free, Some(4 * MIB));
+    assert_eq!(report.pools[0].largest_free, None, "a Direct pool does not know its CUDA pool's layout");
     let text = report.to_string();
-    assert!(text.contains("verdict: fragmentation") && text.contains("largest free"), "{text}");
+    assert!(text.contains("verdict: fragmentation"), "{text}");
     assert_eq!(oom_json(&report)["verdict"], "fragmentation");
     drop(kept);
 }
@@ -469,7 +477,7 @@ fn busy_runtime() -> (Runtime, Vec<steppool::StepReport>, [steppool::Stream; 2])
 #[test]
 fn prometheus_text_parses_with_conventional_names_and_labels() {
     let (runtime, _, _streams) = busy_runtime();
-    let metrics = runtime.metrics().unwrap();
+    let metrics = runtime.telemetry().metrics().unwrap();
     let text = metrics.to_prometheus();
     let lines = text.lines().map(|line| Ok(line.to_owned()));
     let scrape = prometheus_parse::Scrape::parse(lines).expect("valid exposition text");
@@ -487,21 +495,21 @@ fn prometheus_text_parses_with_conventional_names_and_labels() {
             ref other => panic!("{other:?}"),
         }
     };
-    let activations = metrics.pools.iter().find(|p| p.phase == Phase::ACTIVATIONS).unwrap();
-    let stream = activations.stream.to_string();
+    let activations = metrics.pools.iter().find(|p| p.pool.phase == Phase::ACTIVATIONS).unwrap();
+    let stream = activations.pool.stream.to_string();
     let labels = [("device", "0"), ("stream", stream.as_str()), ("phase", "activations")];
     assert_eq!(sample("steppool_allocations_total", &labels), 3.0);
     assert_eq!(sample("steppool_requested_bytes_total", &labels), (144 * MIB) as f64);
     assert_eq!(sample("steppool_reserved_bytes", &labels), activations.usage.reserved as f64);
     assert_eq!(sample("steppool_used_high_bytes", &labels), (96 * MIB) as f64);
     let odd = metrics.pools.iter().find(|p| p.phase_name.starts_with("odd")).unwrap();
-    let odd_stream = odd.stream.to_string();
+    let odd_stream = odd.pool.stream.to_string();
     let odd_labels = [("phase", "odd phase"), ("stream", odd_stream.as_str())];
     assert_eq!(sample("steppool_released_bytes_total", &odd_labels), (2 * MIB) as f64);
     assert_eq!(sample("steppool_frees_total", &odd_labels), 5.0);
     assert_eq!(sample("steppool_steps_total", &[]), 3.0);
     assert_eq!(sample("steppool_device_total_bytes", &[("device", "0")]), (2u64 << 30) as f64);
-    assert_eq!(sample("steppool_warnings_total", &[("rule", "fragmentation")]), metrics.warnings[0].1 as f64);
+    assert_eq!(sample("steppool_warnings_total", &[("rule", "fragmentation")]), metrics.warnings[0].fired as f64);
     assert!(sample("steppool_fragmentation_ratio", &[("phase", "activations")]) >= 0.0);
     // Every family says its type; counters end in _total.
     for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
@@ -515,7 +523,7 @@ fn prometheus_text_parses_with_conventional_names_and_labels() {
 #[test]
 fn the_http_endpoint_serves_metrics_and_stops_when_dropped() {
     let (runtime, _, _streams) = busy_runtime();
-    let server = runtime.serve_metrics("127.0.0.1:0").unwrap();
+    let server = runtime.telemetry().serve_metrics("127.0.0.1:0").unwrap();
     let get = |path: &str| -> String {
         let mut stream = TcpStream::connect(server.addr()).unwrap();
         write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
@@ -556,7 +564,7 @@ fn json_lines_write_one_object_per_report_and_warning() {
     let activations = first["phases"].as_array().unwrap().iter().find(|p| p["phase"] == "activations").unwrap();
     assert_eq!(activations["peak_used_bytes"], 96 * MIB);
     assert_eq!(activations["scope"], "step");
-    assert_eq!(activations["strategy"], "pool");
+    assert_eq!(activations["strategy"], "direct");
     assert_eq!(steps[1]["released_bytes"], 2 * MIB);
     assert_eq!(step_json(&reports[2])["step"], 2);
 }
@@ -603,7 +611,7 @@ fn the_memory_snapshot_has_pytorchs_layout() {
     let stream = runtime.device(0).unwrap().create_stream().unwrap();
     let live = runtime.alloc(Phase::OPTIMIZER_STATE, 5 * MIB + 100, &stream).unwrap();
     let mut bytes = Vec::new();
-    runtime.history().write_memory_snapshot(&mut bytes).unwrap();
+    runtime.telemetry().history().write_memory_snapshot(&mut bytes).unwrap();
     let snapshot = serde_pickle::value_from_slice(&bytes, DeOptions::new()).expect("a valid pickle");
     let top = dict(&snapshot);
     assert!(top.contains_key("allocator_settings"));
@@ -665,7 +673,7 @@ fn the_memory_snapshot_has_pytorchs_layout() {
 fn the_trace_file_lists_every_allocation_free_and_boundary() {
     let (runtime, _, _streams) = busy_runtime();
     let mut bytes = Vec::new();
-    runtime.history().write_trace(&mut bytes).unwrap();
+    runtime.telemetry().history().write_trace(&mut bytes).unwrap();
     let lines: Vec<serde_json::Value> =
         String::from_utf8(bytes).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let header = &lines[0];
@@ -706,7 +714,7 @@ fn the_trace_file_lists_every_allocation_free_and_boundary() {
 #[test]
 fn the_timeline_is_an_svg_with_every_phase_step_and_warning() {
     let (runtime, reports, _streams) = busy_runtime();
-    let svg = runtime.history().timeline_svg("a <test> run");
+    let svg = runtime.telemetry().history().timeline_svg("a <test> run");
     let document = roxmltree::Document::parse(&svg).expect("well-formed SVG");
     let root = document.root_element();
     assert_eq!(root.tag_name().name(), "svg");
@@ -734,13 +742,13 @@ fn recording_is_bounded_and_says_what_it_dropped() {
     for _ in 0..20 {
         drop(runtime.alloc(Phase::WEIGHTS, MIB, &stream).unwrap());
     }
-    let history = runtime.history();
+    let history = runtime.telemetry().history();
     assert_eq!(history.events.len(), 10);
     assert!(history.dropped > 0);
-    runtime.stop_recording();
-    assert!(!runtime.is_recording());
+    runtime.telemetry().stop_recording();
+    assert!(!runtime.telemetry().is_recording());
     drop(runtime.alloc(Phase::WEIGHTS, MIB, &stream).unwrap());
-    assert_eq!(runtime.history().events, history.events);
+    assert_eq!(runtime.telemetry().history().events, history.events);
 }
 
 /// Walks a snapshot's events backwards from its final state, as memory_viz's "Allocator State
@@ -796,7 +804,7 @@ fn check_viewer_consistency(bytes: &[u8]) {
 fn the_snapshot_replays_backwards_in_the_viewer_without_a_block_outside_its_segment() {
     let (runtime, _, _streams) = busy_runtime();
     let mut bytes = Vec::new();
-    runtime.history().write_memory_snapshot(&mut bytes).unwrap();
+    runtime.telemetry().history().write_memory_snapshot(&mut bytes).unwrap();
     check_viewer_consistency(&bytes);
 }
 
@@ -813,7 +821,7 @@ fn a_snapshot_started_after_warm_up_or_cut_short_still_loads_consistently() {
         let step = runtime.begin_step().unwrap();
         drop(step.alloc(arena, MIB, &stream).unwrap());
         step.end().unwrap();
-        runtime.start_recording(bound);
+        runtime.telemetry().start_recording(bound);
         for _ in 0..4 {
             let step = runtime.begin_step().unwrap();
             let a = step.alloc(arena, 2 * MIB, &stream).unwrap();
@@ -824,7 +832,7 @@ fn a_snapshot_started_after_warm_up_or_cut_short_still_loads_consistently() {
             step.end().unwrap();
         }
         let mut bytes = Vec::new();
-        runtime.history().write_memory_snapshot(&mut bytes).unwrap();
+        runtime.telemetry().history().write_memory_snapshot(&mut bytes).unwrap();
         check_viewer_consistency(&bytes);
         drop(weights);
     }

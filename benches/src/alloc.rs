@@ -112,7 +112,7 @@ impl Kind {
             Kind::DefaultPoolT0 => Box::new(DriverPool::default_pool(0, "default_pool_t0")?),
             Kind::DefaultPool => Box::new(DriverPool::default_pool(u64::MAX, "default_pool")?),
             Kind::DriverPool => Box::new(DriverPool::own()?),
-            Kind::SteppoolPool => Box::new(Steppool::new(Strategy::Pool, "steppool_pool")?),
+            Kind::SteppoolPool => Box::new(Steppool::new(Strategy::Direct, "steppool_pool")?),
             Kind::SteppoolArena => Box::new(Steppool::new(Strategy::ARENA, "steppool_arena")?),
             Kind::SteppoolPlanned => Box::new(Steppool::new(Strategy::PLANNED, "steppool_planned")?),
         })
@@ -293,7 +293,7 @@ impl Steppool {
         let base = Base::new()?;
         let persistent = base.runtime.declare_phase(PhaseSpec::new("bench_persistent", Scope::Persistent))?;
         let step = base.runtime.declare_phase(PhaseSpec::new("bench_step", Scope::Step).strategy(strategy))?;
-        base.runtime.begin_step_raw()?;
+        base.runtime.raw().begin_step()?;
         Ok(Self { base, persistent, step, name })
     }
 
@@ -323,12 +323,12 @@ impl Allocator for Steppool {
         };
         // SAFETY: the replay uses the memory only in this stream's order, and not after it frees
         // it or (for step-lifetime allocations) after the step ends; the stream outlives it.
-        Ok(unsafe { self.base.runtime.alloc_raw(phase, bytes, &self.base.stream) }?)
+        Ok(unsafe { self.base.runtime.raw().alloc(phase, bytes, &self.base.stream) }?)
     }
 
     fn free(&mut self, _id: u32, ptr: CUdeviceptr) -> Result<()> {
         // SAFETY: the caller enqueues no work after this that uses the memory.
-        unsafe { self.base.runtime.free_raw(ptr) }?;
+        unsafe { self.base.runtime.raw().free(ptr) }?;
         Ok(())
     }
 
@@ -336,8 +336,8 @@ impl Allocator for Steppool {
         self.base.synchronize()?;
         // SAFETY: the replay frees every step-lifetime allocation within its step and uses no
         // released pointer afterwards.
-        let report = unsafe { self.base.runtime.end_step_raw() }?;
-        self.base.runtime.begin_step_raw()?;
+        let report = unsafe { self.base.runtime.raw().end_step() }?;
+        self.base.runtime.raw().begin_step()?;
         Ok(Some(StepTimes::from(&report)))
     }
 
@@ -352,7 +352,7 @@ impl Drop for Steppool {
     fn drop(&mut self) {
         if self.base.runtime.active_step().is_some() {
             // SAFETY: nothing is used after the allocator goes.
-            let _ = unsafe { self.base.runtime.end_step_raw() };
+            let _ = unsafe { self.base.runtime.raw().end_step() };
         }
     }
 }

@@ -404,7 +404,7 @@ pub fn run(
                 // SAFETY: the simulated device never backs its pointers with memory and the replay
                 // launches no work, so no memory is ever used, before or after its release.
                 let result =
-                    unsafe { runtime.alloc_raw(phase, allocation.bytes, &streams[usize::from(allocation.stream)]) };
+                    unsafe { runtime.raw().alloc(phase, allocation.bytes, &streams[usize::from(allocation.stream)]) };
                 match result {
                     Ok(ptr) => pointers[id as usize] = ptr,
                     Err(error @ (Error::OutOfMemory(_) | Error::ExceedsDevice { .. })) => {
@@ -433,15 +433,15 @@ pub fn run(
                 live -= allocation.bytes;
                 if !allocation.released_at_boundary || persistent[usize::from(allocation.phase)] {
                     // SAFETY: as for the allocation: nothing uses simulated memory.
-                    unsafe { runtime.free_raw(pointers[id as usize]) }.map_err(|e| at(event, e))?;
+                    unsafe { runtime.raw().free(pointers[id as usize]) }.map_err(|e| at(event, e))?;
                 }
                 timeline.record(event, live, total_reserved);
             }
             Op::BeginStep => {
-                runtime.begin_step_raw().map_err(|e| at(event, e))?;
+                runtime.raw().begin_step().map_err(|e| at(event, e))?;
             }
             Op::BeginMicro => {
-                runtime.begin_micro_step_raw().map_err(|e| at(event, e))?;
+                runtime.raw().begin_micro_step().map_err(|e| at(event, e))?;
             }
             Op::EndStep | Op::EndMicro => {
                 if op == Op::EndStep {
@@ -455,9 +455,9 @@ pub fn run(
                 // SAFETY: as for the allocations: nothing uses simulated memory.
                 let ended = unsafe {
                     if op == Op::EndStep {
-                        runtime.end_step_raw().map(drop)
+                        runtime.raw().end_step().map(drop)
                     } else {
-                        runtime.end_micro_step_raw().map(drop)
+                        runtime.raw().end_micro_step().map(drop)
                     }
                 };
                 ended.map_err(|e| at(event, e))?;

@@ -33,13 +33,13 @@ fn record() -> (Vec<u8>, u64) {
         }
         // A raw allocation left for the boundary to release.
         // SAFETY: never used; the step's end releases it.
-        unsafe { runtime.alloc_raw(Phase::ACTIVATIONS, 7 * MIB, &stream) }.unwrap();
+        unsafe { runtime.raw().alloc(Phase::ACTIVATIONS, 7 * MIB, &stream) }.unwrap();
         drop(grads);
         step.end().unwrap();
     }
     drop(weights);
     let mut bytes = Vec::new();
-    runtime.history().write_trace(&mut bytes).unwrap();
+    runtime.telemetry().history().write_trace(&mut bytes).unwrap();
     (bytes, peak)
 }
 

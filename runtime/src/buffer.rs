@@ -9,7 +9,8 @@ use steppool_sys::CUdeviceptr;
 use crate::error::Result;
 use crate::phase::Phase;
 use crate::pool::PhasePool;
-use crate::stream::{Stream, StreamCore};
+use crate::stream::Stream;
+use crate::stream_core::StreamCore;
 
 /// A device allocation of one phase on one stream.
 ///
@@ -80,7 +81,7 @@ impl Buffer<'_> {
         let core = &stream.core;
         if core.id != self.pool.stream.id && !self.uses.iter().any(|used| used.id == core.id) {
             self.uses.push(core.clone());
-            self.pool.note_use(core);
+            self.pool.lock().note_use(core);
         }
     }
 
@@ -97,8 +98,7 @@ impl Buffer<'_> {
     /// [`Runtime::take_errors`](crate::Runtime::take_errors).
     pub fn free(mut self) -> Result<()> {
         self.freed = true;
-        let mut state = self.pool.lock();
-        self.pool.free(&mut state, self.ptr, self.bytes, &self.uses)
+        self.pool.lock().free(self.ptr, self.bytes, &self.uses)
     }
 }
 

@@ -1,11 +1,14 @@
 //! Errors of the runtime, and the out-of-memory report that explains an OOM.
 
 use std::fmt;
+use std::sync::{Mutex, PoisonError};
 
 use steppool_sys::bytes::Bytes;
 use steppool_sys::{CUdeviceptr, DriverError, LoadError};
 
-use crate::phase::Scope;
+use crate::phase::{InvalidPhaseSpec, Scope};
+use crate::report::PoolId;
+use crate::warning::WarningRule;
 
 /// What went wrong. Every variant carries the numbers a user needs to act on it.
 #[derive(Debug, thiserror::Error)]
@@ -126,7 +129,7 @@ pub enum Error {
     #[error("a warning callback panicked while handling a `{rule}` warning")]
     CallbackPanicked {
         /// The rule of the warning it was handling.
-        rule: &'static str,
+        rule: WarningRule,
     },
     /// A device ordinal the driver does not have.
     #[error("device {ordinal} does not exist: the driver has {count} device(s)")]
@@ -185,10 +188,23 @@ pub enum Error {
     },
 }
 
+impl From<InvalidPhaseSpec> for Error {
+    fn from(InvalidPhaseSpec { phase, reason }: InvalidPhaseSpec) -> Self {
+        Error::InvalidPhaseSpec { phase, reason }
+    }
+}
+
 impl Error {
-    /// Whether this is an out-of-memory error (after recovery was tried).
+    /// Whether the device had no memory for the request, as
+    /// [`DriverError::is_out_of_memory`] means it: after the runtime's recovery
+    /// ([`Error::OutOfMemory`], with its [report](Error::oom_report)), or straight from the
+    /// driver where no recovery applies.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, Error::OutOfMemory(_))
+        match self {
+            Error::OutOfMemory(_) => true,
+            Error::Driver(error) => error.is_out_of_memory(),
+            _ => false,
+        }
     }
 
     /// The report of an out-of-memory error.
@@ -225,16 +241,16 @@ impl fmt::Display for Verdict {
 /// One pool in an [`OomReport`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolUsage {
-    /// The phase.
+    /// Which pool.
+    pub pool: PoolId,
+    /// The phase's name.
     pub phase: String,
-    /// The stream's id in the runtime.
-    pub stream: u32,
     /// Bytes the pool holds from the device.
     pub reserved: u64,
     /// Bytes of live allocations in it, as requested.
     pub used: u64,
-    /// The largest free piece inside what it holds, where steppool knows the layout (arenas,
-    /// the simulated device).
+    /// The largest free piece inside what it holds, where its strategy knows the layout (arenas,
+    /// planned slabs).
     pub largest_free: Option<u64>,
 }
 
@@ -244,12 +260,10 @@ pub struct PoolUsage {
 pub struct OomReport {
     /// Bytes requested.
     pub requested: u64,
-    /// The phase.
+    /// The pool that could not serve it.
+    pub pool: PoolId,
+    /// Its phase's name.
     pub phase: String,
-    /// The stream's id in the runtime.
-    pub stream: u32,
-    /// The device ordinal.
-    pub device: usize,
     /// Free device memory, as `cuMemGetInfo` reports it.
     pub device_free: u64,
     /// The device's memory.
@@ -283,8 +297,8 @@ impl fmt::Display for OomReport {
             "out of memory: {} requested in phase `{}` on stream {} of device {}",
             Bytes(self.requested),
             self.phase,
-            self.stream,
-            self.device
+            self.pool.stream,
+            self.pool.device
         )?;
         match self.step {
             Some(step) => writeln!(f, " in step {step}")?,
@@ -308,7 +322,7 @@ impl fmt::Display for OomReport {
                 f,
                 "  {:<20} {:>6} {:>12} {:>12} {:>12} {:>12}",
                 pool.phase,
-                pool.stream,
+                pool.pool.stream,
                 Bytes(pool.reserved).to_string(),
                 Bytes(pool.used).to_string(),
                 Bytes(pool.reserved.saturating_sub(pool.used)).to_string(),
@@ -331,12 +345,41 @@ impl fmt::Display for OomReport {
     }
 }
 
+/// Errors raised where they cannot be returned (in `Drop`), kept for
+/// [`Runtime::take_errors`](crate::Runtime::take_errors).
+#[derive(Debug, Default)]
+pub(crate) struct ErrorSink(Mutex<Vec<Error>>);
+
+impl ErrorSink {
+    /// Keeps `error` for later.
+    pub(crate) fn record(&self, error: Error) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).push(error);
+    }
+
+    /// How many are kept.
+    pub(crate) fn len(&self) -> usize {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Every error kept, oldest first; the sink is empty after.
+    pub(crate) fn take(&self) -> Vec<Error> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::phase::Phase;
 
     fn usage(reserved: u64, used: u64) -> PoolUsage {
-        PoolUsage { phase: "activations".into(), stream: 1, reserved, used, largest_free: None }
+        PoolUsage {
+            pool: PoolId { device: 0, stream: 1, phase: Phase::ACTIVATIONS },
+            phase: "activations".into(),
+            reserved,
+            used,
+            largest_free: None,
+        }
     }
 
     #[test]
@@ -351,8 +394,7 @@ mod tests {
         let report = OomReport {
             requested: 3 << 30,
             phase: "activations".into(),
-            stream: 2,
-            device: 0,
+            pool: PoolId { device: 0, stream: 2, phase: Phase::ACTIVATIONS },
             step: Some(4),
             device_free: 1 << 30,
             device_total: 80 << 30,

@@ -51,28 +51,54 @@
 //! What it leaves to the caller: the order of work on streams (a buffer's memory is valid for
 //! work in its stream's order), and, with the raw API, the lifetime of pointers.
 
-mod buffer;
-mod device;
+// Layers, each importing only from the ones above it in this list (`tests/tidy.rs` fails on a
+// loop):
+//
+// 1. plain types: what a phase is, errors, reports, warnings.
 mod error;
 mod phase;
-mod pool;
-pub mod raw;
 mod report;
+mod warning;
+// 2. telemetry: counters, the history recorder, the warning rules and the exporters, all over
+//    plain types.
+pub mod telemetry;
+// 3. machinery: devices and streams as the runtime holds them, the memory a pool takes from the
+//    device, the strategies (unit-tested against a fake source), and the phase pool.
+mod device_core;
+mod pool;
+mod source;
+mod strategy;
+mod stream_core;
+// 4. runtime state: the registry, boundary control, the raw-pointer table, the telemetry hub,
+//    and the runtime that holds them (the allocation path, the boundaries).
+mod control;
+mod hub;
+mod inner;
+mod raw_table;
+mod registry;
+// 5. public handles.
+mod buffer;
+mod device;
+pub mod raw;
 mod runtime;
 mod step;
-mod strategy;
 mod stream;
-pub mod telemetry;
+mod telemetry_handle;
 
 pub use buffer::Buffer;
 pub use device::Device;
 pub use error::{Error, OomReport, PoolUsage, Result, Verdict};
-pub use phase::{MAX_PHASES, Phase, PhaseSpec, Scope, Strategy, TrimPolicy};
-pub use report::{MicroStepReport, PhaseReport, PoolStats, StepReport, fragmentation_ratio};
+pub use phase::{InvalidPhaseSpec, MAX_PHASES, Phase, PhaseSpec, Scope, Strategy, TrimPolicy};
+pub use raw::RawApi;
+pub use report::{
+    FreeSpace, MicroStepReport, PhaseReport, PlanKey, PlanStats, PlanSummary, PoolId, PoolStats, StepReport,
+    fragmentation_ratio,
+};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use step::{MicroStep, Step};
-pub use strategy::{FreeSpace, PlanKey, PlanStats, PlanSummary};
 pub use stream::{Event, Stream};
+pub use telemetry_handle::Telemetry;
+pub use warning::{Warning, WarningKind, WarningRule};
 
 /// The device layer steppool is built on: generated bindings, the loader and the simulated device.
 pub use steppool_sys as sys;

@@ -46,9 +46,9 @@ impl fmt::Display for Scope {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Strategy {
-    /// Every allocation comes from the phase's CUDA pool (`cuMemAllocFromPoolAsync`); a free
-    /// returns it in stream order, so memory is reused within the step.
-    Pool,
+    /// Every allocation comes straight from the phase's CUDA pool (`cuMemAllocFromPoolAsync`);
+    /// a free returns it in stream order, so memory is reused within the step.
+    Direct,
     /// Bump allocation, 512-byte aligned, in slabs taken from the phase's CUDA pool. A free does
     /// nothing, except in stack order: freeing the most recent allocation moves the bump pointer
     /// back, so scratch buffers allocated and freed in turn share memory. The boundary resets the
@@ -84,10 +84,10 @@ impl Strategy {
     /// Planned slabs keeping 8 plans, selected by the first 4 sizes of a scope.
     pub const PLANNED: Strategy = Strategy::Planned { max_plans: 8, signature_len: 4 };
 
-    /// `pool`, `arena` or `planned`.
+    /// `direct`, `arena` or `planned`.
     pub fn name(self) -> &'static str {
         match self {
-            Strategy::Pool => "pool",
+            Strategy::Direct => "direct",
             Strategy::Arena { .. } => "arena",
             Strategy::Planned { .. } => "planned",
         }
@@ -147,7 +147,7 @@ pub struct PhaseSpec {
 }
 
 impl PhaseSpec {
-    /// A phase with the [`Pool`](Strategy::Pool) strategy, the release threshold raised, no
+    /// A phase with the [`Pool`](Strategy::Direct) strategy, the release threshold raised, no
     /// budget, and a trim policy that suits its scope: [`TrimPolicy::Never`] for persistent
     /// phases, [`TrimPolicy::KeepRecentPeak`] over 8 boundaries for the others.
     pub fn new(name: impl Into<String>, scope: Scope) -> Self {
@@ -155,7 +155,7 @@ impl PhaseSpec {
             Scope::Persistent => TrimPolicy::Never,
             Scope::Step | Scope::MicroStep => TrimPolicy::KeepRecentPeak { steps: 8 },
         };
-        Self { name: name.into(), scope, strategy: Strategy::Pool, release_threshold: u64::MAX, trim, budget: None }
+        Self { name: name.into(), scope, strategy: Strategy::Direct, release_threshold: u64::MAX, trim, budget: None }
     }
 
     /// With this strategy.
@@ -184,8 +184,8 @@ impl PhaseSpec {
 
     /// Checks what a runtime relies on: a name, arena slabs of 512 bytes to 64 TiB, and planned
     /// phases that are step- or micro-step-scoped, with 1 to 1024 plans selected by 1 to 64 sizes.
-    pub fn validate(&self) -> Result<(), crate::Error> {
-        let invalid = |reason: String| Err(crate::Error::InvalidPhaseSpec { phase: self.name.clone(), reason });
+    pub fn validate(&self) -> Result<(), InvalidPhaseSpec> {
+        let invalid = |reason: String| Err(InvalidPhaseSpec { phase: self.name.clone(), reason });
         if self.name.is_empty() {
             return invalid("a phase needs a name".to_owned());
         }
@@ -212,6 +212,17 @@ impl PhaseSpec {
         }
         Ok(())
     }
+}
+
+/// A phase spec the runtime cannot serve (it becomes
+/// [`Error::InvalidPhaseSpec`](crate::Error::InvalidPhaseSpec) where the runtime is asked to use it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("phase `{phase}`: {reason}")]
+pub struct InvalidPhaseSpec {
+    /// The phase.
+    pub phase: String,
+    /// What is wrong.
+    pub reason: String,
 }
 
 /// The smallest and largest arena slab.
@@ -258,6 +269,9 @@ impl Phase {
         ]
     }
 }
+
+/// Alignment of every allocation a phase hands out.
+pub(crate) const ALIGNMENT: u64 = 512;
 
 /// The most phases one runtime can have, built-in ones included.
 pub const MAX_PHASES: usize = 64;

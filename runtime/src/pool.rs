@@ -1,31 +1,29 @@
-//! Phase pools: the memory of one phase on one stream of one device, with its own CUDA pool.
+//! Phase pools: the memory of one phase on one stream of one device.
 //!
-//! A phase pool's state sits behind its own lock. Only the threads that allocate on its stream
-//! in its phase take that lock, so threads on their own streams never contend; a boundary takes
-//! the locks of the pools it releases.
+//! A [`PhasePool`] is its phase's spec, its stream, and its state behind its own lock: the
+//! strategy, the [`DeviceSource`] it takes memory from, the raw allocations, the counters. Only
+//! threads that allocate on its stream in its phase take that lock, so threads on their own
+//! streams never contend; a boundary takes the locks of the pools it releases. Everything that
+//! needs the state is a method of the [`PoolGuard`] that [`PhasePool::lock`] returns.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
-use steppool_sys::{CUdevice, CUdeviceptr, CUmemPool_attribute, PoolProps};
+use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
 
-use crate::device::read_write;
-use crate::error::{Error, Result};
-use crate::phase::{Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
-use crate::report::PoolStats;
-use crate::strategy::{Allocator, Backing, FreeSpace, Source, SourceState, allocator};
-use crate::stream::StreamCore;
-use crate::telemetry::{self, EventKind, PoolKey, PoolMetrics, Recorder, Retired, Usage, thread_number};
+use crate::error::{Error, ErrorSink, Result};
+use crate::phase::{MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
+use crate::report::{PoolId, PoolStats};
+use crate::source::DeviceSource;
+use crate::strategy::{Allocator, allocator};
+use crate::stream_core::StreamCore;
+use crate::telemetry::{self, EventKind, PoolMetrics, Recorder, Retired, Usage, thread_number};
 
-/// Errors raised where they cannot be returned (in `Drop`), kept for
-/// [`Runtime::take_errors`](crate::Runtime::take_errors).
-pub(crate) type ErrorSink = Mutex<Vec<Error>>;
-
-pub(crate) fn record(sink: &ErrorSink, error: Error) {
-    sink.lock().unwrap_or_else(PoisonError::into_inner).push(error);
-}
+/// The pools of one stream, by phase index.
+pub(crate) type PoolSlots = [OnceLock<Arc<PhasePool>>; MAX_PHASES];
 
 /// An allocation made through the raw API, which the boundary of its scope releases.
 #[derive(Debug)]
@@ -106,16 +104,25 @@ pub(crate) struct Released {
     pub(crate) error: Option<Error>,
 }
 
-pub(crate) struct PoolState {
+impl Released {
+    fn note(&mut self, result: Result<()>) {
+        if let Err(error) = result {
+            self.error.get_or_insert(error);
+        }
+    }
+}
+
+/// A pool's state, behind its lock.
+struct PoolState {
     allocator: Box<dyn Allocator>,
-    source: SourceState,
-    pub(crate) raw: HashMap<CUdeviceptr, RawAllocation>,
+    source: DeviceSource,
+    raw: HashMap<CUdeviceptr, RawAllocation>,
     /// Other streams that used this pool's buffers since the last boundary; the boundary makes
     /// the pool's stream wait for them before memory is reused (covers buffers leaked with
     /// `mem::forget`, whose memory an arena reclaims).
     cross_uses: Vec<Arc<StreamCore>>,
     counters: Counters,
-    /// Counters over the pool's life, for [`Runtime::metrics`](crate::Runtime::metrics).
+    /// Counters over the pool's life, for the runtime's metrics.
     totals: Usage,
     /// Allocation timing, sampled: reading a clock twice costs more than the rest of an arena
     /// allocation, so one call in [`TIMING_SAMPLE`], picked at random, is timed.
@@ -124,26 +131,21 @@ pub(crate) struct PoolState {
     recent: VecDeque<u64>,
 }
 
-impl fmt::Debug for PoolState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PoolState").field("allocator", &self.allocator).field("counters", &self.counters).finish()
-    }
-}
-
 /// The pool of one (device, stream, phase).
 pub(crate) struct PhasePool {
     pub(crate) entry: Arc<PhaseEntry>,
     pub(crate) stream: Arc<StreamCore>,
-    backing: Backing,
+    /// The CUDA pool, fixed at creation (`None` for the `cuMemAlloc` fallback): readable
+    /// without the lock.
+    handle: Option<CUmemoryPool>,
     state: Mutex<PoolState>,
     errors: Arc<ErrorSink>,
     recorder: Arc<Recorder>,
     retired: Arc<Retired>,
 }
 
-// SAFETY: the fields that are not Send + Sync by themselves are driver handles: the CUmemoryPool
-// inside `backing`, never mutated after creation, and the CUevents of the fallback's deferred
-// frees, behind the mutex. Driver handles may be used from any thread.
+// SAFETY: `handle` is a driver handle, never changed after creation, and driver handles may be
+// used from any thread; every other field is Send + Sync.
 unsafe impl Send for PhasePool {}
 // SAFETY: as above; mutable state sits behind the mutex.
 unsafe impl Sync for PhasePool {}
@@ -154,36 +156,29 @@ impl fmt::Debug for PhasePool {
     }
 }
 
+/// The runtime-wide sinks a pool reports to.
+#[derive(Clone, Debug)]
+pub(crate) struct PoolSinks {
+    pub(crate) errors: Arc<ErrorSink>,
+    pub(crate) recorder: Arc<Recorder>,
+    pub(crate) retired: Arc<Retired>,
+}
+
 impl PhasePool {
-    /// Creates the pool: a CUDA pool on the stream's device with the phase's release threshold
-    /// and the device's peers granted access, or the synchronous fallback.
+    /// Creates the pool: its source on the stream's device with the phase's release threshold and
+    /// `peers` granted access, and the phase's strategy.
     pub(crate) fn new(
         entry: Arc<PhaseEntry>,
         stream: Arc<StreamCore>,
-        errors: Arc<ErrorSink>,
-        recorder: Arc<Recorder>,
-        retired: Arc<Retired>,
+        peers: &[CUdevice],
+        sinks: PoolSinks,
     ) -> Result<Self> {
-        let device = &stream.device;
-        let backing = if device.pools_supported {
-            let driver = &device.driver;
-            let pool = driver.mem_pool_create(&PoolProps::device(device.device).build())?;
-            let backing = Backing::Pool(pool);
-            let threshold = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-            // SAFETY: the pool was just created.
-            let configured = unsafe { driver.mem_pool_set_attribute(pool, threshold, entry.spec.release_threshold) };
-            if let Err(error) = configured {
-                // SAFETY: the pool was just created and holds nothing.
-                let _ = unsafe { driver.mem_pool_destroy(pool) };
-                return Err(error.into());
-            }
-            backing
-        } else {
-            Backing::Synchronous
-        };
+        let id = PoolId { device: stream.device.ordinal, stream: stream.id, phase: entry.phase };
+        let source =
+            DeviceSource::new(stream.clone(), id, entry.spec.release_threshold, peers, sinks.recorder.clone())?;
         let state = PoolState {
             allocator: allocator(&entry),
-            source: SourceState::default(),
+            source,
             raw: HashMap::new(),
             cross_uses: Vec::new(),
             counters: Counters::default(),
@@ -191,9 +186,9 @@ impl PhasePool {
             timing: Timing::default(),
             recent: VecDeque::new(),
         };
-        let pool = Self { entry, stream, backing, state: Mutex::new(state), errors, recorder, retired };
-        pool.grant_access(&pool.stream.device.peers())?;
-        Ok(pool)
+        let handle = state.source.handle();
+        let PoolSinks { errors, recorder, retired } = sinks;
+        Ok(Self { entry, stream, handle, state: Mutex::new(state), errors, recorder, retired })
     }
 
     pub(crate) fn phase(&self) -> Phase {
@@ -213,64 +208,62 @@ impl PhasePool {
     }
 
     /// The CUDA pool, unless the device has none.
-    pub(crate) fn handle(&self) -> Option<steppool_sys::CUmemoryPool> {
-        match self.backing {
-            Backing::Pool(pool) => Some(pool),
-            Backing::Synchronous => None,
-        }
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
-        // Pool operations leave the state consistent between driver calls, so a poisoned lock
-        // (a panic elsewhere while it was held) still guards usable state.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn source<'a>(&'a self, state: &'a mut SourceState) -> Source<'a> {
-        Source { stream: &self.stream, backing: &self.backing, state, recorder: &self.recorder, key: self.key() }
+    pub(crate) fn handle(&self) -> Option<CUmemoryPool> {
+        self.handle
     }
 
     /// The pool's (device, stream, phase).
-    pub(crate) fn key(&self) -> PoolKey {
-        PoolKey { device: self.stream.device.ordinal, stream: self.stream.id, phase: self.entry.phase }
+    pub(crate) fn id(&self) -> PoolId {
+        PoolId { device: self.stream.device.ordinal, stream: self.stream.id, phase: self.entry.phase }
     }
 
-    /// Counts an allocation that succeeded after out-of-memory recovery, or one that failed
-    /// for lack of memory after it.
-    pub(crate) fn note_oom(&self, recovered: bool) {
-        let mut state = self.lock();
-        if recovered {
-            state.totals.oom_recoveries += 1;
-        } else {
-            state.totals.ooms += 1;
-            state.totals.failures += 1;
+    /// Takes the pool's lock.
+    pub(crate) fn lock(&self) -> PoolGuard<'_> {
+        // Pool operations leave the state consistent between driver calls, so a poisoned lock
+        // (a panic elsewhere while it was held) still guards usable state.
+        PoolGuard { pool: self, state: self.state.lock().unwrap_or_else(PoisonError::into_inner) }
+    }
+
+    /// Frees a buffer's allocation; an error goes to the runtime's sink (called from `Drop`).
+    pub(crate) fn free_or_record(&self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) {
+        if let Err(error) = self.lock().free(ptr, bytes, uses) {
+            self.errors.record(error);
         }
     }
+}
 
-    /// Grants `peers` read-write access to the pool's memory.
-    pub(crate) fn grant_access(&self, peers: &[CUdevice]) -> Result<()> {
-        if let (Backing::Pool(pool), false) = (&self.backing, peers.is_empty()) {
-            let access: Vec<_> = peers.iter().map(|&peer| read_write(peer)).collect();
-            // SAFETY: the pool is live while `self` is.
-            unsafe { self.stream.device.driver.mem_pool_set_access(*pool, &access) }?;
-        }
-        Ok(())
+/// A locked [`PhasePool`]: what may be done to the pool's state.
+pub(crate) struct PoolGuard<'a> {
+    pool: &'a PhasePool,
+    state: MutexGuard<'a, PoolState>,
+}
+
+impl Deref for PoolGuard<'_> {
+    type Target = PhasePool;
+
+    fn deref(&self) -> &PhasePool {
+        self.pool
     }
+}
 
+impl PoolGuard<'_> {
     /// Allocates `bytes`, charging the phase's budget. Does not recover from out-of-memory.
-    pub(crate) fn allocate(&self, state: &mut PoolState, bytes: u64) -> Result<CUdeviceptr> {
-        let spec = &self.entry.spec;
+    #[inline]
+    pub(crate) fn allocate(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+        let pool = self.pool;
+        let spec = &pool.entry.spec;
+        let state = self.state.deref_mut();
         if let Some(budget) = spec.budget {
-            let live = self.entry.live.fetch_add(bytes, Ordering::Relaxed);
+            let live = pool.entry.live.fetch_add(bytes, Ordering::Relaxed);
             if live + bytes > budget {
-                self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+                pool.entry.live.fetch_sub(bytes, Ordering::Relaxed);
                 state.totals.failures += 1;
                 return Err(Error::BudgetExceeded { phase: spec.name.clone(), budget, live, requested: bytes });
             }
         }
         let PoolState { allocator, source, counters, totals, timing, .. } = state;
         let started = timing.start();
-        let result = allocator.allocate(&mut self.source(source), bytes);
+        let result = allocator.allocate(source, bytes);
         timing.stop(started);
         match result {
             Ok(ptr) => {
@@ -282,16 +275,15 @@ impl PhasePool {
                 totals.used_high = totals.used_high.max(totals.used);
                 totals.allocations += 1;
                 totals.requested_bytes += bytes;
-                if self.recorder.is_on() {
-                    let step = self.recorder.step();
-                    let thread = thread_number();
-                    self.recorder.record(EventKind::Alloc { pool: self.key(), ptr, bytes, step, thread });
+                if pool.recorder.is_on() {
+                    let (step, thread) = (pool.recorder.step(), thread_number());
+                    pool.recorder.record(EventKind::Alloc { pool: pool.id(), ptr, bytes, step, thread });
                 }
                 Ok(ptr)
             }
             Err(error) => {
                 if spec.budget.is_some() {
-                    self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+                    pool.entry.live.fetch_sub(bytes, Ordering::Relaxed);
                 }
                 // Out of memory may still be recovered from; the runtime counts its outcome.
                 if !matches!(&error, Error::Driver(e) if e.is_out_of_memory()) {
@@ -304,143 +296,121 @@ impl PhasePool {
 
     /// Frees an allocation of `bytes`, after making the pool's stream wait for the other streams
     /// it was used on.
-    pub(crate) fn free(
-        &self,
-        state: &mut PoolState,
-        ptr: CUdeviceptr,
-        bytes: u64,
-        uses: &[Arc<StreamCore>],
-    ) -> Result<()> {
-        self.free_inner(state, ptr, bytes, uses, false)
+    #[inline]
+    pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) -> Result<()> {
+        self.free_inner(ptr, bytes, uses, false)
     }
 
-    /// [`PhasePool::free`]; `release` says a boundary frees it.
-    fn free_inner(
-        &self,
-        state: &mut PoolState,
-        ptr: CUdeviceptr,
-        bytes: u64,
-        uses: &[Arc<StreamCore>],
-        release: bool,
-    ) -> Result<()> {
+    /// [`PoolGuard::free`]; `release` says a boundary frees it.
+    fn free_inner(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>], release: bool) -> Result<()> {
+        let pool = self.pool;
         for other in uses {
-            self.stream.wait_for(other)?;
+            pool.stream.wait_for(other)?;
         }
-        // The block's free is recorded before the strategy gives its segment back (a `Pool`
+        // The block's free is recorded before the strategy gives its segment back (a `Direct`
         // strategy's allocation is its own segment): a history never has a live block outside
         // every segment.
-        if self.recorder.is_on() {
-            let (step, thread) = (self.recorder.step(), thread_number());
-            self.recorder.record(EventKind::Free { pool: self.key(), ptr, bytes, step, thread, release });
+        if pool.recorder.is_on() {
+            let (step, thread) = (pool.recorder.step(), thread_number());
+            pool.recorder.record(EventKind::Free { pool: pool.id(), ptr, bytes, step, thread, release });
         }
-        let PoolState { allocator, source, counters, totals, .. } = state;
-        allocator.free(&mut self.source(source), ptr, bytes)?;
+        let PoolState { allocator, source, counters, totals, .. } = self.state.deref_mut();
+        allocator.free(source, ptr, bytes)?;
         counters.used -= bytes;
         counters.frees += 1;
         totals.used -= bytes;
         if !release {
             totals.frees += 1;
         }
-        if self.entry.spec.budget.is_some() {
-            self.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+        if pool.entry.spec.budget.is_some() {
+            pool.entry.live.fetch_sub(bytes, Ordering::Relaxed);
         }
         Ok(())
     }
 
-    /// Frees a buffer's allocation; an error goes to the runtime's sink (called from `Drop`).
-    pub(crate) fn free_or_record(&self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) {
-        let mut state = self.lock();
-        if let Err(error) = self.free(&mut state, ptr, bytes, uses) {
-            record(&self.errors, error);
-        }
+    /// Keeps a raw allocation for the boundary of its scope.
+    pub(crate) fn insert_raw(&mut self, ptr: CUdeviceptr, bytes: u64) {
+        self.state.raw.insert(ptr, RawAllocation { bytes, uses: Vec::new() });
     }
 
-    /// Starts a step's counters: peaks from the current values, counts from zero.
-    pub(crate) fn begin_step(&self, state: &mut PoolState) -> Result<()> {
-        // The last step's peak reservation goes into the lifetime mark before it is reset.
-        let (_, peak_reserved) = self.reserved(state)?;
-        state.totals.reserved_high = state.totals.reserved_high.max(peak_reserved);
-        let counters = &mut state.counters;
-        *counters = Counters { used: counters.used, peak_used: counters.used, ..Counters::default() };
-        state.allocator.begin_step();
-        state.source.reserved_high = state.source.reserved;
-        if let Backing::Pool(pool) = self.backing {
-            // SAFETY: the pool is live while `self` is. Setting a high-water mark to 0 resets it
-            // to the current value.
-            unsafe {
-                let driver = &self.stream.device.driver;
-                driver.mem_pool_set_attribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
-                driver.mem_pool_set_attribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
-            }
-        }
-        Ok(())
+    /// Takes a raw allocation out, if the pool has it.
+    pub(crate) fn take_raw(&mut self, ptr: CUdeviceptr) -> Option<RawAllocation> {
+        self.state.raw.remove(&ptr)
     }
 
-    /// `(reserved, peak reserved since the step began)`: the CUDA pool's attributes, or the
-    /// fallback's own accounting.
-    pub(crate) fn reserved(&self, state: &PoolState) -> Result<(u64, u64)> {
-        match self.backing {
-            Backing::Pool(pool) => {
-                // SAFETY: the pool is live while `self` is.
-                let counters = unsafe { self.stream.device.driver.mem_pool_counters(pool) }?;
-                Ok((counters.reserved, counters.reserved_high))
-            }
-            Backing::Synchronous => Ok((state.source.reserved, state.source.reserved_high)),
-        }
+    /// A raw allocation of the pool.
+    pub(crate) fn raw(&mut self, ptr: CUdeviceptr) -> Option<&mut RawAllocation> {
+        self.state.raw.get_mut(&ptr)
     }
 
-    /// `CU_MEMPOOL_ATTR_USED_MEM_HIGH` since the step began (0 without a CUDA pool).
-    fn peak_pool_used(&self) -> Result<u64> {
-        match self.backing {
-            // SAFETY: the pool is live while `self` is.
-            Backing::Pool(pool) => Ok(unsafe { self.stream.device.driver.mem_pool_counters(pool) }?.used_high),
-            Backing::Synchronous => Ok(0),
+    /// Counts an allocation that succeeded after out-of-memory recovery, or one that failed
+    /// for lack of memory after it.
+    pub(crate) fn note_oom(&mut self, recovered: bool) {
+        let totals = &mut self.state.totals;
+        if recovered {
+            totals.oom_recoveries += 1;
+        } else {
+            totals.ooms += 1;
+            totals.failures += 1;
         }
     }
 
     /// Notes that a buffer of this pool is used on `other` (see [`PoolState::cross_uses`]).
-    pub(crate) fn note_use(&self, other: &Arc<StreamCore>) {
-        let mut state = self.lock();
-        if !state.cross_uses.iter().any(|used| used.id == other.id) {
-            state.cross_uses.push(other.clone());
+    pub(crate) fn note_use(&mut self, other: &Arc<StreamCore>) {
+        if !self.state.cross_uses.iter().any(|used| used.id == other.id) {
+            self.state.cross_uses.push(other.clone());
         }
+    }
+
+    /// Grants `peers` read-write access to the pool's memory.
+    pub(crate) fn grant_access(&mut self, peers: &[CUdevice]) -> Result<()> {
+        self.state.source.grant_access(peers)
+    }
+
+    /// Starts a step's counters: peaks from the current values, counts from zero.
+    pub(crate) fn begin_step(&mut self) -> Result<()> {
+        let state = self.state.deref_mut();
+        // The last step's peak reservation goes into the lifetime mark before it is reset.
+        let peak_reserved = state.source.reservation()?.peak_reserved;
+        state.totals.reserved_high = state.totals.reserved_high.max(peak_reserved);
+        let counters = &mut state.counters;
+        *counters = Counters { used: counters.used, peak_used: counters.used, ..Counters::default() };
+        state.allocator.begin_step();
+        state.source.begin_step()
     }
 
     /// Ends the phase's scope: frees the raw allocations still live (in stream order, after the
     /// other streams they were used on), resets the strategy, and trims by the phase's policy.
     /// A failure does not stop the rest: every step runs and the first error is reported.
-    pub(crate) fn end_scope(&self, state: &mut PoolState) -> Released {
+    pub(crate) fn end_scope(&mut self) -> Released {
+        let pool = self.pool;
         let mut released = Released::default();
-        let failed = |released: &mut Released, result: Result<()>| {
-            if let Err(error) = result {
-                released.error.get_or_insert(error);
-            }
-        };
-        let raw: Vec<(CUdeviceptr, RawAllocation)> = state.raw.drain().collect();
+        let raw: Vec<(CUdeviceptr, RawAllocation)> = self.state.raw.drain().collect();
         for (ptr, allocation) in raw {
-            let freed = self.free_inner(state, ptr, allocation.bytes, &allocation.uses, true);
+            let freed = self.free_inner(ptr, allocation.bytes, &allocation.uses, true);
             if freed.is_ok() {
                 released.bytes += allocation.bytes;
             }
             released.raw.push((ptr, allocation.bytes));
-            failed(&mut released, freed);
+            released.note(freed);
         }
-        let waits: Vec<Arc<StreamCore>> = std::mem::take(&mut state.cross_uses);
-        for other in waits {
-            failed(&mut released, self.stream.wait_for(&other));
+        let state = self.state.deref_mut();
+        for other in std::mem::take(&mut state.cross_uses) {
+            released.note(pool.stream.wait_for(&other));
         }
-        // What the scope needed: its peak of live bytes (as the CUDA pool counts them, rounded),
-        // or the slabs an arena touched. Not its peak reservation, which counts kept memory.
-        let needed = match self.entry.spec.strategy {
-            crate::Strategy::Pool => {
-                let pool_peak = self.peak_pool_used();
+        // What the scope needed: the memory the strategy touched, or else its peak of live
+        // bytes (as the CUDA pool counts them, rounded). Not its peak reservation, which counts
+        // kept memory.
+        let needed = match state.allocator.touched() {
+            Some(touched) => touched,
+            None => {
+                let pool_peak = state.source.reservation().map(|reservation| reservation.peak_used);
                 let peak = state.counters.peak_used.max(*pool_peak.as_ref().unwrap_or(&0));
-                failed(&mut released, pool_peak.map(drop));
+                released.note(pool_peak.map(drop));
                 peak
             }
-            _ => state.allocator.touched(),
         };
-        let keep = match self.entry.spec.trim {
+        let keep = match pool.entry.spec.trim {
             TrimPolicy::Never => u64::MAX,
             TrimPolicy::KeepBytes(bytes) => bytes,
             TrimPolicy::KeepRecentPeak { steps } => {
@@ -451,163 +421,110 @@ impl PhasePool {
                 state.recent.iter().copied().max().unwrap_or(0)
             }
         };
-        // An arena reclaims everything it handed out, including buffers leaked with `forget`.
         let PoolState { allocator, source, counters, totals, .. } = state;
-        if self.entry.spec.strategy != crate::Strategy::Pool && counters.used > 0 {
+        // A strategy that carves its own memory reclaims everything it handed out, buffers
+        // leaked with `forget` included.
+        if allocator.reclaims_live() && counters.used > 0 {
             released.bytes += counters.used;
-            if self.entry.spec.budget.is_some() {
-                self.entry.live.fetch_sub(counters.used, Ordering::Relaxed);
+            if pool.entry.spec.budget.is_some() {
+                pool.entry.live.fetch_sub(counters.used, Ordering::Relaxed);
             }
             totals.used -= counters.used;
             counters.used = 0;
-            self.recorder.release_pool(self.key());
+            pool.recorder.release_pool(pool.id());
         }
-        failed(&mut released, allocator.reset(&mut self.source(source), keep));
+        released.note(allocator.reset(source, keep));
         counters.released += released.bytes;
         totals.released_bytes += released.bytes;
         if keep != u64::MAX {
-            let trimmed = self.trim_to(state, keep).map(drop);
-            failed(&mut released, trimmed);
+            released.note(source.trim(keep, false).map(drop));
         }
-        self.record_reserved(state);
+        source.record_reserved();
         released
-    }
-
-    /// Records the pool's reservation in the history, if it records.
-    pub(crate) fn record_reserved(&self, state: &mut PoolState) {
-        if self.recorder.is_on() {
-            let pool_reserved = self.source(&mut state.source).reserved();
-            self.recorder.record(EventKind::Reserved { pool: self.key(), pool_reserved });
-        }
-    }
-
-    /// Gives back what the pool holds beyond `keep` bytes and without live data, as far as the
-    /// host has observed its frees complete. Returns the bytes released.
-    pub(crate) fn trim_to(&self, state: &mut PoolState, keep: u64) -> Result<u64> {
-        match self.backing {
-            Backing::Pool(pool) => {
-                let (before, _) = self.reserved(state)?;
-                // SAFETY: the pool is live while `self` is.
-                unsafe { self.stream.device.driver.mem_pool_trim_to(pool, keep) }?;
-                let (after, _) = self.reserved(state)?;
-                Ok(before.saturating_sub(after))
-            }
-            Backing::Synchronous => self.source(&mut state.source).reclaim(false),
-        }
     }
 
     /// Memory is short: the strategy gives back to the CUDA pool what its scope has not touched
     /// (in stream order; a synchronization completes it). Returns the bytes given back.
-    pub(crate) fn release_unused(&self, state: &mut PoolState) -> Result<u64> {
-        let PoolState { allocator, source, .. } = state;
-        allocator.release_unused(&mut self.source(source))
+    pub(crate) fn release_unused(&mut self) -> Result<u64> {
+        let PoolState { allocator, source, .. } = self.state.deref_mut();
+        allocator.release_unused(source)
     }
 
     /// After the device was synchronized: gives back everything idle (out-of-memory recovery,
     /// [`Device::release_idle`](crate::Device::release_idle)).
-    pub(crate) fn release_idle(&self, state: &mut PoolState) -> Result<u64> {
-        match self.backing {
-            Backing::Pool(_) => self.trim_to(state, 0),
-            Backing::Synchronous => self.source(&mut state.source).reclaim(true),
-        }
-        .inspect(|_| self.record_reserved(state))
-    }
-
-    /// Free space inside what the pool holds: the strategy's own layout (arenas), else the
-    /// CUDA pool's where the device publishes it (the simulated device; the real driver does not).
-    fn free_space(&self, state: &PoolState) -> Option<FreeSpace> {
-        if let Some(space) = state.allocator.free_space() {
-            return Some(space);
-        }
-        let (Backing::Pool(pool), crate::Strategy::Pool) = (&self.backing, self.entry.spec.strategy) else {
-            return None;
-        };
-        let layout = self.stream.device.driver.sim()?.pool_layout(*pool)?;
-        Some(FreeSpace {
-            largest_free: layout.free.iter().map(|piece| piece.len).max().unwrap_or(0),
-            total_free: layout.free.iter().map(|piece| piece.len).sum(),
-        })
+    pub(crate) fn release_idle(&mut self) -> Result<u64> {
+        let source = &mut self.state.source;
+        let released = source.trim(0, true)?;
+        source.record_reserved();
+        Ok(released)
     }
 
     /// The pool's lifetime counters now.
-    pub(crate) fn metrics(&self, state: &mut PoolState) -> Result<PoolMetrics> {
-        let (reserved, peak_reserved) = self.reserved(state)?;
+    pub(crate) fn metrics(&mut self) -> Result<PoolMetrics> {
+        let state = self.state.deref_mut();
+        let reservation = state.source.reservation()?;
         let totals = &mut state.totals;
-        totals.reserved = reserved;
-        totals.reserved_high = totals.reserved_high.max(peak_reserved).max(reserved);
+        totals.reserved = reservation.reserved;
+        totals.reserved_high = totals.reserved_high.max(reservation.peak_reserved).max(reservation.reserved);
         totals.alloc_nanos = state.timing.estimate_nanos();
-        let free_space = self.free_space(state);
-        Ok(self.pool_metrics(state.totals, free_space))
+        Ok(pool_metrics(self.pool, state.totals, state.allocator.free_space()))
     }
 
-    fn pool_metrics(&self, usage: Usage, free_space: Option<FreeSpace>) -> PoolMetrics {
-        PoolMetrics {
-            phase: self.entry.phase,
-            phase_name: self.entry.spec.name.clone(),
-            scope: self.entry.spec.scope,
-            strategy: self.entry.spec.strategy,
-            device: self.stream.device.ordinal,
-            stream: self.stream.id,
-            retired: false,
-            usage,
-            free_space,
-        }
-    }
-
-    /// The pool's numbers now.
-    pub(crate) fn stats(&self, state: &PoolState) -> Result<PoolStats> {
-        let (reserved, peak_reserved) = self.reserved(state)?;
-        let c = &state.counters;
+    /// The pool's numbers over the current step.
+    pub(crate) fn stats(&self) -> Result<PoolStats> {
+        let pool = self.pool;
+        let reservation = self.state.source.reservation()?;
+        let c = &self.state.counters;
+        let spec = &pool.entry.spec;
         Ok(PoolStats {
-            phase: self.entry.phase,
-            phase_name: self.entry.spec.name.clone(),
-            scope: self.entry.spec.scope,
-            strategy: self.entry.spec.strategy,
-            device: self.stream.device.ordinal,
-            stream: self.stream.id,
+            pool: pool.id(),
+            phase_name: spec.name.clone(),
+            scope: spec.scope,
+            strategy: spec.strategy,
             used: c.used,
             peak_used: c.peak_used,
-            reserved,
-            peak_reserved,
+            reserved: reservation.reserved,
+            peak_reserved: reservation.peak_reserved,
             allocations: c.allocations,
             frees: c.frees,
             released: c.released,
             largest_request: c.largest_request,
-            free_space: self.free_space(state),
-            plan: state.allocator.plan_stats(),
+            free_space: self.state.allocator.free_space(),
+            plan: self.state.allocator.plan_stats(),
         })
+    }
+}
+
+fn pool_metrics(pool: &PhasePool, usage: Usage, free_space: Option<crate::report::FreeSpace>) -> PoolMetrics {
+    let spec = &pool.entry.spec;
+    PoolMetrics {
+        pool: pool.id(),
+        phase_name: spec.name.clone(),
+        scope: spec.scope,
+        strategy: spec.strategy,
+        retired: false,
+        usage,
+        free_space,
     }
 }
 
 impl Drop for PhasePool {
     fn drop(&mut self) {
-        // Its counts outlive it, so the runtime's counters never go back.
-        let (mut usage, nanos) = {
-            let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
-            (state.totals, state.timing.estimate_nanos())
-        };
-        usage.alloc_nanos = nanos;
-        self.retired.add(self.pool_metrics(usage, None));
-        let key = self.key();
         let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // Its counts outlive it, so the runtime's counters never go back.
+        let mut usage = state.totals;
+        usage.alloc_nanos = state.timing.estimate_nanos();
         let PoolState { allocator, source, raw, .. } = state;
-        let mut source =
-            Source { stream: &self.stream, backing: &self.backing, state: source, recorder: &self.recorder, key };
         let mut outcome = Ok(());
         for (ptr, allocation) in raw.drain() {
-            outcome = outcome.and(source.free(ptr, allocation.bytes));
+            outcome = outcome.and(crate::source::Source::free(source, ptr, allocation.bytes));
         }
-        outcome = outcome.and(allocator.release_all(&mut source));
-        match self.backing {
-            Backing::Pool(pool) => {
-                // SAFETY: nothing allocates from the pool any more; allocations still
-                // outstanding keep their memory until freed, as cuMemPoolDestroy documents.
-                outcome = outcome.and(unsafe { self.stream.device.driver.mem_pool_destroy(pool) }.map_err(Error::from));
-            }
-            Backing::Synchronous => outcome = outcome.and(source.reclaim(true).map(drop)),
-        }
+        outcome = outcome.and(allocator.release_all(source));
+        outcome = outcome.and(source.destroy());
+        let metrics = pool_metrics(self, usage, None);
+        self.retired.add(metrics);
         if let Err(error) = outcome {
-            record(&self.errors, error);
+            self.errors.record(error);
         }
     }
 }

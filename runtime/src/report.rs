@@ -6,25 +6,33 @@ use std::time::Duration;
 use steppool_sys::bytes::Bytes;
 
 use crate::phase::{Phase, Scope, Strategy};
-use crate::strategy::{FreeSpace, PlanStats};
-use crate::telemetry::Warning;
+use crate::warning::Warning;
+
+/// Which pool: the pool of one phase on one stream of one device. Every record of a pool (its
+/// step numbers, its lifetime counters, the history's events, an OOM report's lines) names it by
+/// this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId {
+    /// The device ordinal.
+    pub device: usize,
+    /// The stream's id in the runtime.
+    pub stream: u32,
+    /// The phase.
+    pub phase: Phase,
+}
 
 /// The numbers of one pool (one phase on one stream of one device), over the current step.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct PoolStats {
-    /// The phase.
-    pub phase: Phase,
+    /// Which pool.
+    pub pool: PoolId,
     /// The phase's name.
     pub phase_name: String,
     /// The phase's scope.
     pub scope: Scope,
     /// The phase's strategy.
     pub strategy: Strategy,
-    /// The device ordinal.
-    pub device: usize,
-    /// The stream's id.
-    pub stream: u32,
     /// Bytes of live allocations, as requested.
     pub used: u64,
     /// Highest `used` in the step.
@@ -41,8 +49,8 @@ pub struct PoolStats {
     pub released: u64,
     /// The largest allocation requested in the step.
     pub largest_request: u64,
-    /// Free space inside what the pool holds, where steppool knows the layout (arenas, planned
-    /// slabs, the simulated device).
+    /// Free space inside what the pool holds, where its strategy knows the layout (arenas,
+    /// planned slabs); `None` for a `Direct` pool, whose CUDA pool does not publish its layout.
     pub free_space: Option<FreeSpace>,
     /// The planned strategy's hit rate, deviations, slab and plans over the step.
     pub plan: Option<PlanStats>,
@@ -128,11 +136,11 @@ impl StepReport {
     ) -> Self {
         let mut phases: Vec<PhaseReport> = Vec::new();
         for pool in &pools {
-            let report = match phases.iter_mut().find(|p| p.phase == pool.phase) {
+            let report = match phases.iter_mut().find(|p| p.phase == pool.pool.phase) {
                 Some(report) => report,
                 None => {
                     phases.push(PhaseReport {
-                        phase: pool.phase,
+                        phase: pool.pool.phase,
                         name: pool.phase_name.clone(),
                         scope: pool.scope,
                         strategy: pool.strategy,
@@ -225,7 +233,7 @@ impl fmt::Display for StepReport {
                     f,
                     "  plan of {} on stream {}: {:.1}% hit, {} deviation(s), slab {}, {}",
                     pool.phase_name,
-                    pool.stream,
+                    pool.pool.stream,
                     plan.hit_rate() * 100.0,
                     plan.deviations,
                     Bytes(plan.slab_bytes),
@@ -257,4 +265,93 @@ pub struct MicroStepReport {
     pub release_time: Duration,
     /// Bytes still live at its end, which it released.
     pub released: u64,
+}
+
+/// Free space a strategy knows the layout of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FreeSpace {
+    /// The largest piece a request could still get without new memory.
+    pub largest_free: u64,
+    /// All bytes held but not handed out.
+    pub total_free: u64,
+}
+
+impl FreeSpace {
+    /// `1 - largest_free / total_free`: 0 when the free space is one piece (or there is none).
+    pub fn fragmentation(&self) -> f64 {
+        if self.total_free == 0 { 0.0 } else { 1.0 - self.largest_free as f64 / self.total_free as f64 }
+    }
+}
+
+/// What a plan is keyed by.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PlanKey {
+    /// A key the user gave with [`Runtime::set_plan_key`](crate::Runtime::set_plan_key) (a sequence-length bucket, say).
+    User(u64),
+    /// The first sizes of the scope, rounded up to the 512-byte alignment.
+    Sizes(Vec<u64>),
+}
+
+/// One plan a phase pool keeps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PlanSummary {
+    /// What selects it.
+    pub key: PlanKey,
+    /// Allocations it places.
+    pub allocations: usize,
+    /// Slab bytes it needs.
+    pub bytes: u64,
+    /// The peak of live bytes of the recorded sequence (sizes rounded to 512): no plan of it can
+    /// need less.
+    pub lower_bound: u64,
+    /// Scopes of the current step it served.
+    pub scopes: u64,
+}
+
+impl PlanSummary {
+    /// `bytes / lower_bound`: 1.0 is a perfect packing.
+    pub fn overhead(&self) -> f64 {
+        if self.lower_bound == 0 { 1.0 } else { self.bytes as f64 / self.lower_bound as f64 }
+    }
+}
+
+/// What a phase pool with the [`Planned`](Strategy::Planned) strategy did over the current step,
+/// and the plans it keeps.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct PlanStats {
+    /// Allocations served at their planned offset.
+    pub planned: u64,
+    /// Allocations served from the phase's CUDA pool: deviations, and every allocation of a scope
+    /// that had no plan yet (it is being recorded).
+    pub unplanned: u64,
+    /// Allocations a plan was in use for but could not serve: a size that did not match, an
+    /// allocation the plan does not have, or a planned range still held by an allocation freed
+    /// later than recorded.
+    pub deviations: u64,
+    /// Planned allocations a scope never asked for.
+    pub missing: u64,
+    /// Scopes that deviated from their plan (their plan was refreshed at their end).
+    pub deviated_scopes: u64,
+    /// Plans made at the step's boundaries: for new signatures and after deviations.
+    pub replans: u64,
+    /// Bytes of the slab shared by the plans, held from the pool now.
+    pub slab_bytes: u64,
+    /// The plans kept, most recently used first.
+    pub plans: Vec<PlanSummary>,
+}
+
+impl PlanStats {
+    /// `planned / (planned + unplanned)`; 0 when nothing was allocated.
+    pub fn hit_rate(&self) -> f64 {
+        let total = self.planned + self.unplanned;
+        if total == 0 { 0.0 } else { self.planned as f64 / total as f64 }
+    }
+
+    /// The largest plan's bytes over its lower bound, the slab's overhead over perfect packing.
+    pub fn overhead(&self) -> Option<f64> {
+        self.plans.iter().max_by_key(|plan| plan.bytes).map(PlanSummary::overhead)
+    }
 }

@@ -11,10 +11,9 @@ use std::sync::Arc;
 
 use crate::buffer::Buffer;
 use crate::error::Result;
+use crate::inner::{Caller, RuntimeInner};
 use crate::phase::Phase;
-use crate::pool::record;
 use crate::report::{MicroStepReport, StepReport};
-use crate::runtime::{Caller, RuntimeInner};
 use crate::stream::Stream;
 
 /// An active step of a [`Runtime`](crate::Runtime). `Send + Sync`: threads may allocate from it
@@ -45,7 +44,7 @@ impl Step {
     /// Allocates `bytes` of a step-scoped phase on `stream`. The buffer borrows the step; freed
     /// in stream order on drop, and reusable within the step.
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
-        let (pool, ptr) = self.runtime.allocate(phase, bytes, stream, Caller::Step)?;
+        let (pool, ptr) = self.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Step)?;
         Ok(Buffer::new(ptr, bytes, pool))
     }
 
@@ -68,7 +67,7 @@ impl Drop for Step {
         if !self.ended
             && let Err(error) = self.runtime.end_step(true)
         {
-            record(&self.runtime.errors, error);
+            self.runtime.errors.record(error);
         }
     }
 }
@@ -100,7 +99,7 @@ impl<'s> MicroStep<'s> {
     /// Allocates `bytes` of a micro-step-scoped (or step-scoped) phase on `stream`. The buffer
     /// borrows the micro-step.
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
-        let (pool, ptr) = self.step.runtime.allocate(phase, bytes, stream, Caller::MicroStep)?;
+        let (pool, ptr) = self.step.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::MicroStep)?;
         Ok(Buffer::new(ptr, bytes, pool))
     }
 
@@ -116,7 +115,7 @@ impl Drop for MicroStep<'_> {
         if !self.ended
             && let Err(error) = self.step.runtime.end_micro_step(true)
         {
-            record(&self.step.runtime.errors, error);
+            self.step.runtime.errors.record(error);
         }
     }
 }

@@ -2,8 +2,11 @@
 
 use steppool_sys::CUdeviceptr;
 
-use super::{ALIGNMENT, Allocator, FreeSpace, Source};
+use super::Allocator;
 use crate::error::Result;
+use crate::phase::ALIGNMENT;
+use crate::report::FreeSpace;
+use crate::source::Source;
 
 #[derive(Clone, Copy, Debug)]
 struct Slab {
@@ -74,7 +77,7 @@ impl Arena {
         self.offset = 0;
     }
 
-    fn bump(&mut self, source: &mut Source<'_>, size: u64) -> Result<CUdeviceptr> {
+    fn bump(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
         // The current slab, else the next kept one (the current one's tail stays unused until
         // the bump comes back to it), else a new slab.
         while let Some(slab) = self.slabs.get(self.current) {
@@ -97,7 +100,7 @@ impl Arena {
         Ok(base)
     }
 
-    fn allocate_oversize(&mut self, source: &mut Source<'_>, size: u64) -> Result<CUdeviceptr> {
+    fn allocate_oversize(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
         let fit = self
             .oversize
             .iter()
@@ -116,14 +119,14 @@ impl Arena {
 }
 
 impl Allocator for Arena {
-    fn allocate(&mut self, source: &mut Source<'_>, bytes: u64) -> Result<CUdeviceptr> {
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
         let size = bytes.next_multiple_of(ALIGNMENT);
         let ptr = if size > self.slab_bytes { self.allocate_oversize(source, size)? } else { self.bump(source, size)? };
         self.peak_touched = self.peak_touched.max(self.touched_now());
         Ok(ptr)
     }
 
-    fn free(&mut self, _: &mut Source<'_>, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+    fn free(&mut self, _: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
         let size = bytes.next_multiple_of(ALIGNMENT);
         if size > self.slab_bytes {
             if let Some(slab) = self.oversize.iter_mut().find(|(slab, used)| *used && slab.base == ptr) {
@@ -148,7 +151,7 @@ impl Allocator for Arena {
 
     /// Starts over and gives back slabs while at least `keep` bytes stay: unused oversize
     /// slabs first (largest first), then regular slabs from the back.
-    fn reset(&mut self, source: &mut Source<'_>, keep: u64) -> Result<()> {
+    fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
         self.current = 0;
         self.offset = 0;
         self.extents.clear();
@@ -178,8 +181,8 @@ impl Allocator for Arena {
         Ok(())
     }
 
-    fn touched(&self) -> u64 {
-        self.peak_touched
+    fn touched(&self) -> Option<u64> {
+        Some(self.peak_touched)
     }
 
     /// Free bytes are the tails of the slabs, untouched slabs and unused oversize slabs; the
@@ -209,7 +212,7 @@ impl Allocator for Arena {
     /// Gives back the regular slabs after the current one (and the current one too when nothing
     /// was bumped in it) and the unused oversize slabs: the scope has not touched them, and it
     /// takes new ones if it grows.
-    fn release_unused(&mut self, source: &mut Source<'_>) -> Result<u64> {
+    fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
         let mut released = 0;
         let keep = if self.current == 0 && self.offset == 0 { 0 } else { self.current + 1 };
         while self.slabs.len() > keep {
@@ -232,7 +235,7 @@ impl Allocator for Arena {
         Ok(released)
     }
 
-    fn release_all(&mut self, source: &mut Source<'_>) -> Result<()> {
+    fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
         for slab in self.slabs.drain(..).chain(self.oversize.drain(..).map(|(slab, _)| slab)) {
             source.free(slab.base, slab.size)?;
         }
@@ -240,5 +243,86 @@ impl Allocator for Arena {
         self.current = 0;
         self.offset = 0;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::fake::FakeSource;
+
+    const SLAB: u64 = 4096;
+
+    #[test]
+    fn bumps_inside_a_slab_and_takes_a_new_one_when_it_is_full() {
+        let mut source = FakeSource::new(1 << 20);
+        let mut arena = Arena::new(SLAB);
+        let a = arena.allocate(&mut source, 1000).unwrap();
+        let b = arena.allocate(&mut source, 1000).unwrap();
+        assert_eq!(b - a, 1024, "sizes are rounded to the 512-byte alignment");
+        assert_eq!(source.allocs, 1);
+        let c = arena.allocate(&mut source, 3000).unwrap();
+        assert_eq!(source.allocs, 2, "3072 bytes do not fit the 2048 left");
+        assert!(c < a || c >= a + SLAB, "the new slab is another range");
+        assert_eq!(arena.touched(), Some(2 * SLAB));
+    }
+
+    #[test]
+    fn frees_in_stack_order_roll_the_bump_back_and_others_wait_for_the_reset() {
+        let mut source = FakeSource::new(1 << 20);
+        let mut arena = Arena::new(SLAB);
+        let a = arena.allocate(&mut source, 512).unwrap();
+        let b = arena.allocate(&mut source, 512).unwrap();
+        arena.free(&mut source, b, 512).unwrap();
+        assert_eq!(arena.allocate(&mut source, 512).unwrap(), b, "the most recent free is reused at once");
+        arena.free(&mut source, a, 512).unwrap();
+        assert_ne!(arena.allocate(&mut source, 512).unwrap(), a, "an earlier free waits for the reset");
+        arena.reset(&mut source, u64::MAX).unwrap();
+        assert_eq!(arena.allocate(&mut source, 512).unwrap(), a, "after the reset the slab starts over");
+        assert_eq!((source.allocs, source.frees), (1, 0), "one slab served it all");
+    }
+
+    #[test]
+    fn oversize_requests_get_their_own_slab_reused_best_fit_once_freed() {
+        let mut source = FakeSource::new(1 << 20);
+        let mut arena = Arena::new(SLAB);
+        let big = arena.allocate(&mut source, 3 * SLAB).unwrap();
+        let bigger = arena.allocate(&mut source, 5 * SLAB).unwrap();
+        arena.free(&mut source, big, 3 * SLAB).unwrap();
+        arena.free(&mut source, bigger, 5 * SLAB).unwrap();
+        assert_eq!(arena.allocate(&mut source, 2 * SLAB + 1).unwrap(), big, "the smallest slab that fits");
+        assert_eq!(source.allocs, 2);
+        let space = arena.free_space().unwrap();
+        assert_eq!(space, FreeSpace { largest_free: 5 * SLAB, total_free: 5 * SLAB });
+    }
+
+    #[test]
+    fn the_reset_keeps_what_the_trim_policy_asks_for_and_gives_back_the_rest() {
+        let mut source = FakeSource::new(1 << 20);
+        let mut arena = Arena::new(SLAB);
+        for _ in 0..4 {
+            arena.allocate(&mut source, SLAB).unwrap();
+        }
+        arena.allocate(&mut source, 3 * SLAB).unwrap();
+        assert_eq!(source.held(), 7 * SLAB);
+        arena.reset(&mut source, 2 * SLAB).unwrap();
+        assert_eq!(source.held(), 2 * SLAB, "the oversize slab goes first, then slabs from the back");
+        arena.reset(&mut source, 0).unwrap();
+        assert_eq!(source.held(), 0);
+    }
+
+    #[test]
+    fn release_unused_gives_back_only_what_the_scope_has_not_touched() {
+        let mut source = FakeSource::new(1 << 20);
+        let mut arena = Arena::new(SLAB);
+        for _ in 0..3 {
+            arena.allocate(&mut source, SLAB).unwrap();
+        }
+        arena.reset(&mut source, u64::MAX).unwrap();
+        arena.allocate(&mut source, 512).unwrap();
+        assert_eq!(arena.release_unused(&mut source).unwrap(), 2 * SLAB);
+        assert_eq!(source.held(), SLAB, "the slab in use stays");
+        arena.release_all(&mut source).unwrap();
+        assert_eq!(source.held(), 0);
     }
 }

@@ -4,7 +4,7 @@
 //! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from the
 //! phase's CUDA pool while its allocations and frees are recorded; at its end the recording is
 //! packed ([`plan`](super::plan)) and the slab, sized for the largest plan kept, is taken from the
-//! pool. A later scope whose first sizes (or the user's key, [`Runtime::set_plan_key`]) match a
+//! pool. A later scope whose first sizes (or the user's key, [`Runtime::set_plan_key`](crate::Runtime::set_plan_key)) match a
 //! plan gets allocation *i* at planned offset *i* — an index lookup. Anything else while a plan
 //! serves (a size that does not match, an extra allocation, a planned range still held by an
 //! allocation freed late) is a deviation, served from the pool, and the plan is refreshed at the
@@ -31,11 +31,13 @@ use std::sync::{Arc, PoisonError};
 
 use steppool_sys::CUdeviceptr;
 
+use super::Allocator;
 use super::plan::{self, Block};
-use super::{ALIGNMENT, Allocator, FreeSpace, Source};
 use crate::error::{Error, Result};
-use crate::phase::{Phase, PhaseEntry, Strategy};
-use crate::runtime::Runtime;
+use crate::phase::ALIGNMENT;
+use crate::phase::PhaseEntry;
+use crate::report::{FreeSpace, PlanKey, PlanStats, PlanSummary};
+use crate::source::Source;
 
 /// How far ahead a size that does not match the next entry looks for its entry (allocations the
 /// scope skipped); the entries jumped over are missing.
@@ -44,95 +46,6 @@ const LOOKAHEAD: usize = 16;
 /// Scopes with more allocations than this are not planned: packing is quadratic in the worst
 /// case (about 50 ms for 4096 allocations with four orderings on one core).
 pub(crate) const MAX_PLANNED_ALLOCATIONS: usize = 1 << 15;
-
-/// What a plan is keyed by.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum PlanKey {
-    /// A key the user gave with [`Runtime::set_plan_key`] (a sequence-length bucket, say).
-    User(u64),
-    /// The first sizes of the scope, rounded up to the 512-byte alignment.
-    Sizes(Vec<u64>),
-}
-
-/// One plan a phase pool keeps.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PlanSummary {
-    /// What selects it.
-    pub key: PlanKey,
-    /// Allocations it places.
-    pub allocations: usize,
-    /// Slab bytes it needs.
-    pub bytes: u64,
-    /// The peak of live bytes of the recorded sequence (sizes rounded to 512): no plan of it can
-    /// need less.
-    pub lower_bound: u64,
-    /// Scopes of the current step it served.
-    pub scopes: u64,
-}
-
-impl PlanSummary {
-    /// `bytes / lower_bound`: 1.0 is a perfect packing.
-    pub fn overhead(&self) -> f64 {
-        if self.lower_bound == 0 { 1.0 } else { self.bytes as f64 / self.lower_bound as f64 }
-    }
-}
-
-/// What a phase pool with the [`Planned`](Strategy::Planned) strategy did over the current step,
-/// and the plans it keeps.
-#[derive(Clone, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct PlanStats {
-    /// Allocations served at their planned offset.
-    pub planned: u64,
-    /// Allocations served from the phase's CUDA pool: deviations, and every allocation of a scope
-    /// that had no plan yet (it is being recorded).
-    pub unplanned: u64,
-    /// Allocations a plan was in use for but could not serve: a size that did not match, an
-    /// allocation the plan does not have, or a planned range still held by an allocation freed
-    /// later than recorded.
-    pub deviations: u64,
-    /// Planned allocations a scope never asked for.
-    pub missing: u64,
-    /// Scopes that deviated from their plan (their plan was refreshed at their end).
-    pub deviated_scopes: u64,
-    /// Plans made at the step's boundaries: for new signatures and after deviations.
-    pub replans: u64,
-    /// Bytes of the slab shared by the plans, held from the pool now.
-    pub slab_bytes: u64,
-    /// The plans kept, most recently used first.
-    pub plans: Vec<PlanSummary>,
-}
-
-impl PlanStats {
-    /// `planned / (planned + unplanned)`; 0 when nothing was allocated.
-    pub fn hit_rate(&self) -> f64 {
-        let total = self.planned + self.unplanned;
-        if total == 0 { 0.0 } else { self.planned as f64 / total as f64 }
-    }
-
-    /// The largest plan's bytes over its lower bound, the slab's overhead over perfect packing.
-    pub fn overhead(&self) -> Option<f64> {
-        self.plans.iter().max_by_key(|plan| plan.bytes).map(PlanSummary::overhead)
-    }
-}
-
-impl Runtime {
-    /// Sets the key that selects the plan of a [`Planned`](Strategy::Planned) phase from the
-    /// next scope on (its next step or micro-step to allocate), instead of the scope's first
-    /// sizes: a sequence-length bucket, a batch size. `None` goes back to the first sizes. Each
-    /// key gets its own plan, up to the strategy's `max_plans`. A phase's key is part of its
-    /// spec's state: [`Runtime::set_phase_spec`] starts it over.
-    pub fn set_plan_key(&self, phase: Phase, key: Option<u64>) -> Result<()> {
-        let entry = self.inner.phase_entry(phase)?;
-        if !matches!(entry.spec.strategy, Strategy::Planned { .. }) {
-            return Err(Error::NotPlanned { phase: entry.spec.name.clone(), strategy: entry.spec.strategy.name() });
-        }
-        *entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner) = key;
-        Ok(())
-    }
-}
 
 /// Hashes device pointers: they are 512-byte aligned, so the low bits carry nothing.
 #[derive(Default)]
@@ -465,7 +378,7 @@ impl Planned {
     }
 
     /// Makes sure a slab for the largest plan is held, when nothing lives in it.
-    fn ensure_slab(&mut self, source: &mut Source<'_>) -> Result<()> {
+    fn ensure_slab(&mut self, source: &mut dyn Source) -> Result<()> {
         let desired = self.plans.iter().map(|plan| plan.bytes).max().unwrap_or(0);
         if self.slab_refused || desired == 0 || !self.slab_live.is_empty() || !self.late.is_empty() {
             return Ok(());
@@ -494,7 +407,7 @@ impl Planned {
     }
 
     /// Serves the scope's next allocation: at its planned offset, else from the pool.
-    fn serve(&mut self, source: &mut Source<'_>, bytes: u64, size: u64) -> Result<CUdeviceptr> {
+    fn serve(&mut self, source: &mut dyn Source, bytes: u64, size: u64) -> Result<CUdeviceptr> {
         if self.slab.is_none_or(|slab| slab.size < self.plan.map_or(0, |p| self.plans[p].bytes)) {
             self.ensure_slab(source)?;
         }
@@ -526,7 +439,7 @@ impl Planned {
         }
     }
 
-    fn allocate_from_pool(&mut self, source: &mut Source<'_>, bytes: u64, size: u64) -> Result<CUdeviceptr> {
+    fn allocate_from_pool(&mut self, source: &mut dyn Source, bytes: u64, size: u64) -> Result<CUdeviceptr> {
         let ptr = source.alloc(bytes)?;
         self.pooled.insert(ptr, (self.allocations, bytes));
         self.pooled_bytes += size;
@@ -609,7 +522,7 @@ impl Planned {
 }
 
 impl Allocator for Planned {
-    fn allocate(&mut self, source: &mut Source<'_>, bytes: u64) -> Result<CUdeviceptr> {
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
         let size = bytes.next_multiple_of(ALIGNMENT);
         let n = self.allocations as usize;
         if n == 0 {
@@ -635,7 +548,7 @@ impl Allocator for Planned {
         }
     }
 
-    fn free(&mut self, source: &mut Source<'_>, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+    fn free(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
         if let Some(allocation) = self.slab_live.remove(&ptr) {
             self.events.push(Event::Free(allocation.index));
             if let Some(online) = &mut self.online {
@@ -673,7 +586,7 @@ impl Allocator for Planned {
     /// slab is taken now, so the next scope finds it; it is given back when no plan is left, or
     /// when `keep` is smaller than it (the trim policy asks for the memory back; the next scope
     /// that has a plan takes it again).
-    fn reset(&mut self, source: &mut Source<'_>, keep: u64) -> Result<()> {
+    fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
         let mut outcome = Ok(());
         for (ptr, (_, bytes)) in self.pooled.drain() {
             outcome = outcome.and(source.free(ptr, bytes));
@@ -716,8 +629,8 @@ impl Allocator for Planned {
     }
 
     /// The slab (what the plans need) plus the peak of pool allocations.
-    fn touched(&self) -> u64 {
-        self.slab.map_or(0, |slab| slab.size) + self.pooled_peak
+    fn touched(&self) -> Option<u64> {
+        Some(self.slab.map_or(0, |slab| slab.size) + self.pooled_peak)
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
@@ -738,7 +651,7 @@ impl Allocator for Planned {
 
     /// Gives the slab back when nothing lives in it: the scope takes it again (at its planned
     /// size) when it next serves from a plan.
-    fn release_unused(&mut self, source: &mut Source<'_>) -> Result<u64> {
+    fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
             return Ok(0);
         }
@@ -749,7 +662,7 @@ impl Allocator for Planned {
         Ok(slab.size)
     }
 
-    fn release_all(&mut self, source: &mut Source<'_>) -> Result<()> {
+    fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
         let mut outcome = Ok(());
         for (ptr, (_, bytes)) in self.pooled.drain() {
             outcome = outcome.and(source.free(ptr, bytes));
@@ -791,5 +704,96 @@ impl Allocator for Planned {
                 })
                 .collect(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::phase::{Phase, PhaseSpec, Scope, Strategy};
+    use crate::source::fake::FakeSource;
+
+    /// A planned allocator whose plans are selected by the first two sizes of a scope.
+    fn planned() -> Planned {
+        let entry = PhaseEntry::new(Phase(0), PhaseSpec::new("p", Scope::Step).strategy(Strategy::PLANNED));
+        Planned::new(entry, 8, 2)
+    }
+
+    /// One scope of a transformer-like shape: `a` and `b` overlap, `c` reuses `a`'s place.
+    fn scope(planned: &mut Planned, source: &mut FakeSource) -> Vec<CUdeviceptr> {
+        planned.begin_step();
+        let a = planned.allocate(source, 4096).unwrap();
+        let b = planned.allocate(source, 8192).unwrap();
+        planned.free(source, a, 4096).unwrap();
+        let c = planned.allocate(source, 2048).unwrap();
+        planned.free(source, c, 2048).unwrap();
+        planned.free(source, b, 8192).unwrap();
+        planned.reset(source, u64::MAX).unwrap();
+        vec![a, b, c]
+    }
+
+    #[test]
+    fn the_first_scope_is_recorded_and_the_next_served_from_one_slab() {
+        let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+        scope(&mut planned, &mut source);
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.plans.len()), (0, 3, 1));
+        let plan = &stats.plans[0];
+        assert_eq!((plan.bytes, plan.lower_bound), (12288, 12288), "packed at the peak of live bytes");
+        assert_eq!(source.held(), 12288, "the slab is taken at the end of the recorded scope");
+        let allocs = source.allocs;
+        let ptrs = scope(&mut planned, &mut source);
+        assert_eq!(source.allocs, allocs, "a planned scope takes nothing from the source");
+        let slab = *source.live.keys().next().unwrap();
+        assert!(ptrs.iter().all(|&p| p >= slab && p < slab + 12288), "{ptrs:x?} inside the slab at {slab:#x}");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (3, 0, 0));
+        assert_eq!(planned.touched(), Some(12288));
+    }
+
+    #[test]
+    fn a_deviation_is_served_from_the_source_and_refreshes_the_plan() {
+        let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+        scope(&mut planned, &mut source);
+        planned.begin_step();
+        let a = planned.allocate(&mut source, 4096).unwrap();
+        let b = planned.allocate(&mut source, 8192).unwrap();
+        let extra = planned.allocate(&mut source, 1 << 14).unwrap();
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.deviations), (2, 1));
+        let held_in_scope = source.held();
+        assert_eq!(held_in_scope, 12288 + (1 << 14), "the extra allocation came from the source");
+        for (ptr, bytes) in [(extra, 1 << 14), (b, 8192), (a, 4096)] {
+            planned.free(&mut source, ptr, bytes).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.deviated_scopes, stats.replans), (1, 1), "one scope deviated, and its plan was made again");
+    }
+
+    #[test]
+    fn leaked_allocations_are_reclaimed_at_the_reset() {
+        let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+        scope(&mut planned, &mut source);
+        planned.begin_step();
+        planned.allocate(&mut source, 4096).unwrap();
+        planned.allocate(&mut source, 8192).unwrap();
+        planned.allocate(&mut source, 1 << 14).unwrap();
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert!(planned.reclaims_live());
+        assert_eq!(source.held(), planned.slab.map_or(0, |slab| slab.size), "only the slab is held");
+        planned.release_all(&mut source).unwrap();
+        assert_eq!(source.held(), 0);
+    }
+
+    #[test]
+    fn without_a_slab_the_scope_goes_on_from_the_source() {
+        let (mut source, mut planned) = (FakeSource::new(12288 + 4096), planned());
+        scope(&mut planned, &mut source);
+        planned.release_unused(&mut source).unwrap();
+        assert_eq!(source.held(), 0, "an idle slab is given back when memory is short");
+        let ptrs = scope(&mut planned, &mut source);
+        assert_eq!(ptrs.len(), 3);
+        assert_eq!(source.live.len(), 1, "the slab is taken again for the next scope");
     }
 }

@@ -9,6 +9,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use steppool_sys::CUdeviceptr;
 
 use crate::phase::{Phase, Scope};
+use crate::report::PoolId;
 
 /// One recorded event: when, and what.
 #[derive(Clone, Debug, PartialEq)]
@@ -19,17 +20,6 @@ pub struct Event {
     pub kind: EventKind,
 }
 
-/// Where an allocation or a segment lives: the pool of a (device, stream, phase).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PoolKey {
-    /// The device ordinal.
-    pub device: usize,
-    /// The stream's id in the runtime.
-    pub stream: u32,
-    /// The phase.
-    pub phase: Phase,
-}
-
 /// What a recorded [`Event`] says.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
@@ -37,7 +27,7 @@ pub enum EventKind {
     /// An allocation handed out.
     Alloc {
         /// Its pool.
-        pool: PoolKey,
+        pool: PoolId,
         /// Its address.
         ptr: CUdeviceptr,
         /// Bytes requested.
@@ -50,7 +40,7 @@ pub enum EventKind {
     /// An allocation given back.
     Free {
         /// Its pool.
-        pool: PoolKey,
+        pool: PoolId,
         /// Its address.
         ptr: CUdeviceptr,
         /// Bytes requested at its allocation.
@@ -66,7 +56,7 @@ pub enum EventKind {
     /// allocation itself).
     SegmentAlloc {
         /// The pool.
-        pool: PoolKey,
+        pool: PoolId,
         /// The segment's address.
         ptr: CUdeviceptr,
         /// Its size.
@@ -77,7 +67,7 @@ pub enum EventKind {
     /// Memory a pool's strategy gave back to its CUDA pool.
     SegmentFree {
         /// The pool.
-        pool: PoolKey,
+        pool: PoolId,
         /// The segment's address.
         ptr: CUdeviceptr,
         /// Its size.
@@ -88,7 +78,7 @@ pub enum EventKind {
     /// A pool's reservation read after a boundary's trim or an out-of-memory recovery.
     Reserved {
         /// The pool.
-        pool: PoolKey,
+        pool: PoolId,
         /// Its reservation.
         pool_reserved: u64,
     },
@@ -119,7 +109,7 @@ pub enum EventKind {
     /// An allocation failed for lack of memory after recovery.
     Oom {
         /// The pool asked.
-        pool: PoolKey,
+        pool: PoolId,
         /// Bytes requested.
         bytes: u64,
         /// Free device memory then.
@@ -138,7 +128,7 @@ pub enum EventKind {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LiveSegment {
     /// The pool that holds it.
-    pub pool: PoolKey,
+    pub pool: PoolId,
     /// Its address.
     pub ptr: CUdeviceptr,
     /// Its size.
@@ -149,7 +139,7 @@ pub struct LiveSegment {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LiveBlock {
     /// Its pool.
-    pub pool: PoolKey,
+    pub pool: PoolId,
     /// Its address.
     pub ptr: CUdeviceptr,
     /// Bytes requested.
@@ -200,7 +190,7 @@ impl History {
 
 impl EventKind {
     /// The pool the event is about, if any.
-    pub fn pool(&self) -> Option<PoolKey> {
+    pub fn pool(&self) -> Option<PoolId> {
         match *self {
             Self::Alloc { pool, .. }
             | Self::Free { pool, .. }
@@ -322,7 +312,7 @@ impl Recorder {
 
     /// Records as released by a boundary every allocation of `pool` still live in the history:
     /// a strategy that reclaims what its scope handed out (an arena) releases them all.
-    pub(crate) fn release_pool(&self, pool: PoolKey) {
+    pub(crate) fn release_pool(&self, pool: PoolId) {
         if !self.is_on() {
             return;
         }

@@ -4,13 +4,17 @@
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::Metrics;
 use super::prometheus::CONTENT_TYPE;
-use crate::runtime::{Runtime, RuntimeInner};
+use crate::error::Result;
+
+/// Reads the metrics to serve; `None` once the runtime is gone.
+pub(crate) type ReadMetrics = Box<dyn Fn() -> Option<Result<Metrics>> + Send>;
 
 /// A running metrics endpoint; stops when dropped.
 #[derive(Debug)]
@@ -26,11 +30,11 @@ impl MetricsServer {
         self.addr
     }
 
-    pub(crate) fn start(runtime: &Runtime, addr: impl ToSocketAddrs) -> io::Result<Self> {
+    /// Serves what `read` returns at `addr`, from a thread of its own.
+    pub(crate) fn start(read: ReadMetrics, addr: impl ToSocketAddrs) -> io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let runtime = Arc::downgrade(&runtime.inner);
         let flag = stop.clone();
         let thread = std::thread::Builder::new().name("steppool-metrics".into()).spawn(move || {
             for connection in listener.incoming() {
@@ -39,7 +43,7 @@ impl MetricsServer {
                 }
                 if let Ok(stream) = connection {
                     // A client that misbehaves loses its own request, nothing else.
-                    let _ = answer(stream, &runtime);
+                    let _ = answer(stream, &read);
                 }
             }
         })?;
@@ -47,7 +51,7 @@ impl MetricsServer {
     }
 }
 
-fn answer(mut stream: TcpStream, runtime: &Weak<RuntimeInner>) -> io::Result<()> {
+fn answer(mut stream: TcpStream, read: &ReadMetrics) -> io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     stream.set_write_timeout(Some(Duration::from_secs(2)))?;
     let mut reader = BufReader::new(Read::take(stream.try_clone()?, 16 * 1024));
@@ -61,7 +65,7 @@ fn answer(mut stream: TcpStream, runtime: &Weak<RuntimeInner>) -> io::Result<()>
     let mut parts = request_line.split_whitespace();
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let (status, content_type, body) = match (method, path.split('?').next().unwrap_or("")) {
-        ("GET", "/metrics") => match runtime.upgrade().map(|inner| Runtime { inner }.metrics()) {
+        ("GET", "/metrics") => match read() {
             Some(Ok(metrics)) => ("200 OK", CONTENT_TYPE, metrics.to_prometheus()),
             Some(Err(error)) => ("500 Internal Server Error", "text/plain", format!("{error}\n")),
             None => ("503 Service Unavailable", "text/plain", "the runtime is gone\n".to_owned()),

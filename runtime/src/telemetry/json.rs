@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 
 use super::{Warning, WarningKind};
 use crate::error::{OomReport, Verdict};
+use crate::report::FreeSpace;
 use crate::report::StepReport;
-use crate::strategy::FreeSpace;
 
 fn free_space(space: Option<FreeSpace>) -> Value {
     match space {
@@ -49,8 +49,8 @@ pub fn step_json(report: &StepReport) -> Value {
         .iter()
         .map(|p| {
             json!({
-                "device": p.device,
-                "stream": p.stream,
+                "device": p.pool.device,
+                "stream": p.pool.stream,
                 "phase": p.phase_name,
                 "used_bytes": p.used,
                 "peak_used_bytes": p.peak_used,
@@ -87,7 +87,7 @@ pub fn step_json(report: &StepReport) -> Value {
         "released_bytes": report.released(),
         "phases": phases,
         "pools": pools,
-        "warnings": report.warnings.iter().map(|w| w.rule()).collect::<Vec<_>>(),
+        "warnings": report.warnings.iter().map(|w| w.rule().name()).collect::<Vec<_>>(),
         "deferred_errors": report.deferred_errors,
     })
 }
@@ -96,7 +96,7 @@ pub fn step_json(report: &StepReport) -> Value {
 pub fn warning_json(warning: &Warning) -> Value {
     let mut value = json!({
         "type": "warning",
-        "rule": warning.rule(),
+        "rule": warning.rule().name(),
         "step": warning.step,
         "device": warning.device,
         "message": warning.to_string(),
@@ -136,7 +136,7 @@ pub fn oom_json(report: &OomReport) -> Value {
         .map(|p| {
             json!({
                 "phase": p.phase,
-                "stream": p.stream,
+                "stream": p.pool.stream,
                 "reserved_bytes": p.reserved,
                 "used_bytes": p.used,
                 "reserved_unused_bytes": p.reserved.saturating_sub(p.used),
@@ -148,8 +148,8 @@ pub fn oom_json(report: &OomReport) -> Value {
         "type": "oom",
         "requested_bytes": report.requested,
         "phase": report.phase,
-        "stream": report.stream,
-        "device": report.device,
+        "stream": report.pool.stream,
+        "device": report.pool.device,
         "step": report.step,
         "device_free_bytes": report.device_free,
         "device_total_bytes": report.device_total,

@@ -3,8 +3,9 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::phase::{Phase, Scope, Strategy};
-use crate::strategy::FreeSpace;
+use crate::phase::{Scope, Strategy};
+use crate::report::{FreeSpace, PoolId};
+use crate::warning::WarningRule;
 
 /// The counters of one pool (one phase on one stream of one device), over its life.
 ///
@@ -15,21 +16,17 @@ use crate::strategy::FreeSpace;
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct PoolMetrics {
-    /// The phase.
-    pub phase: Phase,
+    /// Which pool.
+    pub pool: PoolId,
     /// The phase's name.
     pub phase_name: String,
     /// The phase's scope.
     pub scope: Scope,
     /// The phase's strategy.
     pub strategy: Strategy,
-    /// The device ordinal.
-    pub device: usize,
-    /// The stream's id.
-    pub stream: u32,
     /// Whether this is the sum of the (device, phase) pools that went away with their streams:
-    /// their counts stay, so counters never go back; `used` and `reserved` are 0 and `stream` is
-    /// meaningless (Prometheus labels it `retired`).
+    /// their counts stay, so counters never go back; `used` and `reserved` are 0 and
+    /// `pool.stream` is meaningless (Prometheus labels it `retired`).
     pub retired: bool,
     /// Usage and counts.
     pub usage: Usage,
@@ -129,10 +126,28 @@ pub struct Metrics {
     pub devices: Vec<DeviceMemory>,
     /// Steps ended.
     pub steps: u64,
-    /// The fragmentation ratio of each phase in the last step, `(device, phase name, ratio)`.
-    pub fragmentation: Vec<(usize, String, f64)>,
-    /// Warnings fired, `(rule, count)`.
-    pub warnings: Vec<(&'static str, u64)>,
+    /// The fragmentation ratio of each phase on each device in the last step.
+    pub fragmentation: Vec<PhaseFragmentation>,
+    /// How often each rule has fired, for the rules that have.
+    pub warnings: Vec<WarningCount>,
+}
+
+/// A phase's fragmentation ratio on a device in the last step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhaseFragmentation {
+    /// The phase on its device ([`GroupKey::Phase`]).
+    pub group: GroupKey,
+    /// `1 - peak_used / peak_reserved` summed over the phase's pools on the device.
+    pub ratio: f64,
+}
+
+/// How often a warning rule has fired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WarningCount {
+    /// The rule.
+    pub rule: WarningRule,
+    /// Episodes it has fired for.
+    pub fired: u64,
 }
 
 /// What a sum of pools is grouped by.
@@ -175,18 +190,18 @@ impl Metrics {
 
     /// Sums per (device, phase).
     pub fn by_phase(&self) -> Vec<(GroupKey, Usage)> {
-        self.group(|p| GroupKey::Phase { device: p.device, phase: p.phase_name.clone() })
+        self.group(|p| GroupKey::Phase { device: p.pool.device, phase: p.phase_name.clone() })
     }
 
     /// Sums per live stream (retired pools are left out: their streams are gone).
     pub fn by_stream(&self) -> Vec<(GroupKey, Usage)> {
         let live = Metrics { pools: self.pools.iter().filter(|p| !p.retired).cloned().collect(), ..Metrics::default() };
-        live.group(|p| GroupKey::Stream { device: p.device, stream: p.stream })
+        live.group(|p| GroupKey::Stream { device: p.pool.device, stream: p.pool.stream })
     }
 
     /// Sums per device.
     pub fn by_device(&self) -> Vec<(GroupKey, Usage)> {
-        self.group(|p| GroupKey::Device { device: p.device })
+        self.group(|p| GroupKey::Device { device: p.pool.device })
     }
 
     /// The sum over every pool.
@@ -209,12 +224,13 @@ impl Retired {
     /// Folds in the final counts of a pool being dropped.
     pub(crate) fn add(&self, pool: PoolMetrics) {
         let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
-        match pools.iter_mut().find(|p| p.device == pool.device && p.phase == pool.phase) {
+        match pools.iter_mut().find(|p| p.pool.device == pool.pool.device && p.pool.phase == pool.pool.phase) {
             Some(sum) => sum.usage.retire(&pool.usage),
             None => {
                 let mut usage = Usage::default();
                 usage.retire(&pool.usage);
-                pools.push(PoolMetrics { retired: true, stream: 0, usage, free_space: None, ..pool });
+                let id = PoolId { stream: 0, ..pool.pool };
+                pools.push(PoolMetrics { pool: id, retired: true, usage, free_space: None, ..pool });
             }
         }
     }

@@ -40,14 +40,15 @@ mod warnings;
 
 use std::sync::OnceLock;
 
-pub use history::{Event, EventKind, History, LiveBlock, LiveSegment, PoolKey};
+pub use history::{Event, EventKind, History, LiveBlock, LiveSegment};
 pub(crate) use history::{Recorder, thread_number};
 pub use http::MetricsServer;
 pub(crate) use metrics::Retired;
-pub use metrics::{DeviceMemory, GroupKey, Metrics, PoolMetrics, Usage};
+pub use metrics::{DeviceMemory, GroupKey, Metrics, PhaseFragmentation, PoolMetrics, Usage, WarningCount};
 pub(crate) use warnings::WarningState;
 pub use warnings::{
-    FragmentationRule, LowHeadroomRule, ReservedCreepRule, ScatteredFreeRule, Warning, WarningKind, WarningRules,
+    FragmentationRule, LowHeadroomRule, ReservedCreepRule, ScatteredFreeRule, Warning, WarningKind, WarningRule,
+    WarningRules,
 };
 
 /// The process's cycle-counter clock (the TSC where it is stable, else the OS's monotonic

@@ -7,6 +7,7 @@
 use std::fmt::Write;
 
 use super::{Metrics, PoolMetrics};
+use crate::warning::WarningRule;
 
 /// The `Content-Type` of the text this module writes.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -27,8 +28,8 @@ fn header(out: &mut String, family: &Family<'_>) {
 }
 
 fn pool_labels(pool: &PoolMetrics) -> String {
-    let stream = if pool.retired { "retired".to_owned() } else { pool.stream.to_string() };
-    format!("device=\"{}\",stream=\"{stream}\",phase=\"{}\"", pool.device, escape(&pool.phase_name))
+    let stream = if pool.retired { "retired".to_owned() } else { pool.pool.stream.to_string() };
+    format!("device=\"{}\",stream=\"{stream}\",phase=\"{}\"", pool.pool.device, escape(&pool.phase_name))
 }
 
 impl Metrics {
@@ -166,7 +167,9 @@ impl Metrics {
                     help: "1 - peak_used / peak_reserved of the phase in the last step.",
                 },
             );
-            for (device, phase, ratio) in &self.fragmentation {
+            for fragmentation in &self.fragmentation {
+                let super::GroupKey::Phase { device, phase } = &fragmentation.group else { continue };
+                let ratio = fragmentation.ratio;
                 let _ = writeln!(
                     out,
                     "steppool_fragmentation_ratio{{device=\"{device}\",phase=\"{}\"}} {ratio}",
@@ -201,8 +204,13 @@ impl Metrics {
             &mut out,
             &Family { name: "steppool_warnings_total", kind: "counter", help: "Early warnings fired, per rule." },
         );
-        for rule in ["fragmentation", "scattered_free", "reserved_creep", "low_headroom"] {
-            let count = self.warnings.iter().find(|(name, _)| *name == rule).map_or(0, |(_, count)| *count);
+        for rule in [
+            WarningRule::Fragmentation,
+            WarningRule::ScatteredFree,
+            WarningRule::ReservedCreep,
+            WarningRule::LowHeadroom,
+        ] {
+            let count = self.warnings.iter().find(|count| count.rule == rule).map_or(0, |count| count.fired);
             let _ = writeln!(out, "steppool_warnings_total{{rule=\"{rule}\"}} {count}");
         }
         out

@@ -11,11 +11,12 @@
 use std::collections::{BTreeMap, HashSet};
 use std::io::{self, Write};
 
-use super::history::{EventKind, History, PoolKey};
+use super::history::{EventKind, History};
 use super::pickle::{self, Value, dict};
-use crate::strategy::ALIGNMENT;
+use crate::phase::ALIGNMENT;
+use crate::report::PoolId;
 
-fn frames(history: &History, pool: PoolKey, step: Option<u64>, thread: Option<u64>) -> Value {
+fn frames(history: &History, pool: PoolId, step: Option<u64>, thread: Option<u64>) -> Value {
     let name = match (step, thread) {
         (Some(step), Some(thread)) => format!("step {step} (thread {thread})"),
         (Some(step), None) => format!("step {step}"),
@@ -29,7 +30,7 @@ fn frames(history: &History, pool: PoolKey, step: Option<u64>, thread: Option<u6
     ])])
 }
 
-fn trace_entry(action: &str, addr: u64, size: u64, pool: PoolKey, t_ns: u64, frames: Value, category: &str) -> Value {
+fn trace_entry(action: &str, addr: u64, size: u64, pool: PoolId, t_ns: u64, frames: Value, category: &str) -> Value {
     dict([
         ("action", action.into()),
         ("addr", addr.into()),
@@ -158,7 +159,7 @@ fn snapshot(history: &History) -> Value {
 
     // Live segments, each tiled by its live blocks and the free gaps between them; a live block
     // outside every known segment (allocated before recording began) gets a segment of its own.
-    let mut segments: Vec<(PoolKey, u64, u64)> = history.segments.iter().map(|s| (s.pool, s.ptr, s.bytes)).collect();
+    let mut segments: Vec<(PoolId, u64, u64)> = history.segments.iter().map(|s| (s.pool, s.ptr, s.bytes)).collect();
     for block in &history.blocks {
         let inside = segments.iter().any(|&(pool, base, size)| {
             pool.device == block.pool.device && base <= block.ptr && block.ptr < base + size

@@ -11,8 +11,9 @@ use std::fmt::Write;
 
 use steppool_sys::bytes::Bytes;
 
-use super::history::{EventKind, History, PoolKey};
+use super::history::{EventKind, History};
 use crate::phase::Phase;
+use crate::report::PoolId;
 
 const WIDTH: f64 = 1200.0;
 const LEFT: f64 = 96.0;
@@ -47,7 +48,7 @@ fn series(history: &History) -> Series {
         (bucket as usize).min(BUCKETS - 1)
     };
     let mut used = vec![0u64; phases.len()];
-    let mut reserved: BTreeMap<PoolKey, u64> = BTreeMap::new();
+    let mut reserved: BTreeMap<PoolId, u64> = BTreeMap::new();
     let mut buckets = vec![vec![(0u64, 0u64); phases.len()]; BUCKETS];
     let mut totals = vec![(0u64, 0u64); BUCKETS];
     let mut touched = vec![false; BUCKETS];

@@ -6,11 +6,10 @@
 //! `steppool::warnings`), into the [`StepReport`](crate::StepReport) and into the history.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::fmt;
-
-use steppool_sys::bytes::Bytes;
 
 use crate::report::PoolStats;
+use crate::telemetry::metrics::WarningCount;
+pub use crate::warning::{Warning, WarningKind, WarningRule};
 
 /// Fragmentation of a phase on a device above `threshold` for `steps` consecutive steps.
 ///
@@ -131,146 +130,6 @@ impl WarningRules {
     }
 }
 
-/// What a warning says, with the numbers that triggered it.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum WarningKind {
-    /// See [`FragmentationRule`].
-    Fragmentation {
-        /// The phase.
-        phase: String,
-        /// Its ratio in the step that fired.
-        ratio: f64,
-        /// The rule's threshold.
-        threshold: f64,
-        /// Consecutive steps above it.
-        steps: u32,
-        /// The largest peak of live bytes of the phase in the rule's window.
-        peak_used: u64,
-        /// Its peak reservation in the step that fired.
-        peak_reserved: u64,
-    },
-    /// See [`ScatteredFreeRule`].
-    ScatteredFree {
-        /// The phase.
-        phase: String,
-        /// The pool's stream.
-        stream: u32,
-        /// The largest request of the pool in the window.
-        largest_request: u64,
-        /// The largest free piece in the pool.
-        largest_free: u64,
-        /// All free bytes in the pool.
-        total_free: u64,
-        /// Free device memory.
-        device_free: u64,
-    },
-    /// See [`ReservedCreepRule`].
-    ReservedCreep {
-        /// The phase.
-        phase: String,
-        /// Steps in the window.
-        steps: u32,
-        /// Reserved at the end of the window's first step.
-        reserved_from: u64,
-        /// Reserved now.
-        reserved_to: u64,
-        /// Peak live bytes in the window's first step.
-        peak_used_from: u64,
-        /// Peak live bytes now.
-        peak_used_to: u64,
-    },
-    /// See [`LowHeadroomRule`].
-    LowHeadroom {
-        /// Free device memory plus reserved memory without live data.
-        headroom: u64,
-        /// The largest step demand in the window.
-        demand: u64,
-        /// Free device memory.
-        device_free: u64,
-        /// The rule's margin.
-        margin: f64,
-    },
-}
-
-/// One firing of a rule.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct Warning {
-    /// The step whose end evaluated it.
-    pub step: u64,
-    /// The device.
-    pub device: usize,
-    /// What it says.
-    pub kind: WarningKind,
-}
-
-impl Warning {
-    /// The rule's name: `fragmentation`, `scattered_free`, `reserved_creep` or `low_headroom`.
-    pub fn rule(&self) -> &'static str {
-        match self.kind {
-            WarningKind::Fragmentation { .. } => "fragmentation",
-            WarningKind::ScatteredFree { .. } => "scattered_free",
-            WarningKind::ReservedCreep { .. } => "reserved_creep",
-            WarningKind::LowHeadroom { .. } => "low_headroom",
-        }
-    }
-
-    /// The phase it is about, if one.
-    pub fn phase(&self) -> Option<&str> {
-        match &self.kind {
-            WarningKind::Fragmentation { phase, .. }
-            | WarningKind::ScatteredFree { phase, .. }
-            | WarningKind::ReservedCreep { phase, .. } => Some(phase),
-            WarningKind::LowHeadroom { .. } => None,
-        }
-    }
-}
-
-impl fmt::Display for Warning {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "step {} device {}: ", self.step, self.device)?;
-        match &self.kind {
-            WarningKind::Fragmentation { phase, ratio, threshold, steps, peak_used, peak_reserved } => write!(
-                f,
-                "fragmentation of `{phase}` above {:.0}% for {steps} steps: {:.1}% now ({} reserved at the peak, while recent steps needed at most {} live)",
-                threshold * 100.0,
-                ratio * 100.0,
-                Bytes(*peak_reserved),
-                Bytes(*peak_used),
-            ),
-            WarningKind::ScatteredFree { phase, stream, largest_request, largest_free, total_free, device_free } => {
-                write!(
-                    f,
-                    "free memory of `{phase}` on stream {stream} is scattered: {} free but the largest piece is {}, and the device has {} free, while recent steps asked for {} at once; the next such request will fail",
-                    Bytes(*total_free),
-                    Bytes(*largest_free),
-                    Bytes(*device_free),
-                    Bytes(*largest_request),
-                )
-            }
-            WarningKind::ReservedCreep { phase, steps, reserved_from, reserved_to, peak_used_from, peak_used_to } => {
-                write!(
-                    f,
-                    "reserved memory of `{phase}` grew from {} to {} over {steps} steps while its peak live bytes stayed at {} → {}: creep or a leak of reservations",
-                    Bytes(*reserved_from),
-                    Bytes(*reserved_to),
-                    Bytes(*peak_used_from),
-                    Bytes(*peak_used_to),
-                )
-            }
-            WarningKind::LowHeadroom { headroom, demand, device_free, margin } => write!(
-                f,
-                "headroom {} ({} free on the device, the rest reserved without live data) is short of the largest recent step demand {}, with {:.0}% margin on what must come from the device: the next such step may run out of memory",
-                Bytes(*headroom),
-                Bytes(*device_free),
-                Bytes(*demand),
-                margin * 100.0,
-            ),
-        }
-    }
-}
-
 /// Per (device, phase) numbers of one step.
 #[derive(Clone, Copy, Debug, Default)]
 struct PhaseStep {
@@ -293,12 +152,20 @@ pub(crate) struct WarningState {
     /// Recent largest requests per pool (device, stream, phase).
     requests: HashMap<(usize, u32, String), VecDeque<u64>>,
     /// Episodes in progress: (rule, device, phase).
-    active: HashSet<(&'static str, usize, String)>,
+    active: HashSet<(WarningRule, usize, String)>,
     /// Firings per rule.
-    pub(crate) fired: HashMap<&'static str, u64>,
+    fired: HashMap<WarningRule, u64>,
 }
 
 impl WarningState {
+    /// How often each rule has fired, in rule order.
+    pub(crate) fn counts(&self) -> Vec<WarningCount> {
+        let mut counts: Vec<WarningCount> =
+            self.fired.iter().map(|(&rule, &fired)| WarningCount { rule, fired }).collect();
+        counts.sort_unstable_by_key(|count| count.rule);
+        counts
+    }
+
     /// Evaluates `rules` on the pools' numbers at the end of `step`; `memory` gives each
     /// device's free and total memory. Returns the warnings that start an episode.
     pub(crate) fn evaluate(
@@ -311,7 +178,7 @@ impl WarningState {
         let mut phases: Vec<((usize, String), PhaseStep)> = Vec::new();
         let mut devices: Vec<(usize, u64, u64)> = Vec::new(); // (device, reserved unused, demand)
         for pool in pools {
-            let key = (pool.device, pool.phase_name.clone());
+            let key = (pool.pool.device, pool.phase_name.clone());
             let index = match phases.iter().position(|(k, _)| *k == key) {
                 Some(index) => index,
                 None => {
@@ -323,10 +190,10 @@ impl WarningState {
             entry.peak_used += pool.peak_used;
             entry.peak_reserved += pool.peak_reserved;
             entry.reserved += pool.reserved;
-            let index = match devices.iter().position(|d| d.0 == pool.device) {
+            let index = match devices.iter().position(|d| d.0 == pool.pool.device) {
                 Some(index) => index,
                 None => {
-                    devices.push((pool.device, 0, 0));
+                    devices.push((pool.pool.device, 0, 0));
                     devices.len() - 1
                 }
             };
@@ -337,13 +204,16 @@ impl WarningState {
         let mut fired = Vec::new();
         if let Some(rule) = &rules.scattered_free {
             for pool in pools {
-                let recent = self.requests.entry((pool.device, pool.stream, pool.phase_name.clone())).or_default();
+                let recent =
+                    self.requests.entry((pool.pool.device, pool.pool.stream, pool.phase_name.clone())).or_default();
                 recent.push_back(pool.largest_request);
                 while recent.len() > rule.window.max(1) as usize {
                     recent.pop_front();
                 }
                 let largest_request = recent.iter().copied().max().unwrap_or(0);
-                let (Some(space), Some((device_free, _))) = (pool.free_space, memory(pool.device)) else { continue };
+                let (Some(space), Some((device_free, _))) = (pool.free_space, memory(pool.pool.device)) else {
+                    continue;
+                };
                 // Scattered, not merely full: enough bytes are free, in pieces too small.
                 let condition = largest_request > 0
                     && space.total_free >= largest_request
@@ -351,14 +221,14 @@ impl WarningState {
                     && device_free < largest_request;
                 let kind = WarningKind::ScatteredFree {
                     phase: pool.phase_name.clone(),
-                    stream: pool.stream,
+                    stream: pool.pool.stream,
                     largest_request,
                     largest_free: space.largest_free,
                     total_free: space.total_free,
                     device_free,
                 };
-                let key = format!("{}@{}", pool.phase_name, pool.stream);
-                self.episode(condition, step, pool.device, Some(&key), kind, &mut fired);
+                let key = format!("{}@{}", pool.phase_name, pool.pool.stream);
+                self.episode(condition, step, pool.pool.device, Some(&key), kind, &mut fired);
             }
         }
         for ((device, phase), now) in &phases {

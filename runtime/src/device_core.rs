@@ -1,0 +1,102 @@
+//! The device as the runtime holds it: a GPU through its primary context, the context cudarc,
+//! candle and cubecl use, so pointers and streams interoperate with them.
+
+use std::fmt;
+use std::sync::{Mutex, Once, PoisonError};
+
+use steppool_sys::{CUcontext, CUdevice, CUmemAccess_flags, CUmemAccessDesc, CUmemLocation, CUmemLocationType, Driver};
+
+use crate::error::{Error, Result};
+
+/// A device as the runtime holds it. Releases its primary context when the last user goes.
+pub(crate) struct DeviceCore {
+    pub(crate) driver: Driver,
+    pub(crate) ordinal: usize,
+    pub(crate) device: CUdevice,
+    pub(crate) ctx: CUcontext,
+    pub(crate) name: String,
+    pub(crate) total_memory: u64,
+    /// Whether the device has memory pools; without them, allocation falls back to `cuMemAlloc`.
+    pub(crate) pools_supported: bool,
+    /// Devices granted access to this device's pools.
+    pub(crate) peers: Mutex<Vec<CUdevice>>,
+}
+
+// SAFETY: a CUcontext is an opaque driver handle; the driver API may be called with it from any
+// thread, and a context may be current on several threads at once (CUDA driver API, "Context
+// Management"). Every other field is Send + Sync.
+unsafe impl Send for DeviceCore {}
+// SAFETY: as above; the handle is never mutated after construction.
+unsafe impl Sync for DeviceCore {}
+
+static FALLBACK_NOTICE: Once = Once::new();
+
+impl DeviceCore {
+    pub(crate) fn open(driver: &Driver, ordinal: usize) -> Result<Self> {
+        let count = driver.device_count()?;
+        if ordinal >= count {
+            return Err(Error::NoSuchDevice { ordinal, count });
+        }
+        let device = driver.device(ordinal)?;
+        let name = driver.device_name(device)?;
+        let total_memory = driver.device_total_memory(device)?;
+        let pools_supported = driver.memory_pools_supported(device)?;
+        let ctx = driver.primary_context_retain(device)?;
+        if !pools_supported {
+            let version = driver.driver_version().map(|v| v.to_string()).unwrap_or_else(|_| "unknown".into());
+            FALLBACK_NOTICE.call_once(|| {
+                eprintln!(
+                    "steppool: device {ordinal} ({name}) has no stream-ordered memory pools (driver {version}); \
+                     allocating with cuMemAlloc/cuMemFree instead"
+                );
+            });
+        }
+        let core = Self {
+            driver: driver.clone(),
+            ordinal,
+            device,
+            ctx,
+            name,
+            total_memory,
+            pools_supported,
+            peers: Mutex::new(Vec::new()),
+        };
+        core.make_current()?;
+        Ok(core)
+    }
+
+    /// Makes the device's primary context current on the calling thread, if it is not.
+    pub(crate) fn make_current(&self) -> Result<()> {
+        if self.driver.context_current()? != Some(self.ctx) {
+            // SAFETY: `ctx` is this driver's primary context, retained until `self` drops.
+            unsafe { self.driver.context_set_current(self.ctx) }?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn peers(&self) -> Vec<CUdevice> {
+        self.peers.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+}
+
+impl Drop for DeviceCore {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `open`; everything that used the context (streams,
+        // pools, buffers) holds an `Arc` to this core and is gone.
+        let _ = unsafe { self.driver.primary_context_release(self.device) };
+    }
+}
+
+impl fmt::Debug for DeviceCore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.ordinal).field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+/// The access descriptor that grants `device` read-write access.
+pub(crate) fn read_write(device: CUdevice) -> CUmemAccessDesc {
+    CUmemAccessDesc {
+        location: CUmemLocation { type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device },
+        flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}

@@ -1,0 +1,115 @@
+//! The telemetry hub: what a runtime keeps for its operators across steps — the history
+//! recorder, the counts of pools gone, the warning rules with their memory and callbacks, and
+//! the last step's fragmentation.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use crate::error::{Error, ErrorSink};
+use crate::report::{StepReport, fragmentation_ratio};
+use crate::telemetry::{
+    EventKind, GroupKey, PhaseFragmentation, Recorder, Retired, Warning, WarningCount, WarningRules, WarningState,
+};
+
+/// A callback registered with [`Runtime::on_warning`](crate::Runtime::on_warning).
+pub(crate) type WarningSink = Arc<dyn Fn(&Warning) + Send + Sync>;
+
+/// What the runtime keeps for its operators.
+#[derive(Default)]
+pub(crate) struct Hub {
+    pub(crate) recorder: Arc<Recorder>,
+    /// Counts of pools gone with their streams.
+    pub(crate) retired: Arc<Retired>,
+    /// Allocations that succeeded only after out-of-memory recovery.
+    pub(crate) oom_recoveries: AtomicU64,
+    /// Steps ended.
+    pub(crate) steps_ended: AtomicU64,
+    /// The early-warning rules and their memory between steps.
+    warnings: Mutex<(WarningRules, WarningState)>,
+    /// Callbacks told of every warning.
+    sinks: RwLock<Vec<WarningSink>>,
+    /// Each phase's fragmentation ratio in the last step, per device.
+    last_fragmentation: Mutex<Vec<PhaseFragmentation>>,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub").field("recording", &self.recorder.is_on()).finish_non_exhaustive()
+    }
+}
+
+impl Hub {
+    /// Replaces the warning rules; their memory of past steps starts over.
+    pub(crate) fn set_rules(&self, rules: WarningRules) {
+        *self.warnings.lock().unwrap_or_else(PoisonError::into_inner) = (rules, WarningState::default());
+    }
+
+    /// The warning rules in force.
+    pub(crate) fn rules(&self) -> WarningRules {
+        self.warnings.lock().unwrap_or_else(PoisonError::into_inner).0
+    }
+
+    /// Adds a warning callback.
+    pub(crate) fn add_sink(&self, sink: WarningSink) {
+        self.sinks.write().unwrap_or_else(PoisonError::into_inner).push(sink);
+    }
+
+    /// How often each rule has fired.
+    pub(crate) fn warning_counts(&self) -> Vec<WarningCount> {
+        self.warnings.lock().unwrap_or_else(PoisonError::into_inner).1.counts()
+    }
+
+    /// The last step's fragmentation per (device, phase).
+    pub(crate) fn last_fragmentation(&self) -> Vec<PhaseFragmentation> {
+        self.last_fragmentation.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Runs the warning rules on a step's numbers and keeps each phase's fragmentation ratio;
+    /// `memory` gives a device's `(free, total)` memory.
+    pub(crate) fn evaluate(&self, report: &StepReport, memory: &dyn Fn(usize) -> Option<(u64, u64)>) -> Vec<Warning> {
+        let mut sums: Vec<(GroupKey, u64, u64)> = Vec::new();
+        for pool in &report.pools {
+            let group = GroupKey::Phase { device: pool.pool.device, phase: pool.phase_name.clone() };
+            match sums.iter_mut().find(|(key, _, _)| *key == group) {
+                Some((_, used, reserved)) => {
+                    *used += pool.peak_used;
+                    *reserved += pool.peak_reserved;
+                }
+                None => sums.push((group, pool.peak_used, pool.peak_reserved)),
+            }
+        }
+        *self.last_fragmentation.lock().unwrap_or_else(PoisonError::into_inner) = sums
+            .into_iter()
+            .map(|(group, used, reserved)| PhaseFragmentation { group, ratio: fragmentation_ratio(used, reserved) })
+            .collect();
+        let mut warnings = self.warnings.lock().unwrap_or_else(PoisonError::into_inner);
+        let (rules, state) = &mut *warnings;
+        state.evaluate(rules, report.index, &report.pools, memory)
+    }
+
+    /// Tells the log, the history and the callbacks of `warnings`; a callback that panics is
+    /// recorded in `errors` (it must not unwind through `Step`'s drop, where a step may end).
+    pub(crate) fn dispatch(&self, warnings: &[Warning], errors: &ErrorSink) {
+        if warnings.is_empty() {
+            return;
+        }
+        let sinks: Vec<WarningSink> = self.sinks.read().unwrap_or_else(PoisonError::into_inner).clone();
+        for warning in warnings {
+            tracing::warn!(
+                target: "steppool::warnings",
+                rule = warning.rule().name(),
+                step = warning.step,
+                device = warning.device,
+                phase = warning.phase().unwrap_or(""),
+                "{warning}"
+            );
+            self.recorder.record(EventKind::Warning { rule: warning.rule().name(), message: warning.to_string() });
+            for sink in &sinks {
+                let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(warning)));
+                if called.is_err() {
+                    errors.record(Error::CallbackPanicked { rule: warning.rule() });
+                }
+            }
+        }
+    }
+}

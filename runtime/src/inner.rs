@@ -1,0 +1,364 @@
+//! The runtime's state and what it does with it: the path of an allocation with its
+//! out-of-memory recovery, and the step and micro-step boundaries that release step-scoped
+//! memory at once. The public handles ([`Runtime`](crate::Runtime), [`Device`](crate::Device),
+//! [`Step`](crate::Step), ...) hold an `Arc` of it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use steppool_sys::{CUdeviceptr, Driver};
+
+use crate::control::Control;
+use crate::device_core::DeviceCore;
+use crate::error::{Error, ErrorSink, OomReport, PoolUsage, Result};
+use crate::hub::Hub;
+use crate::phase::{Phase, Scope};
+use crate::pool::{PhasePool, PoolGuard, PoolSinks, PoolSlots};
+use crate::raw_table::RawTable;
+use crate::registry::Registry;
+use crate::report::{MicroStepReport, PoolStats, StepReport};
+use crate::stream_core::StreamCore;
+use crate::telemetry::{DeviceMemory, EventKind, History, Metrics};
+
+/// Where an allocation request comes from; decides which scopes it may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Caller {
+    /// [`Runtime::alloc`](crate::Runtime::alloc): persistent phases.
+    Runtime,
+    /// [`Step::alloc`](crate::Step::alloc): step-scoped phases.
+    Step,
+    /// [`MicroStep::alloc`](crate::MicroStep::alloc): step- and micro-step-scoped phases.
+    MicroStep,
+    /// The raw API: any scope, while that scope is active.
+    Raw,
+}
+
+static NEXT_RUNTIME: AtomicU64 = AtomicU64::new(1);
+
+/// The shared state of a runtime.
+#[derive(Debug)]
+pub(crate) struct RuntimeInner {
+    /// Unique in the process, never reused: streams carry it to refuse other runtimes.
+    pub(crate) id: u64,
+    pub(crate) driver: Driver,
+    pub(crate) registry: Registry,
+    pub(crate) control: Control,
+    pub(crate) raw: RawTable,
+    pub(crate) hub: Hub,
+    pub(crate) errors: Arc<ErrorSink>,
+}
+
+impl RuntimeInner {
+    pub(crate) fn new(driver: Driver, checked: bool) -> Result<Self> {
+        // Calibrating the clock takes up to a few hundred milliseconds: here, not in the first
+        // allocation.
+        crate::telemetry::clock();
+        let count = driver.device_count()?;
+        Ok(Self {
+            id: NEXT_RUNTIME.fetch_add(1, Ordering::Relaxed),
+            driver,
+            registry: Registry::new(count),
+            control: Control::default(),
+            raw: RawTable::new(checked),
+            hub: Hub::default(),
+            errors: Arc::default(),
+        })
+    }
+
+    pub(crate) fn device(&self, ordinal: usize) -> Result<Arc<DeviceCore>> {
+        self.registry.device(&self.driver, ordinal)
+    }
+
+    /// The pool of `phase` on a stream, created on first use.
+    pub(crate) fn pool(&self, stream: &Arc<StreamCore>, slots: &PoolSlots, phase: Phase) -> Result<Arc<PhasePool>> {
+        if stream.runtime != self.id {
+            return Err(Error::ForeignStream);
+        }
+        let sinks = || PoolSinks {
+            errors: self.errors.clone(),
+            recorder: self.hub.recorder.clone(),
+            retired: self.hub.retired.clone(),
+        };
+        // A step in progress measures the new pool from its creation.
+        let created = |pool: &PhasePool| if self.control.step_active() { pool.lock().begin_step() } else { Ok(()) };
+        self.registry.pool(stream, slots, phase, sinks, created)
+    }
+
+    // ----- the path of an allocation ---------------------------------------------------------
+
+    /// Allocates from the pool of (stream, `phase`) for `caller`, recovering once from
+    /// out-of-memory: synchronize the device, trim its other pools, retry.
+    pub(crate) fn allocate(
+        &self,
+        phase: Phase,
+        bytes: u64,
+        stream: &Arc<StreamCore>,
+        slots: &PoolSlots,
+        caller: Caller,
+    ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
+        let pool = self.pool(stream, slots, phase)?;
+        let spec = pool.spec();
+        let allowed = matches!(
+            (spec.scope, caller),
+            (Scope::Persistent, Caller::Runtime | Caller::Raw)
+                | (Scope::Step, Caller::Step | Caller::MicroStep | Caller::Raw)
+                | (Scope::MicroStep, Caller::MicroStep | Caller::Raw)
+        );
+        if !allowed {
+            let from = match spec.scope {
+                Scope::Persistent => "the Runtime",
+                Scope::Step => "a Step",
+                Scope::MicroStep => "a MicroStep",
+            };
+            return Err(Error::PhaseScope { phase: spec.name.clone(), scope: spec.scope, from });
+        }
+        if bytes == 0 {
+            return Err(Error::ZeroSize { phase: spec.name.clone() });
+        }
+        let device = &stream.device;
+        if bytes > device.total_memory {
+            return Err(Error::ExceedsDevice {
+                requested: bytes,
+                phase: spec.name.clone(),
+                device: device.ordinal,
+                device_total: device.total_memory,
+            });
+        }
+        let raw = caller == Caller::Raw;
+        match self.try_allocate(&pool, bytes, raw) {
+            Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                self.trim_device(pool.device_ordinal(), Some(&pool))?;
+                match self.try_allocate(&pool, bytes, raw) {
+                    Ok(ptr) => {
+                        self.hub.oom_recoveries.fetch_add(1, Ordering::Relaxed);
+                        pool.lock().note_oom(true);
+                        Ok((pool, ptr))
+                    }
+                    Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                        pool.lock().note_oom(false);
+                        let report = self.oom_report(&pool, bytes)?;
+                        let device_free = report.device_free;
+                        self.hub.recorder.record(EventKind::Oom { pool: pool.id(), bytes, device_free });
+                        Err(Error::OutOfMemory(Box::new(report)))
+                    }
+                    Err(other) => Err(other),
+                }
+            }
+            Ok(ptr) => Ok((pool, ptr)),
+            Err(other) => Err(other),
+        }
+    }
+
+    #[inline]
+    fn try_allocate(&self, pool: &Arc<PhasePool>, bytes: u64, raw: bool) -> Result<CUdeviceptr> {
+        let mut guard = pool.lock();
+        if raw {
+            // Under the pool's lock: a boundary clears the flag before taking this lock, so an
+            // allocation either lands before the release (and is released) or is refused.
+            match pool.scope() {
+                Scope::Step if !self.control.step_active() => return Err(Error::NoActiveStep),
+                Scope::MicroStep if !self.control.micro_step_active() => return Err(Error::NoActiveMicroStep),
+                _ => {}
+            }
+        }
+        let ptr = guard.allocate(bytes)?;
+        if raw {
+            guard.insert_raw(ptr, bytes);
+            self.raw.register(ptr, bytes, pool);
+        }
+        Ok(ptr)
+    }
+
+    /// Gives back the idle memory of every pool on `device` (but `except`): strategies first
+    /// return what their scope has not touched (an arena's spare slabs) to their CUDA pools, the
+    /// device is synchronized so every free is complete, then every pool is trimmed. Returns the
+    /// bytes released to the device.
+    pub(crate) fn trim_device(&self, device: usize, except: Option<&Arc<PhasePool>>) -> Result<u64> {
+        let pools: Vec<Arc<PhasePool>> = self
+            .registry
+            .pools_on(device)
+            .into_iter()
+            .filter(|pool| !except.is_some_and(|failing| Arc::ptr_eq(failing, pool)))
+            .collect();
+        for pool in &pools {
+            pool.lock().release_unused()?;
+        }
+        self.device(device)?.make_current()?;
+        self.driver.context_synchronize()?;
+        let mut released = 0;
+        for pool in &pools {
+            released += pool.lock().release_idle()?;
+        }
+        Ok(released)
+    }
+
+    fn oom_report(&self, failing: &Arc<PhasePool>, bytes: u64) -> Result<OomReport> {
+        let device = &failing.stream.device;
+        device.make_current()?;
+        let (device_free, device_total) = self.driver.mem_get_info()?;
+        let mut pools = Vec::new();
+        for pool in self.registry.pools_on(device.ordinal) {
+            let stats = pool.lock().stats()?;
+            pools.push(PoolUsage {
+                pool: stats.pool,
+                phase: stats.phase_name,
+                reserved: stats.reserved,
+                used: stats.used,
+                largest_free: stats.free_space.map(|space| space.largest_free),
+            });
+        }
+        let verdict = OomReport::judge(bytes, device_free, &pools);
+        Ok(OomReport {
+            requested: bytes,
+            pool: failing.id(),
+            phase: failing.spec().name.clone(),
+            step: self.hub.recorder.step().or_else(|| self.control.active_step_unlocked()),
+            device_free,
+            device_total,
+            pools,
+            verdict,
+        })
+    }
+
+    // ----- boundaries ------------------------------------------------------------------------
+
+    pub(crate) fn begin_step(&self, guarded: bool) -> Result<u64> {
+        let mut steps = self.control.lock();
+        steps.check_begin()?;
+        for pool in self.registry.pools() {
+            pool.lock().begin_step()?;
+        }
+        let index = steps.begin(&self.control, guarded);
+        self.hub.recorder.set_step(Some(index));
+        self.hub.recorder.record(EventKind::StepBegin { step: index });
+        Ok(index)
+    }
+
+    pub(crate) fn begin_micro_step(&self, guarded: bool) -> Result<(u64, u32)> {
+        let mut steps = self.control.lock();
+        let (step, micro) = steps.begin_micro(&self.control, guarded)?;
+        self.hub.recorder.record(EventKind::MicroBegin { step, micro });
+        Ok((step, micro))
+    }
+
+    /// Ends the active micro-step. `guarded` says whether a [`MicroStep`](crate::MicroStep) guard
+    /// asks; the raw API may not end a guard's micro-step.
+    pub(crate) fn end_micro_step(&self, guarded: bool) -> Result<MicroStepReport> {
+        let mut steps = self.control.lock();
+        let (step, micro) = steps.end_micro(&self.control, guarded)?;
+        let started = Instant::now();
+        let released = self.release(&[Scope::MicroStep], step.index)?;
+        let release_time = started.elapsed();
+        step.release_time += release_time;
+        self.hub.recorder.record(EventKind::MicroEnd { step: step.index, micro: micro.index });
+        Ok(MicroStepReport {
+            step: step.index,
+            index: micro.index,
+            duration: micro.started.elapsed(),
+            release_time,
+            released,
+        })
+    }
+
+    /// Ends the active step, and its micro-step if one is still active.
+    pub(crate) fn end_step(&self, guarded: bool) -> Result<StepReport> {
+        let mut steps = self.control.lock();
+        let mut step = steps.end(&self.control, guarded)?;
+        let started = Instant::now();
+        let released = self.release(&[Scope::MicroStep, Scope::Step], step.index);
+        step.release_time += started.elapsed();
+        self.hub.recorder.set_step(None);
+        self.hub.recorder.record(EventKind::StepEnd { step: step.index });
+        self.hub.steps_ended.fetch_add(1, Ordering::Relaxed);
+        released?;
+        let pools = self.pool_stats()?;
+        let mut report = StepReport::new(
+            step.index,
+            step.started.elapsed(),
+            step.release_time,
+            step.micro_steps,
+            pools,
+            self.errors.len(),
+        );
+        let memory = |ordinal: usize| {
+            let core = self.registry.opened(ordinal)?;
+            core.make_current().ok()?;
+            self.driver.mem_get_info().ok()
+        };
+        report.warnings = self.hub.evaluate(&report, &memory);
+        drop(steps);
+        self.hub.dispatch(&report.warnings, &self.errors);
+        Ok(report)
+    }
+
+    /// Releases every pool of the given scopes at once: all their locks are taken (in registry
+    /// order) before anything is released and given back after, so no allocation or statistic
+    /// sees the release half done. Returns the bytes released.
+    fn release(&self, scopes: &[Scope], step: u64) -> Result<u64> {
+        let pools: Vec<Arc<PhasePool>> =
+            self.registry.pools().into_iter().filter(|pool| scopes.contains(&pool.scope())).collect();
+        let mut guards: Vec<PoolGuard<'_>> = pools.iter().map(|pool| pool.lock()).collect();
+        let mut total = 0;
+        let mut first_error = None;
+        for guard in &mut guards {
+            let released = guard.end_scope();
+            total += released.bytes;
+            self.raw.forget(guard, &released.raw, Some(step));
+            if let Some(error) = released.error {
+                first_error.get_or_insert(error);
+            }
+        }
+        drop(guards);
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(total),
+        }
+    }
+
+    // ----- what it tells -----------------------------------------------------------------------
+
+    /// The numbers of every pool now (the caller holds the boundary lock, so no release is half
+    /// done).
+    pub(crate) fn pool_stats(&self) -> Result<Vec<PoolStats>> {
+        self.registry.pools().iter().map(|pool| pool.lock().stats()).collect()
+    }
+
+    /// Every counter now.
+    pub(crate) fn metrics(&self) -> Result<Metrics> {
+        let _steps = self.control.lock();
+        let mut pools = Vec::new();
+        for pool in self.registry.pools() {
+            pools.push(pool.lock().metrics()?);
+        }
+        pools.extend(self.hub.retired.pools());
+        let mut devices = Vec::new();
+        for core in self.registry.open_devices() {
+            core.make_current()?;
+            let (free, total) = self.driver.mem_get_info()?;
+            devices.push(DeviceMemory { device: core.ordinal, free, total });
+        }
+        Ok(Metrics {
+            pools,
+            devices,
+            steps: self.hub.steps_ended.load(Ordering::Relaxed),
+            fragmentation: self.hub.last_fragmentation(),
+            warnings: self.hub.warning_counts(),
+        })
+    }
+
+    /// A copy of the recorded history, with the runtime's phases, driver and devices.
+    pub(crate) fn history(&self) -> History {
+        let mut history = self.hub.recorder.history();
+        history.phases =
+            self.registry.phases().iter().map(|entry| (entry.spec.name.clone(), entry.spec.scope)).collect();
+        history.driver = self.driver.describe();
+        history.devices = self.registry.open_devices().iter().map(|core| (core.ordinal, core.total_memory)).collect();
+        history
+    }
+
+    /// The name of a phase, or `#index` for one the runtime does not have.
+    pub(crate) fn phase_name(&self, phase: Phase) -> String {
+        self.registry.phase(phase).map_or_else(|_| format!("#{}", phase.index()), |entry| entry.spec.name.clone())
+    }
+}

@@ -1,0 +1,398 @@
+//! Where a phase pool's memory comes from: the [`Source`] a strategy takes device memory from,
+//! and [`DeviceSource`], the one that takes it from the device.
+//!
+//! A strategy sees only [`Source`]: four calls, in the pool's stream order. That is what lets each
+//! strategy be tested in its own file against a fake source. [`DeviceSource`] implements it over
+//! a CUDA memory pool of its own (`cuMemAllocFromPoolAsync`/`cuMemFreeAsync`) or, on devices
+//! without pools, over `cuMemAlloc`/`cuMemFree` with frees deferred until the stream's work is
+//! done; it also answers what the pool above asks of its memory (counters, trim, access).
+
+use std::fmt;
+use std::sync::Arc;
+
+use steppool_sys::{CUdevice, CUdeviceptr, CUevent, CUevent_flags, CUmemPool_attribute, CUmemoryPool, PoolProps};
+
+use crate::device_core::read_write;
+use crate::error::Result;
+use crate::report::PoolId;
+use crate::stream_core::StreamCore;
+use crate::telemetry::{EventKind, Recorder};
+
+/// Device memory in a stream's order, as a strategy takes it.
+pub(crate) trait Source {
+    /// `bytes` (more than 0) of memory, usable by work enqueued on the stream from now on.
+    fn alloc(&mut self, bytes: u64) -> Result<CUdeviceptr>;
+
+    /// Gives back `bytes` at `ptr` (from [`Source::alloc`]) once the stream's work enqueued so far
+    /// is done.
+    fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()>;
+
+    /// Gives back to the device what the source holds without live data beyond `keep` bytes, as
+    /// far as its frees have been observed complete. Never waits for the GPU.
+    fn trim_to(&mut self, keep: u64) -> Result<()>;
+
+    /// Waits for the work enqueued so far on the stream, so that its frees are complete and a
+    /// trim can give them back. For rare events only (a planned slab that must grow).
+    fn synchronize(&mut self) -> Result<()>;
+}
+
+/// The memory a phase pool holds, as the driver counts it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Reservation {
+    /// Bytes held from the device now.
+    pub(crate) reserved: u64,
+    /// The most held since the step began.
+    pub(crate) peak_reserved: u64,
+    /// The most allocated from the CUDA pool since the step began, rounded as the pool rounds
+    /// (0 without a CUDA pool).
+    pub(crate) peak_used: u64,
+}
+
+/// Where a [`DeviceSource`] gets its memory.
+#[derive(Debug)]
+enum Backing {
+    /// A CUDA memory pool of its own, allocated from in the stream's order.
+    CudaPool(CUmemoryPool),
+    /// `cuMemAlloc`/`cuMemFree`, for devices without pools.
+    Synchronous(Fallback),
+}
+
+/// The bookkeeping of the synchronous fallback, whose frees wait for the stream's work before
+/// `cuMemFree`.
+#[derive(Debug, Default)]
+struct Fallback {
+    /// Freed allocations waiting for an event recorded on the stream at their free.
+    deferred: Vec<(CUdeviceptr, u64, CUevent)>,
+    /// Bytes allocated with `cuMemAlloc` and not yet given back.
+    reserved: u64,
+    reserved_high: u64,
+}
+
+/// The memory of one phase pool, taken from the device on the pool's stream.
+pub(crate) struct DeviceSource {
+    stream: Arc<StreamCore>,
+    backing: Backing,
+    /// The runtime's history, told of every segment taken and given back while it records.
+    recorder: Arc<Recorder>,
+    /// The pool this source serves, for the history.
+    id: PoolId,
+}
+
+// SAFETY: the fields that are not Send by themselves are driver handles: the CUmemoryPool, never
+// changed after creation, and the CUevents of deferred frees. Driver handles may be used from any
+// thread (the driver API is thread-safe).
+unsafe impl Send for DeviceSource {}
+
+impl fmt::Debug for DeviceSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceSource").field("backing", &self.backing).field("pool", &self.id).finish()
+    }
+}
+
+impl DeviceSource {
+    /// A CUDA pool on the stream's device with `release_threshold` and `peers` granted access,
+    /// or the synchronous fallback on a device without pools.
+    pub(crate) fn new(
+        stream: Arc<StreamCore>,
+        id: PoolId,
+        release_threshold: u64,
+        peers: &[CUdevice],
+        recorder: Arc<Recorder>,
+    ) -> Result<Self> {
+        let device = &stream.device;
+        let backing = if device.pools_supported {
+            let driver = &device.driver;
+            let pool = driver.mem_pool_create(&PoolProps::device(device.device).build())?;
+            let threshold = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            // SAFETY: the pool was just created.
+            let configured = unsafe { driver.mem_pool_set_attribute(pool, threshold, release_threshold) };
+            if let Err(error) = configured {
+                // SAFETY: the pool was just created and holds nothing.
+                let _ = unsafe { driver.mem_pool_destroy(pool) };
+                return Err(error.into());
+            }
+            Backing::CudaPool(pool)
+        } else {
+            Backing::Synchronous(Fallback::default())
+        };
+        let mut source = Self { stream, backing, recorder, id };
+        source.grant_access(peers)?;
+        Ok(source)
+    }
+
+    /// The CUDA pool, unless the device has none.
+    pub(crate) fn handle(&self) -> Option<CUmemoryPool> {
+        match self.backing {
+            Backing::CudaPool(pool) => Some(pool),
+            Backing::Synchronous(_) => None,
+        }
+    }
+
+    /// Grants `peers` read-write access to the memory of the CUDA pool.
+    pub(crate) fn grant_access(&mut self, peers: &[CUdevice]) -> Result<()> {
+        if let (Backing::CudaPool(pool), false) = (&self.backing, peers.is_empty()) {
+            let access: Vec<_> = peers.iter().map(|&peer| read_write(peer)).collect();
+            // SAFETY: the pool is live while `self` is.
+            unsafe { self.stream.device.driver.mem_pool_set_access(*pool, &access) }?;
+        }
+        Ok(())
+    }
+
+    /// What the source holds: the CUDA pool's attributes, or the fallback's own accounting.
+    pub(crate) fn reservation(&self) -> Result<Reservation> {
+        match &self.backing {
+            Backing::CudaPool(pool) => {
+                // SAFETY: the pool is live while `self` is.
+                let counters = unsafe { self.stream.device.driver.mem_pool_counters(*pool) }?;
+                Ok(Reservation {
+                    reserved: counters.reserved,
+                    peak_reserved: counters.reserved_high,
+                    peak_used: counters.used_high,
+                })
+            }
+            Backing::Synchronous(fallback) => {
+                Ok(Reservation { reserved: fallback.reserved, peak_reserved: fallback.reserved_high, peak_used: 0 })
+            }
+        }
+    }
+
+    /// A step begins: the high-water marks start over from the current values.
+    pub(crate) fn begin_step(&mut self) -> Result<()> {
+        match &mut self.backing {
+            Backing::CudaPool(pool) => {
+                let driver = &self.stream.device.driver;
+                // SAFETY: the pool is live while `self` is. Setting a high-water mark to 0 resets
+                // it to the current value.
+                unsafe {
+                    driver.mem_pool_set_attribute(*pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
+                    driver.mem_pool_set_attribute(*pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
+                }
+            }
+            Backing::Synchronous(fallback) => fallback.reserved_high = fallback.reserved,
+        }
+        Ok(())
+    }
+
+    /// Gives back what the source holds beyond `keep` bytes and without live data, as far as the
+    /// host has observed its frees complete; after a device synchronization (`wait`), all of
+    /// that. Returns the bytes given back.
+    pub(crate) fn trim(&mut self, keep: u64, wait: bool) -> Result<u64> {
+        match &mut self.backing {
+            Backing::CudaPool(pool) => {
+                let pool = *pool;
+                let before = self.reservation()?.reserved;
+                // SAFETY: the pool is live while `self` is.
+                unsafe { self.stream.device.driver.mem_pool_trim_to(pool, keep) }?;
+                let after = self.reservation()?.reserved;
+                Ok(before.saturating_sub(after))
+            }
+            Backing::Synchronous(_) => self.reclaim(wait),
+        }
+    }
+
+    /// Records the source's reservation in the history, if it records.
+    pub(crate) fn record_reserved(&self) {
+        if self.recorder.is_on() {
+            let pool_reserved = self.reserved_or_zero();
+            self.recorder.record(EventKind::Reserved { pool: self.id, pool_reserved });
+        }
+    }
+
+    /// The pool is going away (nothing allocates from it any more): destroys the CUDA pool, or
+    /// waits for the fallback's deferred frees and makes them.
+    pub(crate) fn destroy(&mut self) -> Result<()> {
+        match self.backing {
+            Backing::CudaPool(pool) => {
+                // SAFETY: nothing allocates from the pool any more; allocations still outstanding
+                // keep their memory until freed, as cuMemPoolDestroy documents.
+                unsafe { self.stream.device.driver.mem_pool_destroy(pool) }?;
+                self.backing = Backing::Synchronous(Fallback::default());
+                Ok(())
+            }
+            Backing::Synchronous(_) => self.reclaim(true).map(drop),
+        }
+    }
+
+    fn reserved_or_zero(&self) -> u64 {
+        self.reservation().map_or(0, |reservation| reservation.reserved)
+    }
+
+    /// Fallback only: `cuMemFree`s the deferred allocations whose stream work is done, or all of
+    /// them after waiting when `wait` is set. Returns the bytes given back.
+    fn reclaim(&mut self, wait: bool) -> Result<u64> {
+        let Backing::Synchronous(fallback) = &mut self.backing else {
+            return Ok(0);
+        };
+        let driver = &self.stream.device.driver;
+        let mut released = 0;
+        let mut index = 0;
+        while index < fallback.deferred.len() {
+            let (ptr, bytes, event) = fallback.deferred[index];
+            // SAFETY: `event` is live until destroyed below; once it completes, no work enqueued
+            // before the free uses `ptr`, and nothing after it may.
+            let done = unsafe {
+                if wait {
+                    driver.event_synchronize(event)?;
+                    true
+                } else {
+                    driver.event_query(event)?
+                }
+            };
+            if done {
+                // SAFETY: as above: the allocation's last use is complete.
+                unsafe {
+                    driver.mem_free(ptr)?;
+                    driver.event_destroy(event)?;
+                }
+                fallback.deferred.swap_remove(index);
+                fallback.reserved -= bytes;
+                released += bytes;
+            } else {
+                index += 1;
+            }
+        }
+        Ok(released)
+    }
+}
+
+impl Source for DeviceSource {
+    fn alloc(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+        if let Backing::Synchronous(_) = self.backing {
+            self.stream.device.make_current()?;
+            self.reclaim(false)?;
+        }
+        let device = &self.stream.device;
+        let ptr = match &mut self.backing {
+            Backing::CudaPool(pool) => {
+                self.stream.prepare()?;
+                // SAFETY: the pool and the stream are live while `self` is; the stream belongs
+                // to the pool's device.
+                unsafe { device.driver.mem_alloc_from_pool_async(bytes as usize, *pool, self.stream.raw) }?
+            }
+            Backing::Synchronous(fallback) => {
+                let ptr = device.driver.mem_alloc(bytes as usize)?;
+                fallback.reserved += bytes;
+                fallback.reserved_high = fallback.reserved_high.max(fallback.reserved);
+                ptr
+            }
+        };
+        if self.recorder.is_on() {
+            let pool_reserved = self.reserved_or_zero();
+            self.recorder.record(EventKind::SegmentAlloc { pool: self.id, ptr, bytes, pool_reserved });
+        }
+        Ok(ptr)
+    }
+
+    fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        let device = &self.stream.device;
+        match &mut self.backing {
+            Backing::CudaPool(_) => {
+                self.stream.prepare()?;
+                // SAFETY: `ptr` was allocated from this source and is freed once; the strategy
+                // enqueues nothing after this that uses it.
+                unsafe { device.driver.mem_free_async(ptr, self.stream.raw) }?;
+            }
+            Backing::Synchronous(fallback) => {
+                device.make_current()?;
+                let event = device.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+                self.stream.prepare()?;
+                // SAFETY: both handles are live.
+                unsafe { device.driver.event_record(event, self.stream.raw) }?;
+                fallback.deferred.push((ptr, bytes, event));
+            }
+        }
+        if self.recorder.is_on() {
+            let pool_reserved = self.reserved_or_zero();
+            self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes, pool_reserved });
+        }
+        Ok(())
+    }
+
+    fn trim_to(&mut self, keep: u64) -> Result<()> {
+        self.trim(keep, false).map(drop)
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.stream.prepare()?;
+        // SAFETY: the stream is live while `self` is.
+        unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw) }?;
+        Ok(())
+    }
+}
+
+/// A source for the strategies' unit tests: hands out addresses from a plain range, never
+/// reuses one before it is given back, and checks every free against what it handed out.
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::collections::BTreeMap;
+
+    use steppool_sys::CUdeviceptr;
+
+    use super::Source;
+    use crate::error::{Error, Result};
+
+    /// A fake device: first-fit over `capacity` bytes starting at `BASE`, with the calls counted.
+    #[derive(Debug)]
+    pub(crate) struct FakeSource {
+        pub(crate) capacity: u64,
+        /// Live ranges handed out: base → size.
+        pub(crate) live: BTreeMap<CUdeviceptr, u64>,
+        pub(crate) allocs: u64,
+        pub(crate) frees: u64,
+        pub(crate) syncs: u64,
+        pub(crate) trims: Vec<u64>,
+    }
+
+    /// Where the fake device's addresses start.
+    pub(crate) const BASE: CUdeviceptr = 1 << 40;
+
+    impl FakeSource {
+        pub(crate) fn new(capacity: u64) -> Self {
+            Self { capacity, live: BTreeMap::new(), allocs: 0, frees: 0, syncs: 0, trims: Vec::new() }
+        }
+
+        /// Bytes handed out and not given back.
+        pub(crate) fn held(&self) -> u64 {
+            self.live.values().sum()
+        }
+    }
+
+    impl Source for FakeSource {
+        fn alloc(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+            let mut at = BASE;
+            for (&base, &size) in &self.live {
+                if base >= at + bytes {
+                    break;
+                }
+                at = at.max(base + size);
+            }
+            if at + bytes > BASE + self.capacity {
+                return Err(Error::Driver(steppool_sys::DriverError::Call {
+                    call: "cuMemAllocFromPoolAsync",
+                    code: steppool_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+                    description: "out of memory".into(),
+                }));
+            }
+            self.live.insert(at, bytes);
+            self.allocs += 1;
+            Ok(at)
+        }
+
+        fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+            let size = self.live.remove(&ptr);
+            assert_eq!(size, Some(bytes), "free of {ptr:#x} ({bytes} bytes), which the source did not hand out");
+            self.frees += 1;
+            Ok(())
+        }
+
+        fn trim_to(&mut self, keep: u64) -> Result<()> {
+            self.trims.push(keep);
+            Ok(())
+        }
+
+        fn synchronize(&mut self) -> Result<()> {
+            self.syncs += 1;
+            Ok(())
+        }
+    }
+}
