@@ -13,6 +13,8 @@
 //! - [`sim`]: the simulated device, with the same entry points and error codes, on the CPU.
 //! - [`Driver`]: one handle on either, chosen by `STEPPOOL_DEVICE=auto|cuda|sim`, whose methods
 //!   make one checked call each. Layers above use only this.
+//! - [`handle`]: `Send + Sync` wrappers of the context, stream, event and pool handles, for the
+//!   structs that keep them.
 //!
 //! This crate knows nothing of phases or steps; the `steppool` crate builds them on [`Driver`].
 //!
@@ -30,6 +32,7 @@ pub mod bindings;
 pub mod bytes;
 mod driver;
 mod error;
+pub mod handle;
 pub mod kernels;
 mod loader;
 mod props;
