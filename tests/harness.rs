@@ -2,7 +2,7 @@
 //! test runs on, guards that release what a test made even when it fails, and a record of the
 //! facts a run observes about the device.
 //!
-//! A device test calls [`Device::open`]. It follows `STEPPOOL_DEVICE` (`auto` by default: the
+//! A device test calls [`Device::open`]. It follows `STEPPOOL_DEVICE` (`auto` when unset: the
 //! simulated device where there is no GPU, so CI runs every test). With `STEPPOOL_REQUIRE_GPU=1`
 //! a run that would not reach a real GPU fails instead of passing on the simulated device or
 //! skipping; without it, an explicit `STEPPOOL_DEVICE=cuda` on a machine without a GPU skips.
@@ -12,6 +12,7 @@ use std::io::Write;
 
 use steppool_sys::{
     CUcontext, CUdevice, CUevent, CUevent_flags, CUmemoryPool, CUstream, CUstream_flags, Driver, DriverKind, PoolProps,
+    Selection,
 };
 
 /// Whether `STEPPOOL_REQUIRE_GPU=1` is set.
@@ -19,10 +20,10 @@ pub fn require_gpu() -> bool {
     std::env::var("STEPPOOL_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
 
-/// The driver `STEPPOOL_DEVICE` selects, or `None` (said on stderr) when the selected driver is
+/// The driver `STEPPOOL_DEVICE` selects (`auto` when unset), or `None` (said on stderr) when the selected driver is
 /// missing and a GPU is not required. Panics when a GPU is required and not reached.
 pub fn driver() -> Option<Driver> {
-    match Driver::from_env() {
+    match Driver::from_env_or(Selection::Auto) {
         Ok(driver) if require_gpu() && driver.kind() != DriverKind::Cuda => {
             panic!("STEPPOOL_REQUIRE_GPU=1, but the tests would run on the {}", driver.describe())
         }
