@@ -10,7 +10,9 @@
 //! - [`CudaLibrary`]: opens `libcuda.so.1` (then `libcuda.so`) at run time. Nothing links
 //!   against CUDA; a missing library or entry point is a [`LoadError`] or
 //!   [`DriverError::MissingSymbol`] that names it and the driver version, never a panic.
-//! - [`sim`]: the simulated device, with the same entry points and error codes, on the CPU.
+//! - [`sim`]: the simulated device, with the same entry points and error codes, on the CPU. Its
+//!   entry points are private to this crate; other crates reach it through [`Driver`], and
+//!   inspect it (pool layouts, stream order) through [`Driver::sim`].
 //! - [`Driver`]: one handle on either, chosen by `STEPPOOL_DEVICE=auto|cuda|sim`, whose methods
 //!   make one checked call each. Layers above use only this. Methods that act on a handle are
 //!   `unsafe`: the caller answers for the handle being live and of this driver.
