@@ -25,7 +25,7 @@ fn code<T: std::fmt::Debug>(result: Result<T, DriverError>) -> CUresult {
 
 #[test]
 fn driver_and_device_describe_themselves() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let version = d.driver.driver_version().unwrap();
     assert!(version.major() >= 11, "driver {version}");
     assert!(d.driver.device_count().unwrap() >= 1);
@@ -44,7 +44,7 @@ fn driver_and_device_describe_themselves() {
 
 #[test]
 fn the_primary_context_is_shared_and_current() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let again = d.driver.primary_context_retain(d.device).unwrap();
     assert_eq!(again, d.ctx, "one primary context per device");
     assert_eq!(d.driver.context_current().unwrap(), Some(d.ctx));
@@ -59,7 +59,7 @@ fn the_primary_context_is_shared_and_current() {
 
 #[test]
 fn a_one_byte_allocation_reserves_a_granule_and_counts_as_used() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, stream) = (d.pool(), d.stream());
     // SAFETY: live handles of this driver.
     let counters = || unsafe { d.driver.mem_pool_counters(pool.raw) }.unwrap();
@@ -81,7 +81,7 @@ fn a_one_byte_allocation_reserves_a_granule_and_counts_as_used() {
 
 #[test]
 fn allocations_are_aligned() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, stream) = (d.pool(), d.stream());
     let sizes = [1u64, 100, 255, 257, 1000, 4097, 65_537, MIB + 1];
     let ptrs: Vec<CUdeviceptr> = sizes
@@ -106,7 +106,7 @@ fn allocations_are_aligned() {
 
 #[test]
 fn a_raised_release_threshold_keeps_memory_until_trimmed() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, stream) = (d.pool(), d.stream());
     // SAFETY: live handles of this driver.
     unsafe {
@@ -126,7 +126,7 @@ fn a_raised_release_threshold_keeps_memory_until_trimmed() {
 
 #[test]
 fn the_same_stream_reuses_freed_memory_without_growing() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, stream) = (d.pool(), d.stream());
     // SAFETY: live handles of this driver; each pointer is freed once and not used after.
     unsafe {
@@ -143,7 +143,7 @@ fn the_same_stream_reuses_freed_memory_without_growing() {
 
 #[test]
 fn an_event_orders_reuse_across_streams() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, first, second, event) = (d.pool(), d.stream(), d.stream(), d.event());
     // SAFETY: live handles of this driver; each pointer is freed once and not used after.
     unsafe {
@@ -161,7 +161,7 @@ fn an_event_orders_reuse_across_streams() {
 
 #[test]
 fn reuse_across_unordered_streams_before_a_synchronization() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, first, second) = (d.pool(), d.stream(), d.stream());
     // SAFETY: live handles of this driver; each pointer is freed once and not used after.
     unsafe {
@@ -178,7 +178,7 @@ fn reuse_across_unordered_streams_before_a_synchronization() {
 
 #[test]
 fn mem_get_info_counts_pool_reservations_as_used() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, stream) = (d.pool(), d.stream());
     let (free_before, total) = d.driver.mem_get_info().unwrap();
     assert!(free_before <= total);
@@ -198,7 +198,7 @@ fn mem_get_info_counts_pool_reservations_as_used() {
 
 #[test]
 fn a_kernel_writes_every_byte_of_a_pool_allocation() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, stream) = (d.pool(), d.stream());
     let module = d.driver.module_load_ptx(FILL_BYTES_PTX).unwrap();
     // SAFETY: live handles of this driver; the kernel writes `len` bytes of the allocation, which
@@ -224,7 +224,7 @@ fn a_kernel_writes_every_byte_of_a_pool_allocation() {
 
 #[test]
 fn bad_requests_get_the_documented_codes() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let (pool, stream) = (d.pool(), d.stream());
     let total = d.driver.device_total_memory(d.device).unwrap();
     // SAFETY: live handles of this driver; freed pointers are only passed back to the driver,
@@ -255,7 +255,7 @@ fn bad_requests_get_the_documented_codes() {
 
 #[test]
 fn a_pool_destroyed_with_live_allocations_still_takes_their_frees() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let stream = d.stream();
     let pool = d.driver.mem_pool_create(&PoolProps::device(d.device).build()).unwrap();
     // SAFETY: live handles of this driver; the pool is not used after its destruction except
@@ -271,7 +271,7 @@ fn a_pool_destroyed_with_live_allocations_still_takes_their_frees() {
 
 #[test]
 fn streams_and_events_complete_in_order() {
-    let Some(d) = Device::open() else { return };
+    let d = Device::open();
     let stream = d.stream();
     let start = d.driver.event_create(steppool_sys::CUevent_flags::CU_EVENT_DEFAULT).unwrap();
     let end = d.driver.event_create(steppool_sys::CUevent_flags::CU_EVENT_DEFAULT).unwrap();

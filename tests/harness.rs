@@ -2,16 +2,19 @@
 //! test runs on, guards that release what a test made even when it fails, and a record of the
 //! facts a run observes about the device.
 //!
-//! A device test calls [`Device::open`]. It follows `STEPPOOL_DEVICE` (`auto` by default: the
-//! simulated device where there is no GPU, so CI runs every test). With `STEPPOOL_REQUIRE_GPU=1`
-//! a run that would not reach a real GPU fails instead of passing on the simulated device or
-//! skipping; without it, an explicit `STEPPOOL_DEVICE=cuda` on a machine without a GPU skips.
+//! A device test calls [`Device::open`] or [`runtime`]. Both follow `STEPPOOL_DEVICE`, with
+//! `auto` as the default: the GPU when one with memory pools answers, else the simulated device,
+//! so CI runs every test. A test never skips: when the selected driver cannot be had
+//! (`STEPPOOL_DEVICE=cuda` on a machine without a GPU) it fails, naming the reason. With
+//! `STEPPOOL_REQUIRE_GPU=1` a run that would not reach a real GPU fails instead of passing on the
+//! simulated device.
 
 use std::fmt;
 use std::io::Write;
 
 use steppool_sys::{
-    CUcontext, CUdevice, CUevent, CUevent_flags, CUmemoryPool, CUstream, CUstream_flags, Driver, DriverKind, PoolProps,
+    CUcontext, CUdevice, CUevent, CUevent_flags, CUmemoryPool, CUstream, CUstream_flags, DEVICE_VARIABLE, Driver,
+    DriverKind, PoolProps, Selection,
 };
 
 /// Whether `STEPPOOL_REQUIRE_GPU=1` is set.
@@ -19,25 +22,38 @@ pub fn require_gpu() -> bool {
     std::env::var("STEPPOOL_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
 
-/// The driver `STEPPOOL_DEVICE` selects, or `None` (said on stderr) when the selected driver is
-/// missing and a GPU is not required. Panics when a GPU is required and not reached.
-pub fn driver() -> Option<Driver> {
-    match Driver::from_env() {
-        Ok(driver) if require_gpu() && driver.kind() != DriverKind::Cuda => {
-            panic!("STEPPOOL_REQUIRE_GPU=1, but the tests would run on the {}", driver.describe())
-        }
-        Ok(driver) => Some(driver),
-        Err(error) if require_gpu() => panic!("STEPPOOL_REQUIRE_GPU=1, but no GPU driver: {error}"),
-        Err(error) => {
-            eprintln!("skipping a device test: {error}");
-            None
-        }
+/// The driver device tests run on: `STEPPOOL_DEVICE`'s choice, `auto` when it is unset; the
+/// real one whatever it says (but `sim`) when `STEPPOOL_REQUIRE_GPU=1`.
+///
+/// # Panics
+///
+/// When the selected driver cannot be had (`STEPPOOL_DEVICE=cuda` and no usable GPU), with the
+/// loader's reason, or when a GPU is required and not reached: the test fails rather than pass
+/// having checked nothing.
+pub fn driver() -> Driver {
+    let selection = Selection::from_env_or(Selection::Auto).unwrap_or_else(|error| panic!("{error}"));
+    let require_gpu = require_gpu();
+    if require_gpu && selection == Selection::Sim {
+        panic!("STEPPOOL_REQUIRE_GPU=1 contradicts {DEVICE_VARIABLE}=sim");
+    }
+    let selection = if require_gpu { Selection::Cuda } else { selection };
+    match Driver::select(selection) {
+        Ok(driver) => driver,
+        Err(error) if require_gpu => panic!("STEPPOOL_REQUIRE_GPU=1, but no GPU driver: {error}"),
+        Err(error) => panic!(
+            "{DEVICE_VARIABLE}={selection}, but this device test cannot have that driver: {error}. Unset \
+             {DEVICE_VARIABLE} or set it to `auto` to run on the simulated device where there is no GPU."
+        ),
     }
 }
 
 /// A runtime on the driver [`driver`] selects.
-pub fn runtime() -> Option<steppool::Runtime> {
-    Some(steppool::Runtime::with_driver(driver()?).expect("building a runtime"))
+///
+/// # Panics
+///
+/// As [`driver`] does, and when the runtime cannot be built.
+pub fn runtime() -> steppool::Runtime {
+    steppool::Runtime::with_driver(driver()).expect("building a runtime")
 }
 
 /// A runtime on a simulated device of `capacity` bytes, whatever `STEPPOOL_DEVICE` says: for
@@ -67,14 +83,18 @@ impl fmt::Debug for Device {
 }
 
 impl Device {
-    /// Opens device 0 (see [`driver`]).
-    pub fn open() -> Option<Self> {
-        let driver = driver()?;
+    /// Opens device 0 of the driver [`driver`] selects.
+    ///
+    /// # Panics
+    ///
+    /// As [`driver`] does, and when device 0 or its primary context cannot be had.
+    pub fn open() -> Self {
+        let driver = driver();
         let device = driver.device(0).expect("device 0");
         let ctx = driver.primary_context_retain(device).expect("retaining the primary context");
         // SAFETY: `ctx` was just retained from this driver.
         unsafe { driver.context_set_current(ctx) }.expect("making the primary context current");
-        Some(Self { driver, device, ctx })
+        Self { driver, device, ctx }
     }
 
     /// Whether the tests run on the real driver.

@@ -1,12 +1,25 @@
-//! Opening driver libraries: a missing library, a library without the pool entry points (an old
-//! driver), the toolkit's stub library, a driver without devices, and one without `cuInit` each
-//! give a typed error that names what is missing, never a panic. The libraries are stand-ins
-//! built by `build.rs` from `fake_driver/libcuda.rs`.
+//! Opening driver libraries: a missing library, the toolkit's stub library, a driver without
+//! devices, one without `cuInit`, an old driver, one without the pool entry points, and one whose
+//! device has no memory pools each give their own typed error, with a message that names what is
+//! missing and the versions found, never a panic. The libraries are stand-ins built by `build.rs`
+//! from `fake_driver/libcuda.rs`.
 
+use std::mem::discriminant;
 use std::path::PathBuf;
 use std::process::Command;
 
-use steppool_sys::{CUresult, CudaLibrary, Driver, DriverError, DriverVersion, LoadError, PoolProps};
+use steppool_sys::{CUresult, CudaLibrary, Driver, DriverError, DriverVersion, LoadError, PoolProps, PoolRequirement};
+
+/// The pool entry points a driver must export for steppool's pools.
+const POOL_ENTRY_POINTS: [&str; 7] = [
+    "cuMemPoolCreate",
+    "cuMemPoolDestroy",
+    "cuMemAllocFromPoolAsync",
+    "cuMemFreeAsync",
+    "cuMemPoolTrimTo",
+    "cuMemPoolSetAttribute",
+    "cuMemPoolGetAttribute",
+];
 
 fn fake(variant: &str) -> PathBuf {
     PathBuf::from(env!("FAKE_DRIVER_DIR")).join(variant).join("libcuda.so.1")
@@ -15,6 +28,11 @@ fn fake(variant: &str) -> PathBuf {
 fn open(variant: &str) -> Result<CudaLibrary, LoadError> {
     // SAFETY: the fake libraries export driver entry points with the signatures of cuda.h.
     unsafe { CudaLibrary::open_path(fake(variant)) }
+}
+
+/// Starts the fake `variant` as [`Driver::cuda`] would: memory pools required.
+fn start(variant: &str) -> Result<Driver, LoadError> {
+    Driver::from_library(open(variant).unwrap())
 }
 
 #[test]
@@ -32,11 +50,39 @@ fn a_missing_library_is_a_typed_error_naming_the_path() {
 }
 
 #[test]
-fn an_old_driver_opens_but_its_pool_calls_name_the_missing_entry_point() {
+fn a_driver_with_pools_opens_with_them_required() {
+    let driver = start("pools").unwrap();
+    assert_eq!(driver.pool_requirement(), PoolRequirement::Required);
+    assert_eq!(driver.driver_version().unwrap(), DriverVersion(12090));
+    assert!(driver.memory_pools_supported(0).unwrap());
+    assert_eq!(driver.device_name(0).unwrap(), "Fake GPU");
+    assert_eq!(driver.describe(), format!("CUDA driver 12.9 ({})", fake("pools").display()));
+}
+
+#[test]
+fn an_old_driver_is_too_old_for_pools_and_says_which_version_it_is() {
+    let error = start("old").unwrap_err();
+    match &error {
+        LoadError::DriverTooOld { library, driver_version, required, missing } => {
+            assert!(library.ends_with("old/libcuda.so.1"), "{library}");
+            assert_eq!(*driver_version, Some(DriverVersion(11010)));
+            assert_eq!(*required, DriverVersion::MEMORY_POOLS);
+            assert_eq!(missing, &POOL_ENTRY_POINTS, "an 11.1 driver has none of them");
+        }
+        other => panic!("expected DriverTooOld, got {other:?}"),
+    }
+    let text = error.to_string();
+    assert!(text.contains("driver 11.1") && text.contains("need driver 11.2 or later"), "{text}");
+    assert!(text.contains("it lacks cuMemPoolCreate, cuMemPoolDestroy"), "{text}");
+}
+
+#[test]
+fn an_old_driver_opens_when_pools_are_optional_and_its_pool_calls_name_the_missing_entry_point() {
     let library = open("old").unwrap();
     assert_eq!(library.driver_version(), Some(DriverVersion(11010)));
     assert!(library.table().cuMemPoolCreate.is_none() && library.table().cuInit.is_some());
-    let driver = Driver::from_library(library).unwrap();
+    let driver = Driver::from_library_with(library, PoolRequirement::Optional).unwrap();
+    assert_eq!(driver.pool_requirement(), PoolRequirement::Optional);
     assert_eq!(driver.driver_version().unwrap(), DriverVersion(11010));
     assert!(!driver.memory_pools_supported(0).unwrap(), "11.1 predates memory pools");
     let error = driver.mem_pool_create(&PoolProps::device(0).build()).unwrap_err();
@@ -56,8 +102,43 @@ fn an_old_driver_opens_but_its_pool_calls_name_the_missing_entry_point() {
 }
 
 #[test]
+fn a_driver_without_the_pool_entry_points_is_too_old_whatever_version_it_reports() {
+    let error = start("nopoolcalls").unwrap_err();
+    match &error {
+        LoadError::DriverTooOld { driver_version, missing, .. } => {
+            assert_eq!(*driver_version, Some(DriverVersion(12090)));
+            assert_eq!(missing, &POOL_ENTRY_POINTS);
+        }
+        other => panic!("expected DriverTooOld, got {other:?}"),
+    }
+    let text = error.to_string();
+    assert!(text.contains("driver 12.9") && text.contains("it lacks cuMemPoolCreate"), "{text}");
+    assert!(text.contains("entry points of driver 11.2 and later") && !text.contains("need driver"), "{text}");
+}
+
+#[test]
+fn devices_without_pools_are_refused_unless_pools_are_optional() {
+    let error = start("nopools").unwrap_err();
+    match &error {
+        LoadError::PoolsUnsupported { library, driver_version, devices } => {
+            assert!(library.ends_with("nopools/libcuda.so.1"), "{library}");
+            assert_eq!(*driver_version, Some(DriverVersion(12090)));
+            assert_eq!(*devices, 1);
+        }
+        other => panic!("expected PoolsUnsupported, got {other:?}"),
+    }
+    let text = error.to_string();
+    assert!(text.contains("none of the 1 device(s)") && text.contains("driver 12.9"), "{text}");
+    assert!(text.contains("CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0"), "{text}");
+    assert!(text.contains("PoolRequirement::Optional"), "the way out is named: {text}");
+
+    let driver = Driver::from_library_with(open("nopools").unwrap(), PoolRequirement::Optional).unwrap();
+    assert!(!driver.memory_pools_supported(0).unwrap());
+}
+
+#[test]
 fn the_stub_library_fails_to_start_with_its_code_and_description() {
-    let error = Driver::from_library(open("stub").unwrap()).unwrap_err();
+    let error = start("stub").unwrap_err();
     match &error {
         LoadError::Init { source, driver_version, .. } => {
             assert_eq!(source.code(), Some(CUresult::CUDA_ERROR_STUB_LIBRARY));
@@ -71,9 +152,19 @@ fn the_stub_library_fails_to_start_with_its_code_and_description() {
 }
 
 #[test]
-fn a_driver_without_devices_says_so() {
-    let error = Driver::from_library(open("nodevice").unwrap()).unwrap_err();
-    assert!(matches!(error, LoadError::NoDevice { driver_version: DriverVersion(12090), .. }), "{error:?}");
+fn a_driver_without_devices_says_so_whether_it_starts_or_not() {
+    for variant in ["nodevice", "initnodevice"] {
+        for pools in [PoolRequirement::Required, PoolRequirement::Optional] {
+            let error = Driver::from_library_with(open(variant).unwrap(), pools).unwrap_err();
+            match &error {
+                LoadError::NoDevice { library, driver_version: Some(DriverVersion(12090)) } => {
+                    assert!(library.ends_with(&format!("/{variant}/libcuda.so.1")), "{library}");
+                }
+                other => panic!("{variant}: expected NoDevice, got {other:?}"),
+            }
+            assert!(error.to_string().ends_with("(driver 12.9) reports no device"), "{error}");
+        }
+    }
 }
 
 #[test]
@@ -81,6 +172,29 @@ fn a_library_without_cuinit_is_refused_at_open() {
     match open("noinit") {
         Err(LoadError::MissingSymbol { symbol: "cuInit", driver_version: Some(DriverVersion(12090)), .. }) => {}
         other => panic!("expected a missing cuInit, got {other:?}"),
+    }
+}
+
+#[test]
+fn every_reason_gets_its_own_variant_and_message() {
+    // SAFETY: nothing is loaded: the path does not exist.
+    let missing = unsafe { CudaLibrary::open_path("/nonexistent/libcuda.so.1") }.map(|_| ());
+    let errors: Vec<LoadError> = [
+        missing,
+        open("noinit").map(|_| ()),
+        start("stub").map(|_| ()),
+        start("nodevice").map(|_| ()),
+        start("old").map(|_| ()),
+        start("nopools").map(|_| ()),
+    ]
+    .into_iter()
+    .map(Result::unwrap_err)
+    .collect();
+    for (i, a) in errors.iter().enumerate() {
+        for b in &errors[i + 1..] {
+            assert_ne!(discriminant(a), discriminant(b), "{a:?} and {b:?}");
+            assert_ne!(a.to_string(), b.to_string());
+        }
     }
 }
 
@@ -103,15 +217,39 @@ fn cuda_selection_without_a_driver_fails_with_the_loader_error() {
 }
 
 #[test]
-fn auto_selection_falls_back_to_the_simulated_device_and_says_so_once() {
+fn an_unset_or_empty_selection_means_the_real_driver_and_never_falls_back() {
     let library = fake("nodevice");
-    let (ok, stdout, stderr) =
-        probe(&[("STEPPOOL_CUDA_LIBRARY", library.to_str().unwrap()), ("STEPPOOL_SIM_DEVICES", "2x16GiB")]);
+    for device in [None, Some("")] {
+        let mut env = vec![("STEPPOOL_CUDA_LIBRARY", library.to_str().unwrap())];
+        env.extend(device.map(|value| ("STEPPOOL_DEVICE", value)));
+        let (ok, stdout, stderr) = probe(&env);
+        assert!(!ok, "{stdout}");
+        assert!(stderr.contains("reports no device"), "the reason is given: {stderr}");
+        assert!(!stderr.contains("simulated"), "no fallback unless asked: {stderr}");
+    }
+    let library = fake("pools");
+    let (ok, stdout, stderr) = probe(&[("STEPPOOL_CUDA_LIBRARY", library.to_str().unwrap())]);
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("simulated device (2 × 16 GiB, 2 MiB granules)"), "{stdout}");
-    assert!(stdout.contains("devices: 2"), "{stdout}");
-    assert_eq!(stderr.matches("using the simulated device").count(), 1, "{stderr}");
-    assert!(stderr.contains("reports no device"), "the reason is given: {stderr}");
+    assert!(stdout.contains("driver: CUDA driver 12.9") && stdout.contains("devices: 1"), "{stdout}");
+    assert!(stdout.contains("0: Fake GPU, 16 GiB, compute capability 9.0, memory pools: yes"), "{stdout}");
+    assert!(stderr.is_empty(), "{stderr}");
+}
+
+#[test]
+fn auto_selection_falls_back_to_the_simulated_device_and_says_so_once() {
+    for (variant, reason) in [("nodevice", "reports no device"), ("old", "need driver 11.2 or later")] {
+        let library = fake(variant);
+        let (ok, stdout, stderr) = probe(&[
+            ("STEPPOOL_DEVICE", "auto"),
+            ("STEPPOOL_CUDA_LIBRARY", library.to_str().unwrap()),
+            ("STEPPOOL_SIM_DEVICES", "2x16GiB"),
+        ]);
+        assert!(ok, "{stderr}");
+        assert!(stdout.contains("simulated device (2 × 16 GiB, 2 MiB granules)"), "{stdout}");
+        assert!(stdout.contains("devices: 2"), "{stdout}");
+        assert_eq!(stderr.matches("using the simulated device").count(), 1, "{stderr}");
+        assert!(stderr.contains(reason), "{variant}: the reason is given: {stderr}");
+    }
 }
 
 #[test]
@@ -125,10 +263,10 @@ fn sim_selection_and_bad_values_are_explicit() {
 }
 
 #[test]
-fn the_old_fake_driver_is_usable_through_the_environment() {
+fn the_old_fake_driver_is_refused_through_the_environment_with_its_version() {
     let library = fake("old");
     let (ok, stdout, stderr) =
         probe(&[("STEPPOOL_DEVICE", "cuda"), ("STEPPOOL_CUDA_LIBRARY", library.to_str().unwrap())]);
-    assert!(!ok, "the probe needs device names, which the fake lacks: {stdout}");
-    assert!(stderr.contains("cuDeviceGetName") && stderr.contains("11.1"), "{stderr}");
+    assert!(!ok, "{stdout}");
+    assert!(stderr.contains("driver 11.1") && stderr.contains("need driver 11.2 or later"), "{stderr}");
 }

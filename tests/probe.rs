@@ -1,7 +1,9 @@
 //! `device-probe`: which driver steppool selects here, and what its devices are.
 //!
-//! Honours `STEPPOOL_DEVICE`, `STEPPOOL_CUDA_LIBRARY` and `STEPPOOL_SIM_DEVICES` like every
-//! steppool program; exits with status 1 and the loader's message when no driver can be used.
+//! Honours `STEPPOOL_DEVICE`, `STEPPOOL_CUDA_LIBRARY` and `STEPPOOL_SIM_DEVICES` as
+//! [`Driver::from_env`] does: with `STEPPOOL_DEVICE` unset it asks for the real driver, with
+//! memory pools, and says why it cannot have one; `STEPPOOL_DEVICE=auto` allows the simulated
+//! device. Exits with status 1 and the loader's message when no driver can be used.
 
 use std::process::ExitCode;
 

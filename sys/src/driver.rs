@@ -19,36 +19,92 @@ pub const CU_STREAM_LEGACY: CUstream = 0x1 as CUstream;
 /// The calling thread's per-thread default stream, `((CUstream)0x2)` in `cuda.h`.
 pub const CU_STREAM_PER_THREAD: CUstream = 0x2 as CUstream;
 
-/// Which driver to use; read from `STEPPOOL_DEVICE` by [`Selection::from_env`].
+/// The environment variable that selects the driver (see [`Selection`]).
+pub const DEVICE_VARIABLE: &str = "STEPPOOL_DEVICE";
+
+/// Which driver to use: `STEPPOOL_DEVICE=auto|cuda|sim`.
+///
+/// Nothing falls back to the simulated device unless asked: when `STEPPOOL_DEVICE` is unset,
+/// [`Selection::from_env`] and [`Driver::from_env`] mean [`Selection::Cuda`], so a library that
+/// embeds steppool gets the GPU or a [`LoadError`] that says why not. Programs that should run
+/// anywhere (tests, examples, benchmarks) say so with
+/// [`Selection::from_env_or(Selection::Auto)`](Selection::from_env_or).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Selection {
-    /// The real driver when a device answers, otherwise the simulated device (said once on stderr).
-    #[default]
+    /// The real driver when a device with memory pools answers, otherwise the simulated device
+    /// (said once on stderr, with the reason).
     Auto,
-    /// The real driver; its absence is an error.
+    /// The real driver, with memory pools ([`Driver::cuda`]); its absence is an error. The
+    /// default when `STEPPOOL_DEVICE` is unset.
+    #[default]
     Cuda,
     /// The simulated device, configured by `STEPPOOL_SIM_DEVICES` and `STEPPOOL_SIM_GRANULE`.
     Sim,
 }
 
 impl Selection {
-    /// Reads `STEPPOOL_DEVICE`: `auto` (the default when unset or empty), `cuda` or `sim`.
+    /// Reads `STEPPOOL_DEVICE`: `auto`, `cuda` or `sim`; unset or empty means [`Selection::Cuda`].
     pub fn from_env() -> Result<Self, LoadError> {
-        match std::env::var("STEPPOOL_DEVICE") {
-            Ok(value) => Self::parse(&value),
-            Err(_) => Ok(Self::Auto),
+        Self::from_env_or(Self::Cuda)
+    }
+
+    /// Reads `STEPPOOL_DEVICE`: `auto`, `cuda` or `sim`; unset or empty means `default`.
+    pub fn from_env_or(default: Selection) -> Result<Self, LoadError> {
+        match std::env::var_os(DEVICE_VARIABLE) {
+            None => Ok(default),
+            Some(value) => Self::parse_or(&value.to_string_lossy(), default),
         }
     }
 
-    /// Reads a selection: `auto`, `cuda` or `sim` (case-insensitive; empty means `auto`).
+    /// Reads a selection: `auto`, `cuda` (or `gpu`) or `sim` (or `simulated`), case-insensitive,
+    /// around spaces. Anything else, the empty string included, is a [`LoadError::Selection`].
     pub fn parse(value: &str) -> Result<Self, LoadError> {
         match value.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(Self::Auto),
+            "auto" => Ok(Self::Auto),
             "cuda" | "gpu" => Ok(Self::Cuda),
             "sim" | "simulated" => Ok(Self::Sim),
             _ => Err(LoadError::Selection { value: value.to_owned() }),
         }
     }
+
+    /// As [`Selection::parse`], with an empty (or all-space) value meaning `default`.
+    pub fn parse_or(value: &str, default: Selection) -> Result<Self, LoadError> {
+        if value.trim().is_empty() { Ok(default) } else { Self::parse(value) }
+    }
+
+    /// The value of `STEPPOOL_DEVICE` that asks for it: `auto`, `cuda` or `sim`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Cuda => "cuda",
+            Self::Sim => "sim",
+        }
+    }
+}
+
+impl std::fmt::Display for Selection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether opening the real driver insists on stream-ordered memory pools.
+///
+/// steppool's pools are `cuMemPool*` pools; a driver without them (before 11.2, or a device
+/// reporting no `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`: vGPU slices, Windows TCC) can only
+/// serve `cuMemAlloc`/`cuMemFree`, synchronously and without the pool counters. That fallback is
+/// taken only when asked for: with [`Driver::cuda_with(PoolRequirement::Optional)`](Driver::cuda_with).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PoolRequirement {
+    /// The driver must be 11.2 or later, export the pool entry points, and have at least one
+    /// device that supports pools; otherwise [`LoadError::DriverTooOld`] or
+    /// [`LoadError::PoolsUnsupported`]. What [`Driver::cuda`] and [`Driver::from_env`] ask.
+    #[default]
+    Required,
+    /// Any driver that starts and has a device: devices without pools are to be served with
+    /// `cuMemAlloc`/`cuMemFree` (check [`Driver::memory_pools_supported`] per device). Simulated
+    /// drivers report this one: their [`SimConfig`] says whether they have pools.
+    Optional,
 }
 
 /// Which kind of driver a [`Driver`] talks to.
@@ -94,6 +150,7 @@ enum Backend {
 #[derive(Clone)]
 pub struct Driver {
     backend: Arc<Backend>,
+    pools: PoolRequirement,
 }
 
 impl std::fmt::Debug for Driver {
@@ -122,10 +179,24 @@ macro_rules! call {
 
 static AUTO_NOTICE: Once = Once::new();
 
+/// Whether a call failed with `CUDA_ERROR_NO_DEVICE`, what `cuInit` says on a machine whose
+/// driver is installed but that has no GPU.
+fn is_no_device(error: &DriverError) -> bool {
+    error.code() == Some(CUresult::CUDA_ERROR_NO_DEVICE)
+}
+
 impl Driver {
-    /// The driver `STEPPOOL_DEVICE` selects (see [`Selection`]).
+    /// The driver `STEPPOOL_DEVICE` selects; when it is unset or empty, the real driver
+    /// ([`Selection::Cuda`]): a GPU with memory pools, or a [`LoadError`] saying why there is
+    /// none. Nothing falls back to the simulated device unless `STEPPOOL_DEVICE=auto` asks.
     pub fn from_env() -> Result<Self, LoadError> {
-        Self::select(Selection::from_env()?)
+        Self::from_env_or(Selection::Cuda)
+    }
+
+    /// The driver `STEPPOOL_DEVICE` selects, or `default` when it is unset or empty. Tests and
+    /// examples that should run on any machine pass [`Selection::Auto`].
+    pub fn from_env_or(default: Selection) -> Result<Self, LoadError> {
+        Self::select(Selection::from_env_or(default)?)
     }
 
     /// The driver `selection` asks for. With [`Selection::Auto`] and no usable GPU, says once on
@@ -140,7 +211,7 @@ impl Driver {
                     let config = SimConfig::from_env()?;
                     AUTO_NOTICE.call_once(|| {
                         eprintln!(
-                            "steppool: no CUDA device answered ({reason}); using the simulated device ({}). \
+                            "steppool: no usable CUDA device ({reason}); using the simulated device ({}). \
                              Set STEPPOOL_DEVICE=cuda to require a GPU.",
                             config.describe()
                         );
@@ -151,29 +222,68 @@ impl Driver {
         }
     }
 
-    /// The real driver: opens `libcuda` (see [`CudaLibrary::open`]), initializes it and checks
-    /// that it has a device.
+    /// The real driver with memory pools: opens `libcuda` (see [`CudaLibrary::open`]), starts it,
+    /// and checks it has a device, is 11.2 or later with the pool entry points, and has a device
+    /// that supports pools ([`PoolRequirement::Required`]). Each failure is its own
+    /// [`LoadError`] variant, with the paths, versions and counts found.
     pub fn cuda() -> Result<Self, LoadError> {
-        Self::from_library(CudaLibrary::open()?)
+        Self::cuda_with(PoolRequirement::Required)
     }
 
-    /// Initializes an opened driver library and checks that it has a device.
+    /// The real driver, with memory pools required or not (see [`PoolRequirement`]).
+    pub fn cuda_with(pools: PoolRequirement) -> Result<Self, LoadError> {
+        Self::from_library_with(CudaLibrary::open()?, pools)
+    }
+
+    /// Starts an opened driver library, requiring memory pools as [`Driver::cuda`] does.
     pub fn from_library(library: CudaLibrary) -> Result<Self, LoadError> {
+        Self::from_library_with(library, PoolRequirement::Required)
+    }
+
+    /// Starts an opened driver library (`cuInit`) and checks that it has a device, and memory
+    /// pools if `pools` requires them.
+    pub fn from_library_with(library: CudaLibrary, pools: PoolRequirement) -> Result<Self, LoadError> {
         let path = library.path().to_owned();
         let version = library.driver_version();
-        let driver = Self { backend: Arc::new(Backend::Cuda(library)) };
+        let driver = Self { backend: Arc::new(Backend::Cuda(library)), pools };
+        let no_device = || LoadError::NoDevice { library: path.clone(), driver_version: version };
         let init_error = |source| LoadError::Init { library: path.clone(), driver_version: version, source };
         // SAFETY: cuInit takes flags only; 0 is the documented value.
-        unsafe { call!(&driver, cuInit(0)) }.map_err(init_error)?;
-        if driver.device_count().map_err(init_error)? == 0 {
-            return Err(LoadError::NoDevice { library: path, driver_version: version.unwrap_or(DriverVersion(0)) });
+        match unsafe { call!(&driver, cuInit(0)) } {
+            Ok(()) => {}
+            Err(error) if is_no_device(&error) => return Err(no_device()),
+            Err(error) => return Err(init_error(error)),
         }
-        Ok(driver)
+        let devices = driver.device_count().map_err(init_error)?;
+        if devices == 0 {
+            return Err(no_device());
+        }
+        if pools == PoolRequirement::Optional {
+            return Ok(driver);
+        }
+        let missing: Vec<&'static str> =
+            driver.pool_entry_points().into_iter().filter(|&(_, exported)| !exported).map(|(name, _)| name).collect();
+        if !missing.is_empty() || version.is_some_and(|version| version < DriverVersion::MEMORY_POOLS) {
+            return Err(LoadError::DriverTooOld {
+                library: path,
+                driver_version: version,
+                required: DriverVersion::MEMORY_POOLS,
+                missing,
+            });
+        }
+        for ordinal in 0..devices {
+            let device = driver.device(ordinal).map_err(init_error)?;
+            if driver.memory_pools_supported(device).map_err(init_error)? {
+                return Ok(driver);
+            }
+        }
+        Err(LoadError::PoolsUnsupported { library: path, driver_version: version, devices })
     }
 
-    /// A simulated driver with the given devices, initialized.
+    /// A simulated driver with the given devices, initialized. Its [`SimConfig`] is the explicit
+    /// choice of what it offers, pools included, so it reports [`PoolRequirement::Optional`].
     pub fn simulated(config: SimConfig) -> Result<Self, LoadError> {
-        let driver = Self { backend: Arc::new(Backend::Sim(Sim::new(config)?)) };
+        let driver = Self { backend: Arc::new(Backend::Sim(Sim::new(config)?)), pools: PoolRequirement::Optional };
         // SAFETY: cuInit takes flags only; 0 is the documented value.
         unsafe { call!(&driver, cuInit(0)) }.map_err(|source| LoadError::Init {
             library: "the simulated driver".to_owned(),
@@ -181,6 +291,14 @@ impl Driver {
             source,
         })?;
         Ok(driver)
+    }
+
+    /// Whether this driver was opened requiring memory pools. With
+    /// [`PoolRequirement::Required`], at least one device supports them, and a device that does
+    /// not is better refused than served with `cuMemAlloc`; with [`PoolRequirement::Optional`]
+    /// (asked for, or a simulated driver), such a device is to be served with `cuMemAlloc`.
+    pub fn pool_requirement(&self) -> PoolRequirement {
+        self.pools
     }
 
     /// Which kind of driver this is.
@@ -203,7 +321,9 @@ impl Driver {
         }
     }
 
-    /// The simulated device behind this driver, if it is one (for its layout snapshots).
+    /// The simulated device behind this driver, if it is one, for inspection: its
+    /// configuration, pool layouts and stream order, which no real driver publishes. Its entry
+    /// points are reached only through this driver's methods.
     pub fn sim(&self) -> Option<&Sim> {
         match &*self.backend {
             Backend::Sim(sim) => Some(sim),
@@ -322,20 +442,37 @@ impl Driver {
 
     /// Whether `device` supports memory pools: a driver of 11.2 or later that exports the pool
     /// entry points and reports `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`. Without them,
-    /// callers fall back to `cuMemAlloc`/`cuMemFree` (vGPU slices, Windows TCC, old drivers).
+    /// memory comes from `cuMemAlloc`/`cuMemFree` (vGPU slices, Windows TCC, old drivers), which
+    /// a driver opened with [`PoolRequirement::Required`] has on no device.
     pub fn memory_pools_supported(&self, device: CUdevice) -> Result<bool, DriverError> {
         if self.driver_version()? < DriverVersion::MEMORY_POOLS {
             return Ok(false);
         }
-        let exported = match &*self.backend {
-            Backend::Cuda(library) => {
-                let t = library.table();
-                t.cuMemPoolCreate.is_some() && t.cuMemAllocFromPoolAsync.is_some() && t.cuMemFreeAsync.is_some()
-            }
-            Backend::Sim(sim) => sim.exports("cuMemPoolCreate"),
-        };
+        let exported = self.pool_entry_points().iter().all(|&(_, exported)| exported);
         Ok(exported
             && self.device_attribute(device, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0)
+    }
+
+    /// The entry points of the stream-ordered allocator that steppool's pools call, each with
+    /// whether this driver exports it.
+    fn pool_entry_points(&self) -> [(&'static str, bool); 7] {
+        macro_rules! exported {
+            ($($name:ident),*) => {
+                match &*self.backend {
+                    Backend::Cuda(library) => [$((stringify!($name), library.table().$name.is_some())),*],
+                    Backend::Sim(sim) => [$((stringify!($name), sim.exports(stringify!($name)))),*],
+                }
+            };
+        }
+        exported!(
+            cuMemPoolCreate,
+            cuMemPoolDestroy,
+            cuMemAllocFromPoolAsync,
+            cuMemFreeAsync,
+            cuMemPoolTrimTo,
+            cuMemPoolSetAttribute,
+            cuMemPoolGetAttribute
+        )
     }
 
     // ----- contexts -----------------------------------------------------------------------------
@@ -923,5 +1060,49 @@ impl Driver {
                 )
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selections_parse_with_the_caller_default_for_empty_values() {
+        assert_eq!(Selection::parse("auto").unwrap(), Selection::Auto);
+        assert_eq!(Selection::parse(" CUDA ").unwrap(), Selection::Cuda);
+        assert_eq!(Selection::parse("gpu").unwrap(), Selection::Cuda);
+        assert_eq!(Selection::parse("Simulated").unwrap(), Selection::Sim);
+        assert_eq!(Selection::parse_or("", Selection::Auto).unwrap(), Selection::Auto);
+        assert_eq!(Selection::parse_or("  ", Selection::Cuda).unwrap(), Selection::Cuda);
+        assert_eq!(Selection::parse_or("sim", Selection::Cuda).unwrap(), Selection::Sim);
+        match Selection::parse("") {
+            Err(LoadError::Selection { value }) => assert_eq!(value, ""),
+            other => panic!("an empty value names no driver: {other:?}"),
+        }
+        let error = Selection::parse_or("gpu-please", Selection::Auto).unwrap_err();
+        assert_eq!(error.to_string(), "STEPPOOL_DEVICE=`gpu-please` is not one of `auto`, `cuda`, `sim`");
+    }
+
+    #[test]
+    fn the_default_selection_is_the_real_driver_and_names_round_trip() {
+        assert_eq!(Selection::default(), Selection::Cuda);
+        assert_eq!(PoolRequirement::default(), PoolRequirement::Required);
+        for selection in [Selection::Auto, Selection::Cuda, Selection::Sim] {
+            assert_eq!(Selection::parse(&selection.to_string()).unwrap(), selection);
+        }
+    }
+
+    #[test]
+    fn simulated_drivers_offer_what_their_configuration_says() {
+        let driver = Driver::simulated(SimConfig::default()).unwrap();
+        assert_eq!(driver.pool_requirement(), PoolRequirement::Optional);
+        assert!(driver.memory_pools_supported(0).unwrap());
+        assert!(driver.pool_entry_points().iter().all(|&(_, exported)| exported));
+        let old = Driver::simulated(SimConfig { driver_version: 11010, ..SimConfig::default() }).unwrap();
+        assert!(!old.memory_pools_supported(0).unwrap());
+        assert!(old.pool_entry_points().iter().all(|&(_, exported)| !exported), "11.1 has none of them");
+        let without = Driver::simulated(SimConfig { memory_pools_supported: false, ..SimConfig::default() }).unwrap();
+        assert!(!without.memory_pools_supported(0).unwrap());
     }
 }

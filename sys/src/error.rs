@@ -107,6 +107,12 @@ impl DriverError {
 }
 
 /// Why no driver could be opened.
+///
+/// [`Driver::cuda`](crate::Driver::cuda) gives one variant per reason, in the order it checks
+/// them: the library ([`LibraryNotFound`](Self::LibraryNotFound),
+/// [`MissingSymbol`](Self::MissingSymbol)), the driver's start ([`Init`](Self::Init)), its devices
+/// ([`NoDevice`](Self::NoDevice)), then memory pools ([`DriverTooOld`](Self::DriverTooOld),
+/// [`PoolsUnsupported`](Self::PoolsUnsupported)).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LoadError {
@@ -115,7 +121,7 @@ pub enum LoadError {
     LibraryNotFound {
         /// The names or paths tried, in order.
         tried: Vec<String>,
-        /// The loader's message for the last one.
+        /// The loader's message for the first one (the driver's soname, or the path asked for).
         reason: String,
     },
     /// The library lacks an entry point steppool cannot work without.
@@ -131,7 +137,7 @@ pub enum LoadError {
         /// The version of the loaded driver, when it could be read.
         driver_version: Option<DriverVersion>,
     },
-    /// `cuInit` or a device query failed: typically no GPU, no kernel driver, or the stub library.
+    /// `cuInit` or a device query failed: typically no kernel driver, or the toolkit's stub library.
     #[error("the CUDA driver {library} ({version}) did not start: {source}", version = MaybeVersion(*driver_version))]
     Init {
         /// The library that was loaded.
@@ -141,13 +147,46 @@ pub enum LoadError {
         /// The failed call.
         source: DriverError,
     },
-    /// The driver started but reports no device.
-    #[error("the CUDA driver {library} (driver {driver_version}) reports no device")]
+    /// The driver started, or `cuInit` said `CUDA_ERROR_NO_DEVICE`, but there is no device.
+    #[error("the CUDA driver {library} ({version}) reports no device", version = MaybeVersion(*driver_version))]
     NoDevice {
         /// The library that was loaded.
         library: String,
-        /// Its version.
-        driver_version: DriverVersion,
+        /// Its version, when it could be read.
+        driver_version: Option<DriverVersion>,
+    },
+    /// The driver predates stream-ordered memory pools: its version is below
+    /// [`DriverVersion::MEMORY_POOLS`], or it lacks the pool entry points.
+    #[error(
+        "the CUDA driver {library} ({version}) has no stream-ordered memory pools: {why}",
+        version = MaybeVersion(*driver_version),
+        why = TooOld { found: *driver_version, required: *required, missing }
+    )]
+    DriverTooOld {
+        /// The library that was loaded.
+        library: String,
+        /// Its version, when it could be read.
+        driver_version: Option<DriverVersion>,
+        /// The version memory pools need: [`DriverVersion::MEMORY_POOLS`] (11.2).
+        required: DriverVersion,
+        /// The pool entry points the library does not export, by exported name.
+        missing: Vec<&'static str>,
+    },
+    /// No device of the driver supports memory pools (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`
+    /// is 0 on every one, as on vGPU slices and Windows TCC drivers).
+    #[error(
+        "none of the {devices} device(s) of the CUDA driver {library} ({version}) supports \
+         stream-ordered memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0); open it with \
+         PoolRequirement::Optional to allocate with cuMemAlloc/cuMemFree instead",
+        version = MaybeVersion(*driver_version)
+    )]
+    PoolsUnsupported {
+        /// The library that was loaded.
+        library: String,
+        /// Its version, when it could be read.
+        driver_version: Option<DriverVersion>,
+        /// How many devices it has, none with pools.
+        devices: usize,
     },
     /// `STEPPOOL_DEVICE` has a value other than `auto`, `cuda` or `sim`.
     #[error("STEPPOOL_DEVICE=`{value}` is not one of `auto`, `cuda`, `sim`")]
@@ -158,6 +197,30 @@ pub enum LoadError {
     /// The simulated device's configuration was refused.
     #[error("simulated device: {0}")]
     SimConfig(#[from] SimConfigError),
+}
+
+/// Says why a driver has no memory pools, for [`LoadError::DriverTooOld`].
+struct TooOld<'a> {
+    found: Option<DriverVersion>,
+    required: DriverVersion,
+    missing: &'a [&'static str],
+}
+
+impl fmt::Display for TooOld<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let old = self.found.is_some_and(|found| found < self.required);
+        if old {
+            write!(f, "they need driver {} or later", self.required)?;
+        }
+        if !self.missing.is_empty() {
+            let separator = if old { "; it lacks " } else { "it lacks " };
+            write!(f, "{separator}{}", self.missing.join(", "))?;
+            if !old {
+                write!(f, ", entry points of driver {} and later", self.required)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -188,5 +251,43 @@ mod tests {
         };
         let text = error.to_string();
         assert!(text.contains("cuMemPoolCreate") && text.contains("libcuda.so.1") && text.contains("11.1"), "{text}");
+    }
+
+    #[test]
+    fn load_errors_give_the_versions_counts_and_entry_points_found() {
+        let library = || "/opt/libcuda.so.1".to_owned();
+        let pools = vec!["cuMemPoolCreate", "cuMemAllocFromPoolAsync"];
+        let old = LoadError::DriverTooOld {
+            library: library(),
+            driver_version: Some(DriverVersion(11010)),
+            required: DriverVersion::MEMORY_POOLS,
+            missing: pools.clone(),
+        };
+        assert_eq!(
+            old.to_string(),
+            "the CUDA driver /opt/libcuda.so.1 (driver 11.1) has no stream-ordered memory pools: they need \
+             driver 11.2 or later; it lacks cuMemPoolCreate, cuMemAllocFromPoolAsync"
+        );
+        let stripped = LoadError::DriverTooOld {
+            library: library(),
+            driver_version: Some(DriverVersion(12090)),
+            required: DriverVersion::MEMORY_POOLS,
+            missing: pools,
+        };
+        assert_eq!(
+            stripped.to_string(),
+            "the CUDA driver /opt/libcuda.so.1 (driver 12.9) has no stream-ordered memory pools: it lacks \
+             cuMemPoolCreate, cuMemAllocFromPoolAsync, entry points of driver 11.2 and later"
+        );
+        let unsupported = LoadError::PoolsUnsupported { library: library(), driver_version: None, devices: 2 };
+        let text = unsupported.to_string();
+        assert!(
+            text.starts_with("none of the 2 device(s) of the CUDA driver /opt/libcuda.so.1 (driver version unknown)")
+        );
+        assert!(
+            text.contains("CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED") && text.contains("PoolRequirement::Optional")
+        );
+        let none = LoadError::NoDevice { library: library(), driver_version: Some(DriverVersion(12090)) };
+        assert_eq!(none.to_string(), "the CUDA driver /opt/libcuda.so.1 (driver 12.9) reports no device");
     }
 }

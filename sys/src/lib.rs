@@ -10,17 +10,32 @@
 //! - [`CudaLibrary`]: opens `libcuda.so.1` (then `libcuda.so`) at run time. Nothing links
 //!   against CUDA; a missing library or entry point is a [`LoadError`] or
 //!   [`DriverError::MissingSymbol`] that names it and the driver version, never a panic.
-//! - [`sim`]: the simulated device, with the same entry points and error codes, on the CPU.
+//! - [`sim`]: the simulated device, with the same entry points and error codes, on the CPU. Its
+//!   entry points are private to this crate; other crates reach it through [`Driver`], and
+//!   inspect it (pool layouts, stream order) through [`Driver::sim`].
 //! - [`Driver`]: one handle on either, chosen by `STEPPOOL_DEVICE=auto|cuda|sim`, whose methods
-//!   make one checked call each. Layers above use only this.
+//!   make one checked call each. Layers above use only this. Methods that act on a handle are
+//!   `unsafe`: the caller answers for the handle being live and of this driver.
+//! - [`handle`]: `Send + Sync` wrappers of the context, stream, event and pool handles, for the
+//!   structs that keep them.
 //!
 //! This crate knows nothing of phases or steps; the `steppool` crate builds them on [`Driver`].
+//!
+//! # Choosing the driver
+//!
+//! Nothing falls back to the simulated device unless asked. [`Driver::from_env`] with
+//! `STEPPOOL_DEVICE` unset means [`Selection::Cuda`]: [`Driver::cuda`], a GPU whose driver has
+//! memory pools, or a [`LoadError`] that says which check failed (library not found, no device,
+//! driver too old, pools unsupported) with the paths and versions found. Programs meant to run
+//! anywhere ask for the fallback with [`Driver::from_env_or(Selection::Auto)`](Driver::from_env_or),
+//! which says once on stderr why it uses the simulated device. A driver whose devices have no
+//! pools is used only with [`Driver::cuda_with(PoolRequirement::Optional)`](Driver::cuda_with).
 //!
 //! # Environment
 //!
 //! | variable | meaning |
 //! | --- | --- |
-//! | `STEPPOOL_DEVICE` | `auto` (default): the real driver when a device answers, else the simulated device; `cuda`; `sim` |
+//! | `STEPPOOL_DEVICE` | `cuda` (the default of [`Driver::from_env`]): the real driver, with memory pools, or an error; `auto` (what steppool's own tests ask when it is unset): the real driver when a device with pools answers, else the simulated device, said once on stderr; `sim` |
 //! | `STEPPOOL_CUDA_LIBRARY` | a driver library to open instead of `libcuda.so.1` |
 //! | `STEPPOOL_SIM_DEVICES` | simulated devices, e.g. `80GiB` (default), `2x80GiB`, `80GiB,40GiB` |
 //! | `STEPPOOL_SIM_GRANULE` | reservation granule of simulated pools, default `2MiB` |
@@ -30,13 +45,17 @@ pub mod bindings;
 pub mod bytes;
 mod driver;
 mod error;
+pub mod handle;
 pub mod kernels;
 mod loader;
 mod props;
 pub mod sim;
 
 pub use bindings::*;
-pub use driver::{CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, Driver, DriverKind, PoolCounters, Selection};
+pub use driver::{
+    CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, DEVICE_VARIABLE, Driver, DriverKind, PoolCounters, PoolRequirement,
+    Selection,
+};
 pub use error::{DriverError, DriverVersion, LoadError};
 pub use loader::{CudaLibrary, LIBRARY_CANDIDATES, LIBRARY_VARIABLE};
 pub use props::PoolProps;

@@ -6,6 +6,12 @@
 //! `cuInit` or without a current context. [`Driver`](crate::Driver) dispatches to it or to
 //! `libcuda` with the same arguments, so code above cannot tell which one it talks to.
 //!
+//! Those entry points, and making a `Sim`, are private to this crate: other crates make a
+//! simulated device with [`Driver::simulated`](crate::Driver::simulated) and call it through
+//! [`Driver`](crate::Driver)'s checked methods. What they may reach through
+//! [`Driver::sim`](crate::Driver::sim) is inspection only: [`Sim::config`],
+//! [`Sim::pool_layout`] and [`Sim::is_ordered_after`].
+//!
 //! Device memory is not backed by host memory: pointers are addresses in a simulated address
 //! space, never dereferenced. Kernels are checked and ordered but do not run.
 //!
@@ -101,7 +107,8 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// A simulated CUDA driver with one or more devices. See the [module docs](self) for the model.
 ///
 /// Each `Sim` is independent: its handles and pointers mean nothing to another one. It is
-/// `Send + Sync`; every entry point takes one lock.
+/// `Send + Sync`; every entry point takes one lock. Other crates see one through
+/// [`Driver::sim`](crate::Driver::sim), for inspection.
 #[derive(Debug)]
 pub struct Sim {
     state: Mutex<State>,
@@ -152,7 +159,7 @@ impl PoolLayout {
 
 impl Sim {
     /// A simulated driver with the given devices, once [`SimConfig::validate`] accepts them.
-    pub fn new(config: SimConfig) -> Result<Self, SimConfigError> {
+    pub(crate) fn new(config: SimConfig) -> Result<Self, SimConfigError> {
         config.validate()?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(Self { state: Mutex::new(State::new(id, config.clone())), config })
@@ -164,7 +171,7 @@ impl Sim {
     }
 
     /// Whether this driver exports `symbol`, given the version it pretends to be.
-    pub fn exports(&self, symbol: &str) -> bool {
+    pub(crate) fn exports(&self, symbol: &str) -> bool {
         let version = self.config.driver_version;
         if version >= 11020 {
             return true;
@@ -272,46 +279,48 @@ fn describe(code: CUresult) -> Option<&'static CStr> {
     })
 }
 
-/// The entry points, with the signatures of `cuda.h` for their exported names.
+/// The entry points, with the signatures of `cuda.h` for their exported names. Private to this
+/// crate: [`Driver`](crate::Driver) is their only caller outside the simulated device's tests.
 ///
 /// # Safety
 ///
-/// Each has the contract of the driver function of the same name: pointer arguments must be
-/// null or valid for the reads and writes that function documents. Handles may be anything;
-/// invalid ones are refused with the driver's error code.
-#[allow(non_snake_case, clippy::missing_safety_doc, missing_docs)]
+/// This section is the `# Safety` of every entry point below. Each has the contract of the
+/// driver function of the same name: pointer arguments must be null or valid for the reads and
+/// writes that function documents. Handles may be anything; invalid ones are refused with the
+/// driver's error code.
+#[allow(non_snake_case)]
 impl Sim {
-    pub unsafe fn cuGetErrorName(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
+    pub(crate) unsafe fn cuGetErrorName(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
         // SAFETY: forwarded contract: `pStr` is null or valid for a write.
         unsafe { error_text(pStr, error.c_name()) }
     }
 
-    pub unsafe fn cuGetErrorString(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
+    pub(crate) unsafe fn cuGetErrorString(&self, error: CUresult, pStr: *mut *const c_char) -> CUresult {
         // SAFETY: forwarded contract: `pStr` is null or valid for a write.
         unsafe { error_text(pStr, describe(error)) }
     }
 
-    pub unsafe fn cuInit(&self, Flags: c_uint) -> CUresult {
+    pub(crate) unsafe fn cuInit(&self, Flags: c_uint) -> CUresult {
         self.call(|s| s.init(Flags))
     }
 
-    pub unsafe fn cuDriverGetVersion(&self, driverVersion: *mut c_int) -> CUresult {
+    pub(crate) unsafe fn cuDriverGetVersion(&self, driverVersion: *mut c_int) -> CUresult {
         let version = self.config.driver_version;
         // SAFETY: forwarded contract.
         unsafe { self.out(driverVersion, |_| Ok(version)) }
     }
 
-    pub unsafe fn cuDeviceGet(&self, device: *mut CUdevice, ordinal: c_int) -> CUresult {
+    pub(crate) unsafe fn cuDeviceGet(&self, device: *mut CUdevice, ordinal: c_int) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(device, |s| s.device_get(ordinal)) }
     }
 
-    pub unsafe fn cuDeviceGetCount(&self, count: *mut c_int) -> CUresult {
+    pub(crate) unsafe fn cuDeviceGetCount(&self, count: *mut c_int) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(count, |s| s.device_count()) }
     }
 
-    pub unsafe fn cuDeviceGetName(&self, name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDeviceGetName(&self, name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
         if name.is_null() || len <= 0 {
             return INVALID_VALUE;
         }
@@ -328,17 +337,22 @@ impl Sim {
         SUCCESS
     }
 
-    pub unsafe fn cuDeviceGetAttribute(&self, pi: *mut c_int, attrib: CUdevice_attribute, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDeviceGetAttribute(
+        &self,
+        pi: *mut c_int,
+        attrib: CUdevice_attribute,
+        dev: CUdevice,
+    ) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(pi, |s| s.device_attribute(attrib, dev)) }
     }
 
-    pub unsafe fn cuDeviceTotalMem_v2(&self, bytes: *mut usize, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDeviceTotalMem_v2(&self, bytes: *mut usize, dev: CUdevice) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(bytes, |s| s.device_total_mem(dev)) }
     }
 
-    pub unsafe fn cuDeviceCanAccessPeer(
+    pub(crate) unsafe fn cuDeviceCanAccessPeer(
         &self,
         canAccessPeer: *mut c_int,
         dev: CUdevice,
@@ -348,29 +362,29 @@ impl Sim {
         unsafe { self.out(canAccessPeer, |s| s.can_access_peer(dev, peerDev)) }
     }
 
-    pub unsafe fn cuDevicePrimaryCtxRetain(&self, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDevicePrimaryCtxRetain(&self, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(pctx, |s| s.primary_ctx_retain(dev)) }
     }
 
-    pub unsafe fn cuDevicePrimaryCtxRelease_v2(&self, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDevicePrimaryCtxRelease_v2(&self, dev: CUdevice) -> CUresult {
         self.call(|s| s.primary_ctx_release(dev))
     }
 
-    pub unsafe fn cuCtxGetCurrent(&self, pctx: *mut CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxGetCurrent(&self, pctx: *mut CUcontext) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(pctx, |s| s.ctx_get_current()) }
     }
 
-    pub unsafe fn cuCtxSetCurrent(&self, ctx: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxSetCurrent(&self, ctx: CUcontext) -> CUresult {
         self.call(|s| s.ctx_set_current(ctx))
     }
 
-    pub unsafe fn cuCtxPushCurrent_v2(&self, ctx: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxPushCurrent_v2(&self, ctx: CUcontext) -> CUresult {
         self.call(|s| s.ctx_push_current(ctx))
     }
 
-    pub unsafe fn cuCtxPopCurrent_v2(&self, pctx: *mut CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxPopCurrent_v2(&self, pctx: *mut CUcontext) -> CUresult {
         let mut state = self.lock();
         match state.ctx_pop_current() {
             Ok(ctx) => {
@@ -384,68 +398,73 @@ impl Sim {
         }
     }
 
-    pub unsafe fn cuCtxGetDevice(&self, device: *mut CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuCtxGetDevice(&self, device: *mut CUdevice) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(device, |s| s.ctx_get_device()) }
     }
 
-    pub unsafe fn cuCtxSynchronize(&self) -> CUresult {
+    pub(crate) unsafe fn cuCtxSynchronize(&self) -> CUresult {
         self.call(|s| s.ctx_synchronize())
     }
 
-    pub unsafe fn cuStreamCreate(&self, phStream: *mut CUstream, Flags: c_uint) -> CUresult {
+    pub(crate) unsafe fn cuStreamCreate(&self, phStream: *mut CUstream, Flags: c_uint) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(phStream, |s| s.stream_create(Flags)) }
     }
 
-    pub unsafe fn cuStreamDestroy_v2(&self, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuStreamDestroy_v2(&self, hStream: CUstream) -> CUresult {
         self.call(|s| s.stream_destroy(hStream))
     }
 
-    pub unsafe fn cuStreamSynchronize(&self, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuStreamSynchronize(&self, hStream: CUstream) -> CUresult {
         self.call(|s| s.stream_synchronize(hStream))
     }
 
-    pub unsafe fn cuStreamQuery(&self, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuStreamQuery(&self, hStream: CUstream) -> CUresult {
         self.call(|s| s.stream_query(hStream))
     }
 
-    pub unsafe fn cuStreamWaitEvent(&self, hStream: CUstream, hEvent: CUevent, Flags: c_uint) -> CUresult {
+    pub(crate) unsafe fn cuStreamWaitEvent(&self, hStream: CUstream, hEvent: CUevent, Flags: c_uint) -> CUresult {
         self.call(|s| s.stream_wait_event(hStream, hEvent, Flags))
     }
 
-    pub unsafe fn cuStreamGetCtx(&self, hStream: CUstream, pctx: *mut CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuStreamGetCtx(&self, hStream: CUstream, pctx: *mut CUcontext) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(pctx, |s| s.stream_get_ctx(hStream)) }
     }
 
-    pub unsafe fn cuEventCreate(&self, phEvent: *mut CUevent, Flags: c_uint) -> CUresult {
+    pub(crate) unsafe fn cuEventCreate(&self, phEvent: *mut CUevent, Flags: c_uint) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(phEvent, |s| s.event_create(Flags)) }
     }
 
-    pub unsafe fn cuEventDestroy_v2(&self, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuEventDestroy_v2(&self, hEvent: CUevent) -> CUresult {
         self.call(|s| s.event_destroy(hEvent))
     }
 
-    pub unsafe fn cuEventRecord(&self, hEvent: CUevent, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuEventRecord(&self, hEvent: CUevent, hStream: CUstream) -> CUresult {
         self.call(|s| s.event_record(hEvent, hStream))
     }
 
-    pub unsafe fn cuEventQuery(&self, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuEventQuery(&self, hEvent: CUevent) -> CUresult {
         self.call(|s| s.event_query(hEvent))
     }
 
-    pub unsafe fn cuEventSynchronize(&self, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuEventSynchronize(&self, hEvent: CUevent) -> CUresult {
         self.call(|s| s.event_synchronize(hEvent))
     }
 
-    pub unsafe fn cuEventElapsedTime(&self, pMilliseconds: *mut f32, hStart: CUevent, hEnd: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuEventElapsedTime(
+        &self,
+        pMilliseconds: *mut f32,
+        hStart: CUevent,
+        hEnd: CUevent,
+    ) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(pMilliseconds, |s| s.event_elapsed_time(hStart, hEnd)) }
     }
 
-    pub unsafe fn cuMemGetInfo_v2(&self, free: *mut usize, total: *mut usize) -> CUresult {
+    pub(crate) unsafe fn cuMemGetInfo_v2(&self, free: *mut usize, total: *mut usize) -> CUresult {
         if free.is_null() || total.is_null() {
             return INVALID_VALUE;
         }
@@ -462,16 +481,16 @@ impl Sim {
         }
     }
 
-    pub unsafe fn cuMemAlloc_v2(&self, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    pub(crate) unsafe fn cuMemAlloc_v2(&self, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(dptr, |s| s.mem_alloc(bytesize)) }
     }
 
-    pub unsafe fn cuMemFree_v2(&self, dptr: CUdeviceptr) -> CUresult {
+    pub(crate) unsafe fn cuMemFree_v2(&self, dptr: CUdeviceptr) -> CUresult {
         self.call(|s| s.mem_free(dptr))
     }
 
-    pub unsafe fn cuMemsetD8Async(
+    pub(crate) unsafe fn cuMemsetD8Async(
         &self,
         dstDevice: CUdeviceptr,
         _uc: c_uchar,
@@ -481,16 +500,21 @@ impl Sim {
         self.call(|s| s.memset_d8_async(dstDevice, N, hStream))
     }
 
-    pub unsafe fn cuMemAllocAsync(&self, dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuMemAllocAsync(
+        &self,
+        dptr: *mut CUdeviceptr,
+        bytesize: usize,
+        hStream: CUstream,
+    ) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(dptr, |s| s.mem_alloc_async(bytesize, hStream)) }
     }
 
-    pub unsafe fn cuMemFreeAsync(&self, dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuMemFreeAsync(&self, dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
         self.call(|s| s.mem_free_async(dptr, hStream))
     }
 
-    pub unsafe fn cuMemAllocFromPoolAsync(
+    pub(crate) unsafe fn cuMemAllocFromPoolAsync(
         &self,
         dptr: *mut CUdeviceptr,
         bytesize: usize,
@@ -501,7 +525,7 @@ impl Sim {
         unsafe { self.out(dptr, |s| s.mem_alloc_from_pool_async(bytesize, pool, hStream)) }
     }
 
-    pub unsafe fn cuMemPoolCreate(&self, pool: *mut CUmemoryPool, poolProps: *const CUmemPoolProps) -> CUresult {
+    pub(crate) unsafe fn cuMemPoolCreate(&self, pool: *mut CUmemoryPool, poolProps: *const CUmemPoolProps) -> CUresult {
         if poolProps.is_null() {
             return INVALID_VALUE;
         }
@@ -511,15 +535,15 @@ impl Sim {
         unsafe { self.out(pool, |s| s.mem_pool_create(props)) }
     }
 
-    pub unsafe fn cuMemPoolDestroy(&self, pool: CUmemoryPool) -> CUresult {
+    pub(crate) unsafe fn cuMemPoolDestroy(&self, pool: CUmemoryPool) -> CUresult {
         self.call(|s| s.mem_pool_destroy(pool))
     }
 
-    pub unsafe fn cuMemPoolTrimTo(&self, pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult {
+    pub(crate) unsafe fn cuMemPoolTrimTo(&self, pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult {
         self.call(|s| s.mem_pool_trim_to(pool, minBytesToKeep))
     }
 
-    pub unsafe fn cuMemPoolSetAttribute(
+    pub(crate) unsafe fn cuMemPoolSetAttribute(
         &self,
         pool: CUmemoryPool,
         attr: CUmemPool_attribute,
@@ -540,7 +564,7 @@ impl Sim {
         self.call(|s| s.mem_pool_set_attribute(pool, attr, value))
     }
 
-    pub unsafe fn cuMemPoolGetAttribute(
+    pub(crate) unsafe fn cuMemPoolGetAttribute(
         &self,
         pool: CUmemoryPool,
         attr: CUmemPool_attribute,
@@ -565,7 +589,12 @@ impl Sim {
         }
     }
 
-    pub unsafe fn cuMemPoolSetAccess(&self, pool: CUmemoryPool, map: *const CUmemAccessDesc, count: usize) -> CUresult {
+    pub(crate) unsafe fn cuMemPoolSetAccess(
+        &self,
+        pool: CUmemoryPool,
+        map: *const CUmemAccessDesc,
+        count: usize,
+    ) -> CUresult {
         let descriptors = if count == 0 {
             &[][..]
         } else if map.is_null() {
@@ -577,7 +606,7 @@ impl Sim {
         self.call(|s| s.mem_pool_set_access(pool, descriptors))
     }
 
-    pub unsafe fn cuMemPoolGetAccess(
+    pub(crate) unsafe fn cuMemPoolGetAccess(
         &self,
         flags: *mut CUmemAccess_flags,
         memPool: CUmemoryPool,
@@ -592,21 +621,21 @@ impl Sim {
         unsafe { self.out(flags, |s| s.mem_pool_get_access(memPool, &location)) }
     }
 
-    pub unsafe fn cuDeviceGetDefaultMemPool(&self, pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDeviceGetDefaultMemPool(&self, pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(pool_out, |s| s.device_get_default_mem_pool(dev)) }
     }
 
-    pub unsafe fn cuDeviceGetMemPool(&self, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDeviceGetMemPool(&self, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
         // SAFETY: forwarded contract.
         unsafe { self.out(pool, |s| s.device_get_mem_pool(dev)) }
     }
 
-    pub unsafe fn cuDeviceSetMemPool(&self, dev: CUdevice, pool: CUmemoryPool) -> CUresult {
+    pub(crate) unsafe fn cuDeviceSetMemPool(&self, dev: CUdevice, pool: CUmemoryPool) -> CUresult {
         self.call(|s| s.device_set_mem_pool(dev, pool))
     }
 
-    pub unsafe fn cuMemPoolExportToShareableHandle(
+    pub(crate) unsafe fn cuMemPoolExportToShareableHandle(
         &self,
         _handle_out: *mut c_void,
         _pool: CUmemoryPool,
@@ -616,7 +645,7 @@ impl Sim {
         NOT_SUPPORTED
     }
 
-    pub unsafe fn cuMemPoolImportFromShareableHandle(
+    pub(crate) unsafe fn cuMemPoolImportFromShareableHandle(
         &self,
         _pool_out: *mut CUmemoryPool,
         _handle: *mut c_void,
@@ -626,7 +655,7 @@ impl Sim {
         NOT_SUPPORTED
     }
 
-    pub unsafe fn cuMemPoolExportPointer(
+    pub(crate) unsafe fn cuMemPoolExportPointer(
         &self,
         _shareData_out: *mut CUmemPoolPtrExportData,
         _ptr: CUdeviceptr,
@@ -634,7 +663,7 @@ impl Sim {
         NOT_SUPPORTED
     }
 
-    pub unsafe fn cuMemPoolImportPointer(
+    pub(crate) unsafe fn cuMemPoolImportPointer(
         &self,
         _ptr_out: *mut CUdeviceptr,
         _pool: CUmemoryPool,
@@ -643,7 +672,7 @@ impl Sim {
         NOT_SUPPORTED
     }
 
-    pub unsafe fn cuModuleLoadData(&self, module: *mut CUmodule, image: *const c_void) -> CUresult {
+    pub(crate) unsafe fn cuModuleLoadData(&self, module: *mut CUmodule, image: *const c_void) -> CUresult {
         if image.is_null() {
             return INVALID_VALUE;
         }
@@ -654,11 +683,16 @@ impl Sim {
         unsafe { self.out(module, |s| s.module_load_data(text.to_bytes())) }
     }
 
-    pub unsafe fn cuModuleUnload(&self, hmod: CUmodule) -> CUresult {
+    pub(crate) unsafe fn cuModuleUnload(&self, hmod: CUmodule) -> CUresult {
         self.call(|s| s.module_unload(hmod))
     }
 
-    pub unsafe fn cuModuleGetFunction(&self, hfunc: *mut CUfunction, hmod: CUmodule, name: *const c_char) -> CUresult {
+    pub(crate) unsafe fn cuModuleGetFunction(
+        &self,
+        hfunc: *mut CUfunction,
+        hmod: CUmodule,
+        name: *const c_char,
+    ) -> CUresult {
         if name.is_null() {
             return INVALID_VALUE;
         }
@@ -669,7 +703,7 @@ impl Sim {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn cuLaunchKernel(
+    pub(crate) unsafe fn cuLaunchKernel(
         &self,
         f: CUfunction,
         gridDimX: c_uint,
