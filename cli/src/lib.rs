@@ -1,18 +1,22 @@
 //! steppool-cli: read GPU allocation traces (RMM logs, PyTorch memory snapshots, steppool's own
-//! traces), inspect them, and replay them through the steppool runtime on the simulated device
-//! under each strategy.
+//! traces), inspect them, replay them through the steppool runtime on the simulated device under
+//! each strategy, and convert them to steppool's own trace format.
 //!
 //! The `steppool` binary is a thin front end over this library:
 //!
 //! ```text
 //! steppool inspect TRACE [--json FILE]
-//! steppool replay TRACE [--capacity SIZE] [--strategy NAME|all] [--json FILE] [--svg FILE]
+//! steppool replay TRACE [--capacity SIZE] [--strategy NAME|all] [--arena-slab SIZE] [--no-bisect]
+//!                       [--json FILE] [--svg FILE]
+//! steppool convert TRACE OUTPUT.jsonl
 //! ```
 //!
 //! The pipeline is [`read::read_trace`] (format by content, steps from the trace, a sidecar, or
 //! [inference](steps)), [`analysis::analyse`] (lifetimes, scopes, phases, operations, live bytes),
 //! then [`replay::replay`] (the real runtime on the simulated device, with bisection for the
-//! smallest capacity) and [`report`] (tables, JSON, [SVG](svg)).
+//! smallest capacity) and [`report`] (tables, JSON, [SVG](svg)). `convert` is
+//! [`read::read_trace`] then [`read::write_steppool`]: JSON lines with the trace's step
+//! boundaries, which `replay` reads back.
 //!
 //! ```
 //! use steppool_cli::{analysis, read, replay};

@@ -10,3 +10,5 @@ fn main() {
     }
     let _ = escaped.ptr();
 }
+
+// expect: E0597 (the buffer outlives the step it borrows)

@@ -12,3 +12,5 @@ fn main() {
     step.end().unwrap();
     let _ = Phase::WEIGHTS;
 }
+
+// expect: E0505 (the micro-step ends while its buffer is still used)

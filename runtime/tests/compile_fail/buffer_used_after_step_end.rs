@@ -8,3 +8,5 @@ fn main() {
     step.end().unwrap();
     let _ = activations.ptr();
 }
+
+// expect: E0505 (the step ends while its buffer is still used)

@@ -7,3 +7,5 @@ fn main() {
     step.end().unwrap();
     micro_step.end().unwrap();
 }
+
+// expect: E0505 (the step ends while its micro-step is alive)
