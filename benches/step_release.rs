@@ -1,6 +1,6 @@
 //! 3. Step release: the cost of ending a step against the number of allocations still live in
 //!    it, per strategy. Each iteration begins a step, allocates `live` buffers of 64 KiB through
-//!    the raw API (untimed), and times `end_step_raw`, which releases them all at once.
+//!    the raw API (untimed), and times `RawApi::end_step`, which releases them all at once.
 //!
 //! Goal (measured, never asserted): release under 0.1 % of step time; the kernel-step
 //! benchmark records that share on a real step, this one how the cost grows with `live`.

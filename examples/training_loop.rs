@@ -398,7 +398,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let selection = match Selection::from_env() {
+    let selection = match Selection::from_env_or(Selection::Auto) {
         Ok(selection) => selection,
         Err(error) => {
             eprintln!("training_loop: {error}");

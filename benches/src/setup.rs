@@ -73,7 +73,8 @@ pub fn driver() -> Driver {
     DRIVER
         .get_or_init(|| {
             let require_gpu = std::env::var("STEPPOOL_REQUIRE_GPU").is_ok_and(|v| v == "1");
-            let selection = Selection::from_env().unwrap_or_else(|error| panic!("STEPPOOL_DEVICE: {error}"));
+            let selection =
+                Selection::from_env_or(Selection::Auto).unwrap_or_else(|error| panic!("STEPPOOL_DEVICE: {error}"));
             if require_gpu && selection == Selection::Sim {
                 panic!("STEPPOOL_REQUIRE_GPU=1 contradicts STEPPOOL_DEVICE=sim");
             }

@@ -4,8 +4,8 @@
 //! A replay is the real runtime code: one [`Runtime`] on a simulated device of the chosen
 //! capacity (one device per trace device, each of that capacity), one runtime stream per trace
 //! stream, the phases of the [analysis](crate::analysis) declared as the strategy lays them out,
-//! and every operation in trace order through the raw API (`alloc_raw`, `free_raw`,
-//! `begin_step_raw`, `end_step_raw`, and the micro-step pair). A free is issued on the stream the
+//! and every operation in trace order through the raw API (`RawApi::alloc`, `RawApi::free`,
+//! `RawApi::begin_step`, `RawApi::end_step`, and the micro-step pair). A free is issued on the stream the
 //! memory was allocated on, as the runtime does. Before each step's end the host waits for every
 //! stream, as a training loop that reads its loss each step does. Failed allocations recorded in
 //! the trace are not replayed (as RMM's replay benchmark skips them).

@@ -124,7 +124,7 @@ pub enum Error {
         /// The step.
         index: u64,
     },
-    /// A callback registered with [`Runtime::on_warning`](crate::Runtime::on_warning) panicked;
+    /// A callback registered with [`Telemetry::on_warning`](crate::Telemetry::on_warning) panicked;
     /// the panic was caught and the other callbacks still ran.
     #[error("a warning callback panicked while handling a `{rule}` warning")]
     CallbackPanicked {

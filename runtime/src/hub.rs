@@ -11,7 +11,7 @@ use crate::telemetry::{
     EventKind, GroupKey, PhaseFragmentation, Recorder, Retired, Warning, WarningCount, WarningRules, WarningState,
 };
 
-/// A callback registered with [`Runtime::on_warning`](crate::Runtime::on_warning).
+/// A callback registered with [`Telemetry::on_warning`](crate::Telemetry::on_warning).
 pub(crate) type WarningSink = Arc<dyn Fn(&Warning) + Send + Sync>;
 
 /// What the runtime keeps for its operators.

@@ -12,7 +12,7 @@
 //! use steppool::{Phase, PhaseSpec, Runtime, Scope};
 //! # fn main() -> steppool::Result<()> {
 //! # let runtime = Runtime::builder().simulated(steppool_sys::sim::SimConfig::with_capacity(16 << 30)).build()?;
-//! // let runtime = Runtime::new()?; // the GPU when one answers, else the simulated device
+//! // let runtime = Runtime::new()?; // the GPU, or an error that says why there is none
 //! let micro = runtime.declare_phase(PhaseSpec::new("micro_activations", Scope::MicroStep))?;
 //! let stream = runtime.device(0)?.create_stream()?;
 //! let weights = runtime.alloc(Phase::WEIGHTS, 512 << 20, &stream)?;

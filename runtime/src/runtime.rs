@@ -104,13 +104,7 @@ impl RuntimeBuilder {
     pub fn build(self) -> Result<Runtime> {
         let driver = match self.driver {
             Some(driver) => driver?,
-            None => {
-                let selection = match std::env::var("STEPPOOL_DEVICE") {
-                    Ok(value) => Selection::parse(&value)?,
-                    Err(_) => self.default_device.unwrap_or(Selection::Cuda),
-                };
-                Driver::select(selection)?
-            }
+            None => Driver::from_env_or(self.default_device.unwrap_or(Selection::Cuda))?,
         };
         let checked = self.checked.unwrap_or_else(|| std::env::var("STEPPOOL_CHECKED").is_ok_and(|v| v == "1"));
         let runtime = Runtime { inner: Arc::new(RuntimeInner::new(driver, checked)?) };

@@ -1,5 +1,5 @@
 //! An HTTP endpoint for Prometheus to scrape: `GET /metrics`. Off unless
-//! [`Runtime::serve_metrics`](crate::Runtime::serve_metrics) starts it; plain `std::net`, one
+//! [`Telemetry::serve_metrics`](crate::Telemetry::serve_metrics) starts it; plain `std::net`, one
 //! thread, one request per connection.
 
 use std::io::{self, BufRead, BufReader, Read, Write};

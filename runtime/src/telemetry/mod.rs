@@ -6,7 +6,7 @@
 //! pool lock the allocation takes anyway; the time spent allocating is estimated from one
 //! allocation in 16, chosen at random, because two clock reads would cost as much as an arena
 //! allocation itself. The history is off until
-//! [`Runtime::start_recording`](crate::Runtime::start_recording); while on, every event takes
+//! [`Telemetry::start_recording`](crate::Telemetry::start_recording); while on, every event takes
 //! one runtime-wide lock, so it is a diagnostic mode, as PyTorch's `_record_memory_history` is.
 //!
 //! # Trace format, version 1

@@ -2,7 +2,7 @@
 //!
 //! Each rule fires once per episode: when its condition becomes true, and not again until the
 //! condition has been false at a step end. A firing goes to the callbacks registered with
-//! [`Runtime::on_warning`](crate::Runtime::on_warning), to the log (`tracing`, target
+//! [`Telemetry::on_warning`](crate::Telemetry::on_warning), to the log (`tracing`, target
 //! `steppool::warnings`), into the [`StepReport`](crate::StepReport) and into the history.
 
 use std::collections::{HashMap, HashSet, VecDeque};

@@ -9,6 +9,7 @@ fn main() {
     let activations = micro_step.alloc(micro, 1 << 20, &stream).unwrap();
     micro_step.end().unwrap();
     let _ = activations.ptr();
+    drop(activations);
     step.end().unwrap();
     let _ = Phase::WEIGHTS;
 }
