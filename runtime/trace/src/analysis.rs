@@ -1,0 +1,450 @@
+//! What a trace's events mean for a replay: each allocation's lifetime and scope, the phases to
+//! replay them in, the operations in order, and the live bytes over time.
+//!
+//! Scopes come from real lifetimes, so a replay never has a boundary release memory the trace
+//! still uses: an allocation freed inside the micro-step it was made in is micro-step-scoped;
+//! freed inside its step, step-scoped; anything else (made outside a step, freed in a later step,
+//! never freed) persistent. A tagged trace's phases keep their declared scope where the lifetime
+//! fits it; where it does not, the allocation's scope is inferred and a warning counted.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::error::{Location, Result, TraceError};
+use crate::scope::Scope;
+use crate::trace::{EventKind, Trace, WarningKind, Warnings};
+
+/// The most streams a trace may use: a replay creates one runtime stream per trace stream.
+pub const MAX_STREAMS: usize = 4096;
+
+/// One allocation of the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// The index of its `alloc` event.
+    pub event: usize,
+    /// The index of the event that frees it, if any (its `free`, or the allocation that reused its
+    /// pointer).
+    pub free: Option<usize>,
+    /// Bytes requested.
+    pub bytes: u64,
+    /// Its device.
+    pub device: u32,
+    /// Its replay stream: an index into [`Analysis::streams`].
+    pub stream: u16,
+    /// When it was allocated, on the trace's clock.
+    pub t_alloc: u64,
+    /// When it was freed.
+    pub t_free: Option<u64>,
+    /// The scope it is replayed with.
+    pub scope: Scope,
+    /// Its replay phase: an index into [`Analysis::phases`].
+    pub phase: u16,
+    /// Released by the boundary that ended its step (a steppool trace's `release` free after the
+    /// boundary): the replay does not free it again.
+    pub released_at_boundary: bool,
+}
+
+/// A phase the replay declares: a tagged trace's phase, or an inferred lifetime class.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayPhase {
+    /// Its name.
+    pub name: String,
+    /// Its scope.
+    pub scope: Scope,
+    /// Whether the trace tagged it (otherwise it is inferred).
+    pub tagged: bool,
+}
+
+/// The numbers of one replay phase.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PhaseFacts {
+    /// Allocations.
+    pub allocations: u64,
+    /// Bytes allocated in total.
+    pub bytes: u64,
+    /// The largest allocation.
+    pub largest: u64,
+    /// The most bytes live at once.
+    pub peak_live: u64,
+    /// Allocations never freed.
+    pub never_freed: u64,
+    /// Median lifetime of the freed ones, in nanoseconds.
+    pub median_lifetime_ns: u64,
+    /// Longest lifetime of the freed ones, in nanoseconds.
+    pub max_lifetime_ns: u64,
+}
+
+/// One operation of a replay, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Allocate [`Analysis::allocations`]`[i]`.
+    Alloc(u32),
+    /// Free it.
+    Free(u32),
+    /// Begin a step.
+    BeginStep,
+    /// End the step.
+    EndStep,
+    /// Begin a micro-step.
+    BeginMicro,
+    /// End the micro-step.
+    EndMicro,
+}
+
+/// A trace prepared for replay and inspection.
+#[derive(Clone, Debug)]
+pub struct Analysis {
+    /// Every allocation, in order.
+    pub allocations: Vec<Allocation>,
+    /// The phases to declare.
+    pub phases: Vec<ReplayPhase>,
+    /// Per phase, its numbers.
+    pub facts: Vec<PhaseFacts>,
+    /// The operations, each with the index of the event it comes from.
+    pub ops: Vec<(usize, Op)>,
+    /// The replay streams: (device, the trace's stream handle).
+    pub streams: Vec<(u32, u64)>,
+    /// The highest sum of live bytes over all devices.
+    pub peak_live_bytes: u64,
+    /// The event after which it was reached.
+    pub peak_live_event: usize,
+    /// Per device ordinal, its highest live bytes.
+    pub device_peak_live: Vec<(u32, u64)>,
+    /// Bytes still live at the end.
+    pub live_at_end: u64,
+    /// Steps.
+    pub steps: u64,
+    /// Micro-steps.
+    pub micro_steps: u64,
+    /// Failed allocations recorded in the trace.
+    pub failures: u64,
+    /// Odd records met while analysing.
+    pub warnings: Warnings,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Boundaries {
+    step: Option<u32>,
+    micro: Option<u32>,
+    steps: u32,
+    micros: u32,
+}
+
+struct Pending {
+    step: Option<u32>,
+    micro: Option<u32>,
+    tag: Option<u16>,
+}
+
+struct Freed {
+    step: Option<u32>,
+    micro: Option<u32>,
+    released: bool,
+}
+
+/// Analyses `trace` for replay.
+pub fn analyse(trace: &Trace) -> Result<Analysis> {
+    let mut warnings = Warnings::default();
+    let mut allocations: Vec<Allocation> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut freed: Vec<Option<Freed>> = Vec::new();
+    let mut ops: Vec<(usize, Op)> = Vec::with_capacity(trace.events.len());
+    let mut live: HashMap<(u32, u64), u32> = HashMap::new();
+    let mut zero: HashSet<(u32, u64)> = HashSet::new();
+    let mut streams: Vec<(u32, u64)> = Vec::new();
+    let mut stream_index: HashMap<(u32, u64), u16> = HashMap::new();
+    let mut b = Boundaries::default();
+    let mut failures = 0;
+    let (mut live_bytes, mut peak, mut peak_event) = (0u64, 0u64, 0usize);
+    let mut device_live: HashMap<u32, (u64, u64)> = HashMap::new();
+
+    for (index, event) in trace.events.iter().enumerate() {
+        let location = event.location;
+        match event.kind {
+            EventKind::StepBegin(_) => {
+                if b.step.is_some() {
+                    warnings.add(WarningKind::BoundaryOrder, location, || "a step begins inside a step".into());
+                    end_step(&mut b, &mut ops, index);
+                }
+                b.step = Some(b.steps);
+                b.steps += 1;
+                ops.push((index, Op::BeginStep));
+            }
+            EventKind::StepEnd(_) => {
+                if b.step.is_none() {
+                    warnings.add(WarningKind::BoundaryOrder, location, || "a step ends outside a step".into());
+                } else {
+                    end_step(&mut b, &mut ops, index);
+                }
+            }
+            EventKind::MicroBegin(..) => {
+                if b.step.is_none() {
+                    warnings.add(WarningKind::BoundaryOrder, location, || "a micro-step begins outside a step".into());
+                    continue;
+                }
+                if b.micro.is_some() {
+                    warnings.add(WarningKind::BoundaryOrder, location, || "a micro-step begins inside one".into());
+                    b.micro = None;
+                    ops.push((index, Op::EndMicro));
+                }
+                b.micro = Some(b.micros);
+                b.micros += 1;
+                ops.push((index, Op::BeginMicro));
+            }
+            EventKind::MicroEnd(..) => {
+                if b.micro.is_none() {
+                    warnings.add(WarningKind::BoundaryOrder, location, || "a micro-step ends outside one".into());
+                } else {
+                    b.micro = None;
+                    ops.push((index, Op::EndMicro));
+                }
+            }
+            EventKind::AllocFailure => failures += 1,
+            EventKind::Alloc => {
+                let key = (event.device, event.ptr);
+                if let Some(previous) = live.remove(&key) {
+                    warnings.add(WarningKind::PointerReused, location, || {
+                        format!("{:#x} allocated again while live", event.ptr)
+                    });
+                    let at = Freed { step: b.step, micro: b.micro, released: false };
+                    let bytes = free_one(&mut allocations, &mut freed, previous, index, event.t_ns, at);
+                    ops.push((index, Op::Free(previous)));
+                    live_bytes -= bytes;
+                    device_live.entry(event.device).or_default().0 -= bytes;
+                }
+                zero.remove(&key);
+                if event.bytes == 0 {
+                    warnings.add(WarningKind::ZeroBytes, location, || format!("at {:#x}", event.ptr));
+                    zero.insert(key);
+                    continue;
+                }
+                let slot = match stream_index.get(&(event.device, event.stream)) {
+                    Some(&slot) => slot,
+                    None => {
+                        if streams.len() >= MAX_STREAMS {
+                            return Err(TraceError::malformed(
+                                &trace.path,
+                                location,
+                                format!(
+                                    "more than {MAX_STREAMS} streams: the replay creates one runtime stream per trace stream"
+                                ),
+                            ));
+                        }
+                        let slot = streams.len() as u16;
+                        streams.push((event.device, event.stream));
+                        stream_index.insert((event.device, event.stream), slot);
+                        slot
+                    }
+                };
+                let id = u32::try_from(allocations.len())
+                    .map_err(|_| TraceError::malformed(&trace.path, location, "more than 4 billion allocations"))?;
+                if live_bytes.checked_add(event.bytes).is_none() {
+                    return Err(TraceError::malformed(
+                        &trace.path,
+                        location,
+                        format!("{} bytes allocated while {live_bytes} are live: more than 16 EiB", event.bytes),
+                    ));
+                }
+                allocations.push(Allocation {
+                    event: index,
+                    free: None,
+                    bytes: event.bytes,
+                    device: event.device,
+                    stream: slot,
+                    t_alloc: event.t_ns,
+                    t_free: None,
+                    scope: Scope::Persistent,
+                    phase: 0,
+                    released_at_boundary: false,
+                });
+                pending.push(Pending { step: b.step, micro: b.micro, tag: event.phase });
+                freed.push(None);
+                live.insert(key, id);
+                live_bytes += event.bytes;
+                let device = device_live.entry(event.device).or_default();
+                device.0 += event.bytes;
+                device.1 = device.1.max(device.0);
+                if live_bytes > peak {
+                    peak = live_bytes;
+                    peak_event = index;
+                }
+                ops.push((index, Op::Alloc(id)));
+            }
+            EventKind::Free { released } => {
+                let key = (event.device, event.ptr);
+                let Some(id) = live.remove(&key) else {
+                    if !zero.remove(&key) {
+                        warnings.add(WarningKind::UnknownPointerFree, location, || {
+                            format!("{:#x} on device {}", event.ptr, event.device)
+                        });
+                    }
+                    continue;
+                };
+                let bytes = allocations[id as usize].bytes;
+                if event.bytes != 0 && event.bytes != bytes {
+                    warnings.add(WarningKind::SizeMismatch, location, || {
+                        format!("{:#x} freed as {} bytes, allocated as {bytes}", event.ptr, event.bytes)
+                    });
+                }
+                let at = Freed { step: b.step, micro: b.micro, released };
+                free_one(&mut allocations, &mut freed, id, index, event.t_ns, at);
+                ops.push((index, Op::Free(id)));
+                live_bytes -= bytes;
+                device_live.entry(event.device).or_default().0 -= bytes;
+            }
+        }
+    }
+    let end = trace.events.len();
+    if b.step.is_some() {
+        end_step(&mut b, &mut ops, end);
+    }
+
+    // Scopes and phases.
+    let mut phases: Vec<ReplayPhase> = trace
+        .phases
+        .iter()
+        .map(|phase| ReplayPhase { name: phase.name.clone(), scope: phase.scope, tagged: true })
+        .collect();
+    let mut inferred: [Option<u16>; 3] = [None; 3];
+    for (id, allocation) in allocations.iter_mut().enumerate() {
+        let at = &pending[id];
+        let lifetime = freed[id].as_ref();
+        let same_step = at.step.is_some() && lifetime.is_some_and(|f| f.step == at.step);
+        let same_micro = at.micro.is_some() && lifetime.is_some_and(|f| f.micro == at.micro);
+        let released_after_step = at.step.is_some() && lifetime.is_some_and(|f| f.released && f.step != at.step);
+        let fits = |scope: Scope| match scope {
+            Scope::Persistent => true,
+            Scope::Step => same_step || released_after_step,
+            Scope::MicroStep => same_micro,
+        };
+        let inferred_scope = if same_micro {
+            Scope::MicroStep
+        } else if same_step || released_after_step {
+            Scope::Step
+        } else {
+            Scope::Persistent
+        };
+        let tagged = at.tag.and_then(|tag| trace.phases.get(usize::from(tag)).map(|phase| (tag, phase.scope)));
+        let (scope, phase) = match tagged {
+            Some((tag, scope)) if fits(scope) => (scope, tag),
+            other => {
+                if let Some((tag, scope)) = other {
+                    let location = trace.events[allocation.event].location;
+                    let name = &trace.phases[usize::from(tag)].name;
+                    warnings.add(WarningKind::ScopeMismatch, location, || {
+                        format!(
+                            "an allocation of phase `{name}` (scope {scope}) is replayed with scope {inferred_scope}"
+                        )
+                    });
+                }
+                let slot = match inferred_scope {
+                    Scope::Persistent => 0,
+                    Scope::Step => 1,
+                    Scope::MicroStep => 2,
+                };
+                let phase = match inferred[slot] {
+                    Some(phase) => phase,
+                    None => {
+                        let base = inferred_scope.name();
+                        let mut name = base.to_owned();
+                        if phases.iter().any(|p| p.name == name) {
+                            name = format!("{base} (inferred)");
+                        }
+                        phases.push(ReplayPhase { name, scope: inferred_scope, tagged: false });
+                        let phase = (phases.len() - 1) as u16;
+                        inferred[slot] = Some(phase);
+                        phase
+                    }
+                };
+                (inferred_scope, phase)
+            }
+        };
+        allocation.scope = scope;
+        allocation.phase = phase;
+        allocation.released_at_boundary = scope == Scope::Step && released_after_step;
+    }
+
+    let facts = phase_facts(&allocations, &ops, phases.len());
+    let mut device_peak_live: Vec<(u32, u64)> = device_live.iter().map(|(&d, &(_, peak))| (d, peak)).collect();
+    device_peak_live.sort_unstable();
+    Ok(Analysis {
+        allocations,
+        phases,
+        facts,
+        ops,
+        streams,
+        peak_live_bytes: peak,
+        peak_live_event: peak_event,
+        device_peak_live,
+        live_at_end: live_bytes,
+        steps: u64::from(b.steps),
+        micro_steps: u64::from(b.micros),
+        failures,
+        warnings,
+    })
+}
+
+/// Marks allocation `id` freed at event `index`; returns its bytes.
+fn free_one(
+    allocations: &mut [Allocation],
+    freed: &mut [Option<Freed>],
+    id: u32,
+    index: usize,
+    t: u64,
+    at: Freed,
+) -> u64 {
+    let allocation = &mut allocations[id as usize];
+    allocation.free = Some(index);
+    allocation.t_free = Some(t);
+    freed[id as usize] = Some(at);
+    allocation.bytes
+}
+
+fn end_step(b: &mut Boundaries, ops: &mut Vec<(usize, Op)>, index: usize) {
+    if b.micro.take().is_some() {
+        ops.push((index, Op::EndMicro));
+    }
+    b.step = None;
+    ops.push((index, Op::EndStep));
+}
+
+fn phase_facts(allocations: &[Allocation], ops: &[(usize, Op)], count: usize) -> Vec<PhaseFacts> {
+    let mut facts = vec![PhaseFacts::default(); count];
+    let mut lifetimes: Vec<Vec<u64>> = vec![Vec::new(); count];
+    for allocation in allocations {
+        let f = &mut facts[usize::from(allocation.phase)];
+        f.allocations += 1;
+        f.bytes = f.bytes.saturating_add(allocation.bytes);
+        f.largest = f.largest.max(allocation.bytes);
+        match allocation.t_free {
+            Some(t) => lifetimes[usize::from(allocation.phase)].push(t.saturating_sub(allocation.t_alloc)),
+            None => f.never_freed += 1,
+        }
+    }
+    for (f, mut lifetimes) in facts.iter_mut().zip(lifetimes) {
+        lifetimes.sort_unstable();
+        f.median_lifetime_ns = lifetimes.get(lifetimes.len() / 2).copied().unwrap_or(0);
+        f.max_lifetime_ns = lifetimes.last().copied().unwrap_or(0);
+    }
+    let mut live = vec![0u64; count];
+    for &(_, op) in ops {
+        match op {
+            Op::Alloc(id) => {
+                let a = &allocations[id as usize];
+                let phase = usize::from(a.phase);
+                live[phase] += a.bytes;
+                facts[phase].peak_live = facts[phase].peak_live.max(live[phase]);
+            }
+            Op::Free(id) => {
+                let a = &allocations[id as usize];
+                live[usize::from(a.phase)] -= a.bytes;
+            }
+            _ => {}
+        }
+    }
+    facts
+}
+
+/// The location of event `index` of `trace` (the end of the trace past its last event).
+pub fn location_of(trace: &Trace, index: usize) -> Location {
+    trace.events.get(index).map_or(Location::File, |event| event.location)
+}
