@@ -30,15 +30,16 @@
 //! # Ok(()) }
 //! ```
 
-pub mod analysis;
 pub mod error;
-pub mod read;
 pub mod replay;
 pub mod report;
-pub mod steps;
 pub mod svg;
 pub mod synth;
-pub mod trace;
 
-pub use error::{Location, Result, TraceError};
-pub use trace::{Event, EventKind, StepSource, Trace, TraceFormat, WarningKind, Warnings};
+pub use error::{ReplayError, Result};
+/// The trace model, its readers, step inference and the lifetime analysis live in
+/// [`steppool_trace`], shared with the runtime, the benchmarks and the examples.
+pub use steppool_trace::{analysis, read, steps};
+
+// The readers accept as many devices as the simulated device replays.
+const _: () = assert!(steppool_trace::MAX_DEVICES as usize == steppool_sys::sim::MAX_DEVICES);
