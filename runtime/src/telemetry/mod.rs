@@ -31,7 +31,6 @@ mod history;
 mod http;
 pub mod json;
 mod metrics;
-mod pickle;
 pub mod prometheus;
 mod snapshot;
 mod timeline;
