@@ -66,7 +66,7 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    /// The operations of `trace`, as its [analysis](steppool_trace::analysis) lays them out: an
+    /// The operations of `trace`, as its [analysis] lays them out: an
     /// allocation's lifetime is `step` where its scope is step or micro-step (it is freed in the
     /// step that made it), `persistent` otherwise; a step ends where the next one begins; failed
     /// allocations, and frees of memory the trace never allocated, are left out.

@@ -9,35 +9,72 @@
 //! [`Runtime::start_recording`](crate::Runtime::start_recording); while on, every event takes
 //! one runtime-wide lock, so it is a diagnostic mode, as PyTorch's `_record_memory_history` is.
 //!
-//! # Trace format, version 1
+//! # Exporters
 //!
-//! [`History::write_trace`] writes JSON lines. Line 1 is a header:
-//! `{"format":"steppool-trace","version":1,"driver":…,"devices":[{"ordinal":0,"total_bytes":N}],
-//! "phases":[{"name":"weights","scope":"persistent"},…],"dropped_events":N}` (`scope` is
-//! `persistent`, `step` or `micro_step`; `dropped_events` counts the oldest events the recording
-//! bound dropped). Then one object per event, in order, with `t_ns` (nanoseconds since recording
-//! began, never decreasing) and `event`:
-//! - `alloc` and `free`: `ptr`, `bytes`, `device`, `stream`, `phase`, `step` (or null), `thread`;
-//!   a free made by a boundary's release has `"release":true`. A free whose allocation came
-//!   before recording began (or was dropped) has no matching `alloc`;
-//! - `step_begin` and `step_end`: `step`; `micro_begin` and `micro_end`: `step`, `micro`;
-//! - `oom`: `bytes`, `device`, `stream`, `phase`;
-//! - `warning`: `rule`, `message`.
+//! Each form is a cargo feature of this crate, all on by default (see the [crate docs](crate)):
+//! [`json`] (`json`), [`prometheus`] and [`Runtime::serve_metrics`](crate::Runtime::serve_metrics)
+//! (`prometheus`), [`History::write_memory_snapshot`] (`snapshot`), [`History::timeline_svg`]
+//! (`svg`) and [`History::write_trace`] (`trace`). The history itself, and
+//! [`History::to_trace`], which gives it in the trace model the CLI and the benchmarks share, are
+//! always there.
 //!
-//! Segments and trims are the runtime's own doing, not the workload's, and are not written.
-//! Readers ignore keys they do not know.
+//! # Trace format
+//!
+//! [`History::write_trace`] writes steppool's JSON-lines trace format, whose version and fields
+//! [`steppool_trace::jsonl`] documents: a header naming the driver, the devices and the phases with
+//! their scopes (`persistent`, `step` or `micro_step`), then one line per allocation, free,
+//! failed allocation, step and micro-step boundary, and early warning, with `t_ns` in
+//! nanoseconds since recording began. Segments and trims are the runtime's own doing, not the
+//! workload's, and are not written. Readers ignore keys they do not know.
 
 mod history;
+#[cfg(feature = "prometheus")]
 mod http;
+#[cfg(feature = "json")]
 pub mod json;
 mod metrics;
+#[cfg(feature = "prometheus")]
 pub mod prometheus;
+#[cfg(feature = "snapshot")]
 mod snapshot;
+#[cfg(feature = "svg")]
 mod timeline;
 mod trace;
 mod warnings;
 
 use std::sync::OnceLock;
+
+/// Without the `prometheus` feature there is no `/metrics` endpoint: starting one is an
+/// [`std::io::ErrorKind::Unsupported`] error that says so.
+#[cfg(not(feature = "prometheus"))]
+mod http {
+    use std::convert::Infallible;
+    use std::io;
+    use std::net::{SocketAddr, ToSocketAddrs};
+
+    use crate::runtime::Runtime;
+
+    /// A running metrics endpoint. This build of steppool has none (its `prometheus` feature is
+    /// off), so no value of this type exists.
+    #[derive(Debug)]
+    pub struct MetricsServer {
+        never: Infallible,
+    }
+
+    impl MetricsServer {
+        /// The address it listens on.
+        pub fn addr(&self) -> SocketAddr {
+            match self.never {}
+        }
+
+        pub(crate) fn start(_runtime: &Runtime, _addr: impl ToSocketAddrs) -> io::Result<Self> {
+            Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "no /metrics endpoint: this steppool was built without its `prometheus` feature",
+            ))
+        }
+    }
+}
 
 pub use history::{Event, EventKind, History, LiveBlock, LiveSegment, PoolKey};
 pub(crate) use history::{Recorder, thread_number};
@@ -54,4 +91,18 @@ pub use warnings::{
 pub(crate) fn clock() -> &'static quanta::Clock {
     static CLOCK: OnceLock<quanta::Clock> = OnceLock::new();
     CLOCK.get_or_init(quanta::Clock::new)
+}
+
+#[cfg(all(test, not(feature = "prometheus")))]
+mod tests {
+    use crate::Runtime;
+
+    #[test]
+    fn without_prometheus_serving_metrics_is_an_unsupported_error() {
+        let runtime =
+            Runtime::builder().simulated(steppool_sys::sim::SimConfig::with_capacity(1 << 30)).build().unwrap();
+        let error = runtime.serve_metrics("127.0.0.1:0").unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::Unsupported);
+        assert!(error.to_string().contains("`prometheus` feature"), "{error}");
+    }
 }

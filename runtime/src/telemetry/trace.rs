@@ -1,6 +1,7 @@
 //! The history in the shared trace model ([`steppool_trace::Trace`]), and written as a steppool
 //! trace file by the model's writer; the format is documented in [`steppool_trace::jsonl`].
 
+#[cfg(feature = "trace")]
 use std::io::{self, Write};
 
 use steppool_trace::{Alert, Event, EventKind as TraceKind, Location, Trace, TraceDevice, TraceFormat, TracePhase};
@@ -73,6 +74,7 @@ impl History {
 
     /// Writes the history as a steppool trace ([`steppool_trace::jsonl`], the version it writes),
     /// which `steppool replay` reads.
+    #[cfg(feature = "trace")]
     pub fn write_trace(&self, out: &mut impl Write) -> io::Result<()> {
         steppool_trace::jsonl::write(&self.to_trace(), out)
     }

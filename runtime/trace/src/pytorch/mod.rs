@@ -11,7 +11,7 @@
 //!
 //! # Reading
 //!
-//! [`read`] turns `device_traces` into a [`Trace`](crate::Trace):
+//! [`read()`] turns `device_traces` into a [`Trace`](crate::Trace):
 //!
 //! - `alloc`: an allocation; `free_requested`: the program freed it, which is the free replayed
 //!   (a stream-ordered pool makes the memory reusable in stream order from there).
@@ -28,7 +28,7 @@
 //!
 //! # Writing
 //!
-//! [`write`] writes a [`Snapshot`] as a protocol-3 pickle, with only the opcodes both
+//! [`write()`] writes a [`Snapshot`] as a protocol-3 pickle, with only the opcodes both
 //! `pickle.load` and the viewer read.
 
 mod pickle;
