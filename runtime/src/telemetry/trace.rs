@@ -4,7 +4,9 @@
 #[cfg(feature = "trace")]
 use std::io::{self, Write};
 
-use steppool_trace::{Alert, Event, EventKind as TraceKind, Location, Trace, TraceDevice, TraceFormat, TracePhase};
+use steppool_trace::{
+    Alert, Event, EventKind as TraceKind, Location, StepSource, Trace, TraceDevice, TraceFormat, TracePhase,
+};
 
 use super::history::{EventKind, History};
 
@@ -69,6 +71,7 @@ impl History {
             trace.events.push(written);
         }
         trace.threads = threads.iter().map(u64::to_string).collect();
+        trace.steps = if trace.has_steps() { StepSource::Trace } else { StepSource::None };
         trace
     }
 
@@ -77,5 +80,54 @@ impl History {
     #[cfg(feature = "trace")]
     pub fn write_trace(&self, out: &mut impl Write) -> io::Result<()> {
         steppool_trace::jsonl::write(&self.to_trace(), out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use steppool_trace::{EventKind as TraceKind, Location, Scope, StepSource};
+
+    use crate::Phase;
+    use crate::telemetry::{Event, EventKind, History, PoolKey};
+
+    #[test]
+    fn the_history_becomes_trace_events_and_alerts_without_its_segments() {
+        let pool = PoolKey { device: 1, stream: 3, phase: Phase::ACTIVATIONS };
+        let event = |t_ns, kind| Event { t_ns, kind };
+        let history = History {
+            events: vec![
+                event(1, EventKind::StepBegin { step: 4 }),
+                event(2, EventKind::SegmentAlloc { pool, ptr: 4096, bytes: 8192, pool_reserved: 8192 }),
+                event(3, EventKind::Alloc { pool, ptr: 4096, bytes: 100, step: Some(4), thread: 7 }),
+                event(4, EventKind::Warning { rule: "fragmentation", message: "high".into() }),
+                event(5, EventKind::Free { pool, ptr: 4096, bytes: 100, step: Some(4), thread: 2, release: true }),
+                event(6, EventKind::Reserved { pool, pool_reserved: 0 }),
+                event(7, EventKind::StepEnd { step: 4 }),
+            ],
+            dropped: 2,
+            phases: vec![
+                ("weights".into(), Scope::Persistent),
+                ("optimizer_state".into(), Scope::Persistent),
+                ("activations".into(), Scope::Step),
+            ],
+            driver: "simulated".into(),
+            devices: vec![(0, 1 << 30), (1, 1 << 30)],
+            ..History::default()
+        };
+        let trace = history.to_trace();
+        let kinds: Vec<TraceKind> = trace.events.iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [TraceKind::StepBegin(4), TraceKind::Alloc, TraceKind::Free { released: true }, TraceKind::StepEnd(4)]
+        );
+        let free = &trace.events[2];
+        assert_eq!((free.device, free.stream, free.ptr, free.bytes), (1, 3, 4096, 100));
+        assert_eq!(trace.phases[usize::from(free.phase.unwrap())].name, "activations");
+        assert_eq!(trace.threads[free.thread as usize], "2");
+        assert_eq!(trace.threads, ["7", "2"]);
+        // Header on line 1, the alert on line 4: the free after it is on line 5.
+        assert_eq!(free.location, Location::Line(5));
+        assert_eq!((trace.alerts[0].at, trace.alerts[0].rule.as_str()), (2, "fragmentation"));
+        assert_eq!((trace.dropped_events, trace.devices.len(), trace.steps.clone()), (2, 2, StepSource::Trace));
     }
 }
