@@ -283,7 +283,8 @@ impl Warnings {
 /// A trace: its events in record order, with step boundaries as events.
 #[derive(Clone, Debug)]
 pub struct Trace {
-    /// The file it was read from.
+    /// The file it was read from, or a name for a trace made in memory (a recorded history, a
+    /// synthetic workload); messages about its records name it.
     pub path: PathBuf,
     /// Its format.
     pub format: TraceFormat,
@@ -308,7 +309,7 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// An empty trace of `format` read from `path`.
+    /// An empty trace of `format`, read from (or named) `path`.
     pub fn new(path: impl Into<PathBuf>, format: TraceFormat) -> Self {
         Self {
             path: path.into(),
