@@ -1,4 +1,4 @@
-//! 5. Fragmentation: every sequence (the RMM-format traces of `../shared/traces/` and the
+//! 5. Fragmentation: every sequence (the RMM-format traces of `cli/tests/data/` or `STEPPOOL_TRACES`, and the
 //!    variable-length transformer) replayed through every allocator on one stream, with the
 //!    device's footprint sampled after each allocation (see `src/replay.rs`). Records per
 //!    allocator and sequence: `peak_reserved_bytes`, and once per sequence `peak_live_bytes` (the
@@ -14,20 +14,19 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use steppool_benches::alloc::Kind;
 use steppool_benches::record::{Line, Record, emit};
 use steppool_benches::replay::Replayer;
-use steppool_benches::sequence::{Sequence, varlen_transformer};
-use steppool_benches::{Mode, bench_config, device_info, driver, trace, traces_dir};
+use steppool_benches::sequence::{Sequence, traces, varlen_transformer};
+use steppool_benches::{Mode, bench_config, device_info, driver, traces_dir};
 
 /// Every sequence of the benchmark: the traces, then the synthetic transformer.
 fn sequences() -> Vec<Sequence> {
     let mut sequences = Vec::new();
     let dir = traces_dir();
-    let traces = trace::find(&dir);
-    if traces.is_empty() {
+    let files = traces(&dir);
+    if files.is_empty() {
         eprintln!("fragmentation: no traces in {} (set STEPPOOL_TRACES)", dir.display());
     }
-    for csv in traces {
-        let (sequence, _) = trace::read(&csv).unwrap_or_else(|error| panic!("{error}"));
-        sequences.push(sequence);
+    for csv in files {
+        sequences.push(Sequence::read(&csv).unwrap_or_else(|error| panic!("{error}")));
     }
     sequences.push(varlen_transformer(Mode::current() == Mode::Smoke));
     sequences

@@ -30,7 +30,8 @@ use steppool::sys::sim::SimConfig;
 use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverKind, Selection};
 use steppool::telemetry::json::JsonLines;
 use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
-use steppool_examples::{Event, Lifetime, StepPlan, TransformerConfig, Workload, path_for, peak_live};
+use steppool_examples::{Lifetime, StepPlan, TransformerConfig, Workload, path_for, peak_live};
+use steppool_trace::{Event, EventKind};
 
 const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
      [--seed N] [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]";
@@ -149,8 +150,8 @@ impl Touch {
 fn micro_batches(plan: &StepPlan) -> (Vec<&[Event]>, &[Event]) {
     let mut batches = Vec::new();
     let mut rest = &plan.events[..];
-    while let Some(start) = rest.iter().position(|e| *e == Event::BeginMicroBatch) {
-        let end = rest.iter().position(|e| *e == Event::EndMicroBatch).expect("balanced micro-batches");
+    while let Some(start) = rest.iter().position(|e| matches!(e.kind, EventKind::MicroBegin(..))) {
+        let end = rest.iter().position(|e| matches!(e.kind, EventKind::MicroEnd(..))).expect("balanced micro-batches");
         batches.push(&rest[start + 1..end]);
         rest = &rest[end + 1..];
     }
@@ -255,10 +256,12 @@ fn run(
             oom: None,
         },
     };
-    let mut persistent: HashMap<u32, Buffer<'static>> = HashMap::new();
+    // Buffers by allocation id (the workload's events carry it as their pointer).
+    let mut persistent: HashMap<u64, Buffer<'static>> = HashMap::new();
 
     for event in setup {
-        if let Event::Alloc { id, bytes, .. } = *event {
+        if event.kind == EventKind::Alloc {
+            let (id, bytes) = (event.ptr, event.bytes);
             let phase = if layout == Layout::Plain { everything } else { Phase::WEIGHTS };
             match runtime.alloc(phase, bytes, &stream) {
                 Ok(buffer) => {
@@ -278,13 +281,15 @@ fn run(
         held = after;
         let (batches, tail) = micro_batches(plan);
         let step = runtime.begin_step()?;
-        let mut step_buffers: HashMap<u32, Buffer<'_>> = HashMap::new();
+        let mut step_buffers: HashMap<u64, Buffer<'_>> = HashMap::new();
         for events in batches.into_iter().chain(std::iter::once(tail)) {
             let micro = if events.as_ptr() == tail.as_ptr() { None } else { Some(step.begin_micro_step()?) };
-            let mut micro_buffers: HashMap<u32, Buffer<'_>> = HashMap::new();
+            let mut micro_buffers: HashMap<u64, Buffer<'_>> = HashMap::new();
             for event in events {
-                match *event {
-                    Event::Alloc { id, lifetime, bytes } => {
+                match event.kind {
+                    EventKind::Alloc => {
+                        let (id, bytes) = (event.ptr, event.bytes);
+                        let lifetime = Lifetime::of(event).expect("the workload tags every allocation");
                         let allocated = match (layout, lifetime, &micro) {
                             (Layout::Plain, _, _) => {
                                 runtime.alloc(everything, bytes, &stream).map(|b| persistent.insert(id, b))
@@ -318,13 +323,14 @@ fn run(
                         touch.touch(driver, ptr, bytes, stream.raw());
                         reservation.sample(driver);
                     }
-                    Event::Free { id } => {
+                    EventKind::Free { .. } => {
+                        let id = event.ptr;
                         let freed = micro_buffers.remove(&id).is_some()
                             || step_buffers.remove(&id).is_some()
                             || persistent.remove(&id).is_some();
                         assert!(freed, "allocation {id} freed before it was made");
                     }
-                    Event::BeginMicroBatch | Event::EndMicroBatch => {}
+                    _ => {}
                 }
             }
             drop(micro_buffers);

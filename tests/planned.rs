@@ -10,6 +10,7 @@ use proptest::prelude::*;
 use steppool::{Error, Phase, PhaseSpec, PlanKey, PlanStats, PoolStats, Runtime, Scope, Strategy as Allocation};
 use steppool_sys::CUdeviceptr;
 use steppool_sys::sim::SimConfig;
+use steppool_trace::{EventKind, StepSource, Trace};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -598,39 +599,13 @@ proptest! {
 
 // ----- real training traces ---------------------------------------------------------------------
 
-/// An event of an RMM-style log: `Thread,Time,Action,Pointer,Size,Stream`.
-struct TraceEvent {
-    time: i64,
-    allocate: bool,
-    pointer: u64,
-    size: u64,
-}
-
-/// Reads `cli/tests/data/<name>.csv` (the shared training traces, kept in the repository) and
-/// the step start times of its JSON sidecar. Only what
-/// these tests need: times in nanoseconds, `allocate` and `free` rows.
-fn read_trace(name: &str) -> (Vec<TraceEvent>, Vec<i64>) {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../cli/tests/data/");
-    let csv = std::fs::read_to_string(format!("{dir}{name}.csv")).expect("the training traces in cli/tests/data");
-    let events = csv
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(',').collect();
-            let allocate = match fields[2] {
-                "allocate" => true,
-                "free" => false,
-                _ => return None,
-            };
-            let pointer = u64::from_str_radix(fields[3].trim_start_matches("0x"), 16).unwrap();
-            Some(TraceEvent { time: fields[1].parse().unwrap(), allocate, pointer, size: fields[4].parse().unwrap() })
-        })
-        .collect();
-    let json = std::fs::read_to_string(format!("{dir}{name}.json")).unwrap();
-    let list = json.split("\"steps_start_ns\":").nth(1).unwrap();
-    let list = &list[list.find('[').unwrap() + 1..list.find(']').unwrap()];
-    let steps = list.split(',').map(|n| n.trim().parse().unwrap()).collect();
-    (events, steps)
+/// Reads `cli/tests/data/<name>.csv` (an RMM log of a real training run, kept in the repository)
+/// through the trace model, with the step boundaries of its JSON sidecar.
+fn read_trace(name: &str) -> Trace {
+    let path = format!("{}/../cli/tests/data/{name}.csv", env!("CARGO_MANIFEST_DIR"));
+    let trace = steppool_trace::read::read_trace(&path).expect("the training traces in cli/tests/data");
+    assert!(matches!(trace.steps, StepSource::Sidecar(_)), "{path}: steps from {:?}", trace.steps);
+    trace
 }
 
 /// Per step: peak live bytes of the step phase, its pool's peak reservation, and its plan numbers.
@@ -644,16 +619,31 @@ struct StepNumbers {
 /// Replays a trace: allocations freed within their step go to a step-scoped phase of `strategy`,
 /// the others to a persistent one. Checks that no hand-out overlaps a live allocation.
 fn replay(name: &str, strategy: Allocation) -> Vec<StepNumbers> {
-    let (events, starts) = read_trace(name);
-    let step_of = |time: i64| starts.partition_point(|&start| start <= time).saturating_sub(1);
+    let trace = read_trace(name);
+    // Each event's step: events before the first boundary belong to step 0.
+    let mut begun = 0usize;
+    let steps: Vec<usize> = trace
+        .events
+        .iter()
+        .map(|event| {
+            begun += usize::from(matches!(event.kind, EventKind::StepBegin(_)));
+            begun.saturating_sub(1)
+        })
+        .collect();
     // Which allocation events are freed in their own step.
     let mut open: HashMap<u64, usize> = HashMap::new();
-    let mut freed_in_step = vec![false; events.len()];
-    for (index, event) in events.iter().enumerate() {
-        if event.allocate {
-            open.insert(event.pointer, index);
-        } else if let Some(at) = open.remove(&event.pointer) {
-            freed_in_step[at] = step_of(events[at].time) == step_of(event.time);
+    let mut freed_in_step = vec![false; trace.events.len()];
+    for (index, event) in trace.events.iter().enumerate() {
+        match event.kind {
+            EventKind::Alloc => {
+                open.insert(event.ptr, index);
+            }
+            EventKind::Free { .. } => {
+                if let Some(at) = open.remove(&event.ptr) {
+                    freed_in_step[at] = steps[at] == steps[index];
+                }
+            }
+            _ => {}
         }
     }
     let rt = runtime(64 * GIB);
@@ -663,8 +653,11 @@ fn replay(name: &str, strategy: Allocation) -> Vec<StepNumbers> {
     let mut ours: HashMap<u64, CUdeviceptr> = HashMap::new();
     let mut numbers = Vec::new();
     let mut step = None;
-    for (index, event) in events.iter().enumerate() {
-        let at = step_of(event.time);
+    for (index, event) in trace.events.iter().enumerate() {
+        if !matches!(event.kind, EventKind::Alloc | EventKind::Free { .. }) {
+            continue;
+        }
+        let at = steps[index];
         if step != Some(at) {
             if step.is_some() {
                 numbers.push(end_step(&rt, phase, &stream));
@@ -672,13 +665,13 @@ fn replay(name: &str, strategy: Allocation) -> Vec<StepNumbers> {
             rt.raw().begin_step().unwrap();
             step = Some(at);
         }
-        if event.allocate {
+        if event.kind == EventKind::Alloc {
             let target = if freed_in_step[index] { phase } else { Phase::WEIGHTS };
             // SAFETY: nothing runs on the device.
-            let ptr = unsafe { rt.raw().alloc(target, event.size.max(1), &stream) }.unwrap();
-            ranges.insert(ptr, event.size.max(1)).unwrap();
-            ours.insert(event.pointer, ptr);
-        } else if let Some(ptr) = ours.remove(&event.pointer) {
+            let ptr = unsafe { rt.raw().alloc(target, event.bytes.max(1), &stream) }.unwrap();
+            ranges.insert(ptr, event.bytes.max(1)).unwrap();
+            ours.insert(event.ptr, ptr);
+        } else if let Some(ptr) = ours.remove(&event.ptr) {
             ranges.remove(ptr);
             // SAFETY: as above.
             unsafe { rt.raw().free(ptr) }.unwrap();

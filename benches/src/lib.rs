@@ -1,6 +1,6 @@
 //! Shared parts of steppool's benchmark suite: the device benchmarks run on, the allocators they
-//! compare, the allocation sequences they replay (shared with the Python peer harness), the
-//! trace reader, the fill kernel, and the records, tables and plots of a run.
+//! compare, the allocation sequences they replay (shared with the Python peer harness, made from
+//! traces in steppool's trace model), the fill kernel, and the records, tables and plots of a run.
 //!
 //! Benchmarks follow `STEPPOOL_DEVICE` like everything else: on a GPU they measure the driver;
 //! on the simulated device they measure steppool's own overhead above a CPU model of the driver,
@@ -14,8 +14,6 @@ pub mod replay;
 pub mod report;
 pub mod sequence;
 mod setup;
-mod svg;
-pub mod trace;
 
 pub use setup::{Mode, bench_config, device_info, driver, pick, runtime, traces_dir};
 
@@ -39,7 +37,7 @@ pub enum BenchError {
     Runtime(#[from] steppool::Error),
     /// A trace could not be read.
     #[error(transparent)]
-    Trace(#[from] trace::TraceError),
+    Trace(#[from] steppool_trace::TraceError),
     /// A sequence refers to an allocation it never made, or makes one twice.
     #[error("sequence `{sequence}`, operation {index}: {reason}")]
     Sequence {

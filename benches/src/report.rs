@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use steppool::sys::bytes::Bytes;
 
 use crate::record::{DeviceInfo, Line, Record, Skip};
-use crate::svg::{BarChart, LineChart, Series};
 use crate::{BenchError, Result};
+use steppool_trace::svg::{BarChart, LineChart, Series};
 
 /// The version of the results document's layout.
 pub const SCHEMA: u32 = 1;

@@ -7,10 +7,10 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use steppool_cli::analysis::analyse;
 use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, run};
-use steppool_cli::steps::infer;
 use steppool_cli::synth::{Shape, training_trace};
+use steppool_trace::analysis::analyse;
+use steppool_trace::steps::infer;
 
 fn replay_million(c: &mut Criterion) {
     let mut trace = training_trace(Shape::with_events(1_000_000));

@@ -15,7 +15,7 @@
 //! [inference](steps)), [`analysis::analyse`] (lifetimes, scopes, phases, operations, live bytes),
 //! then [`replay::replay`] (the real runtime on the simulated device, with bisection for the
 //! smallest capacity) and [`report`] (tables, JSON, [SVG](svg)). `convert` is
-//! [`read::read_trace`] then [`read::write_steppool`]: JSON lines with the trace's step
+//! [`read::read_trace`] then [`jsonl::write`](steppool_trace::jsonl::write): JSON lines with the trace's step
 //! boundaries, which `replay` reads back.
 //!
 //! ```
@@ -34,15 +34,16 @@
 //! # Ok(()) }
 //! ```
 
-pub mod analysis;
 pub mod error;
-pub mod read;
 pub mod replay;
 pub mod report;
-pub mod steps;
 pub mod svg;
 pub mod synth;
-pub mod trace;
 
-pub use error::{Location, Result, TraceError};
-pub use trace::{Event, EventKind, StepSource, Trace, TraceFormat, WarningKind, Warnings};
+pub use error::{ReplayError, Result};
+/// The trace model, its readers, step inference and the lifetime analysis live in
+/// [`steppool_trace`], shared with the runtime, the benchmarks and the examples.
+pub use steppool_trace::{analysis, read, steps};
+
+// The readers accept as many devices as the simulated device replays.
+const _: () = assert!(steppool_trace::MAX_DEVICES as usize == steppool_sys::sim::MAX_DEVICES);

@@ -174,7 +174,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Convert { trace, output } => {
             let trace = read::read_trace(&trace)?;
             let mut text = Vec::new();
-            read::write_steppool(&trace, &mut text)?;
+            steppool_trace::jsonl::write(&trace, &mut text)?;
             write(&output, text)?;
             let names: Vec<&str> = STRATEGIES.iter().map(|s| s.name).collect();
             eprintln!(

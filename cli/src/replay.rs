@@ -3,7 +3,7 @@
 //!
 //! A replay is the real runtime code: one [`Runtime`] on a simulated device of the chosen
 //! capacity (one device per trace device, each of that capacity), one runtime stream per trace
-//! stream, the phases of the [analysis](crate::analysis) declared as the strategy lays them out,
+//! stream, the phases of the [analysis](steppool_trace::analysis) declared as the strategy lays them out,
 //! and every operation in trace order through the raw API (`RawApi::alloc`, `RawApi::free`,
 //! `RawApi::begin_step`, `RawApi::end_step`, and the micro-step pair). A free is issued on the stream the
 //! memory was allocated on, as the runtime does. Before each step's end the host waits for every
@@ -28,9 +28,10 @@ use std::collections::HashMap;
 use steppool::sys::sim::{DEFAULT_GRANULE, MAX_CAPACITY, SimConfig};
 use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, Verdict, fragmentation_ratio};
 
-use crate::analysis::{Analysis, Op, PhaseFacts, ReplayPhase, location_of};
-use crate::error::{Location, Result, TraceError};
-use crate::trace::Trace;
+use steppool_trace::analysis::{Analysis, Op, PhaseFacts, ReplayPhase, location_of};
+use steppool_trace::{Location, Trace};
+
+use crate::error::{ReplayError, Result};
 
 /// How a strategy lays out the trace's phases: the runtime phase spec for each replay phase.
 /// Replay phases given specs of the same name share one runtime phase.
@@ -114,7 +115,7 @@ pub fn select(name: &str) -> Result<Vec<&'static StrategyDef>> {
     }
     STRATEGIES.iter().find(|s| s.name == name).map(|s| vec![s]).ok_or_else(|| {
         let names: Vec<&str> = STRATEGIES.iter().map(|s| s.name).collect();
-        TraceError::Invalid(format!("no strategy `{name}`: choose one of {}, or all", names.join(", ")))
+        ReplayError::Invalid(format!("no strategy `{name}`: choose one of {}, or all", names.join(", ")))
     })
 }
 
@@ -328,8 +329,8 @@ pub fn run(
         .max()
         .unwrap_or(1);
     let config = SimConfig { capacities: vec![capacity; device_count], ..SimConfig::with_capacity(capacity) };
-    config.validate().map_err(|e| TraceError::Invalid(format!("capacity {capacity} bytes: {e}")))?;
-    let at = |event: usize, source: Error| TraceError::Runtime {
+    config.validate().map_err(|e| ReplayError::Invalid(format!("capacity {capacity} bytes: {e}")))?;
+    let at = |event: usize, source: Error| ReplayError::Runtime {
         strategy: def.name.to_owned(),
         event,
         location: location_of(trace, event),

@@ -8,9 +8,10 @@ use serde::Serialize;
 use steppool_sys::bytes::Bytes;
 use steppool_sys::sim::DEFAULT_GRANULE;
 
-use crate::analysis::Analysis;
+use steppool_trace::analysis::Analysis;
+use steppool_trace::{EventKind, StepSource, Trace};
+
 use crate::replay::StrategyResult;
-use crate::trace::{EventKind, Trace};
 
 /// One bucket of the size histogram: allocations of more than `above_bytes` and at most
 /// `up_to_bytes`.
@@ -42,7 +43,7 @@ pub struct StreamSummary {
 pub struct PhaseSummary {
     /// The phase.
     pub name: String,
-    /// Its scope: `persistent`, `step` or `micro-step`.
+    /// Its scope: `persistent`, `step` or `micro_step`.
     pub scope: String,
     /// `tagged` by the trace or `inferred` from lifetimes.
     pub origin: &'static str,
@@ -108,7 +109,7 @@ pub struct Inspection {
 
 /// Builds the inspection of `trace`.
 pub fn inspect(trace: &Trace, analysis: &Analysis) -> Inspection {
-    let added_boundaries = !matches!(trace.steps, crate::trace::StepSource::Trace);
+    let added_boundaries = !matches!(trace.steps, StepSource::Trace);
     let events = trace.events.iter().filter(|e| !(added_boundaries && e.kind.is_boundary())).count() as u64;
     let count = |f: fn(&EventKind) -> bool| trace.events.iter().filter(|e| f(&e.kind)).count() as u64;
     let mut histogram: BTreeMap<u32, (u64, u64)> = BTreeMap::new();

@@ -5,9 +5,10 @@
 use std::fmt::Write as _;
 
 use steppool_sys::bytes::Bytes;
+use steppool_trace::svg::{Px, Svg};
+use steppool_trace::{EventKind, Trace};
 
 use crate::replay::StrategyResult;
-use crate::trace::{EventKind, Trace};
 
 const WIDTH: f64 = 960.0;
 const PANEL: f64 = 220.0;
@@ -29,23 +30,18 @@ pub fn timeline_svg(trace: &Trace, results: &[StrategyResult]) -> String {
         .unwrap_or(0)
         .max(1);
     let scale = nice_ceiling(top);
-    let mut svg = String::new();
-    let s = &mut svg;
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let mut svg = Svg::new(WIDTH, height, &[("font-family", &"sans-serif"), ("font-size", &12)]);
     let name =
         trace.path.file_name().map_or_else(|| trace.path.display().to_string(), |n| n.to_string_lossy().into_owned());
-    let _ = writeln!(
-        s,
-        r#"<text x="{LEFT}" y="22" font-size="15" font-weight="bold">{}: reserved vs live bytes</text>"#,
-        escape(&name)
+    svg.text(
+        "text",
+        &[("x", &LEFT), ("y", &22), ("font-size", &15), ("font-weight", &"bold")],
+        &format!("{name}: reserved vs live bytes"),
     );
-    let _ = writeln!(
-        s,
-        r##"<text x="{LEFT}" y="40" fill="#555">grey: live bytes of the trace; line: bytes the strategy's pools reserve on the simulated device; ticks: step boundaries</text>"##
+    svg.text(
+        "text",
+        &[("x", &LEFT), ("y", &40), ("fill", &"#555")],
+        "grey: live bytes of the trace; line: bytes the strategy's pools reserve on the simulated device; ticks: step boundaries",
     );
     let steps: Vec<usize> = trace
         .events
@@ -64,38 +60,51 @@ pub fn timeline_svg(trace: &Trace, results: &[StrategyResult]) -> String {
             None => format!("completed at {}", Bytes(run.capacity)),
             Some(f) => format!("OOM at {} on a {} device ({})", f.location, Bytes(run.capacity), f.verdict),
         };
-        let _ = writeln!(
-            s,
-            r#"<text x="{LEFT}" y="{:.1}" font-weight="bold" fill="{color}">{} — peak reserved {}, overhead {:.3}×, {}</text>"#,
-            y0 - 6.0,
-            escape(run.strategy),
-            Bytes(run.peak_reserved_bytes),
-            result.overhead(),
-            escape(&outcome)
+        svg.text(
+            "text",
+            &[("x", &LEFT), ("y", &Px(y0 - 6.0)), ("font-weight", &"bold"), ("fill", &color)],
+            &format!(
+                "{} — peak reserved {}, overhead {:.3}×, {outcome}",
+                run.strategy,
+                Bytes(run.peak_reserved_bytes),
+                result.overhead()
+            ),
         );
-        let _ = writeln!(
-            s,
-            r##"<rect x="{LEFT}" y="{y0:.1}" width="{plot_width:.1}" height="{PANEL}" fill="none" stroke="#999"/>"##
+        svg.element(
+            "rect",
+            &[
+                ("x", &LEFT),
+                ("y", &Px(y0)),
+                ("width", &Px(plot_width)),
+                ("height", &PANEL),
+                ("fill", &"none"),
+                ("stroke", &"#999"),
+            ],
         );
         for tick in 0..=4u64 {
             let bytes = scale / 4 * tick;
-            let ty = y(bytes);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{LEFT}" x2="{:.1}" y1="{ty:.1}" y2="{ty:.1}" stroke="#eee"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
-                LEFT + plot_width,
-                LEFT - 6.0,
-                ty + 4.0,
-                Bytes(bytes)
+            let ty = Px(y(bytes));
+            svg.element(
+                "line",
+                &[("x1", &LEFT), ("x2", &Px(LEFT + plot_width)), ("y1", &ty), ("y2", &ty), ("stroke", &"#eee")],
+            );
+            svg.text(
+                "text",
+                &[("x", &Px(LEFT - 6.0)), ("y", &Px(y(bytes) + 4.0)), ("text-anchor", &"end"), ("fill", &"#555")],
+                &Bytes(bytes).to_string(),
             );
         }
         for &step in &steps {
-            let sx = x(step as f64);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{sx:.1}" x2="{sx:.1}" y1="{:.1}" y2="{:.1}" stroke="#bbb"/>"##,
-                y0 + PANEL,
-                y0 + PANEL + 6.0
+            let sx = Px(x(step as f64));
+            svg.element(
+                "line",
+                &[
+                    ("x1", &sx),
+                    ("x2", &sx),
+                    ("y1", &Px(y0 + PANEL)),
+                    ("y2", &Px(y0 + PANEL + 6.0)),
+                    ("stroke", &"#bbb"),
+                ],
             );
         }
         let buckets = run.timeline.points.len().max(1) as f64;
@@ -108,34 +117,35 @@ pub fn timeline_svg(trace: &Trace, results: &[StrategyResult]) -> String {
                 let _ = write!(area, " L{:.1},{:.1}", at(bucket), y(live));
             }
             let _ = write!(area, " L{:.1},{:.1} Z", at(last.0), y(0));
-            let _ = writeln!(s, r##"<path d="{area}" fill="#cfcfcf" stroke="#9a9a9a" stroke-width="0.6"/>"##);
+            svg.element("path", &[("d", &area), ("fill", &"#cfcfcf"), ("stroke", &"#9a9a9a"), ("stroke-width", &0.6)]);
             let line: Vec<String> =
                 points.iter().map(|&(bucket, (_, reserved))| format!("{:.1},{:.1}", at(bucket), y(reserved))).collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="1.6"/>"#,
-                line.join(" ")
+            svg.element(
+                "polyline",
+                &[("points", &line.join(" ")), ("fill", &"none"), ("stroke", &color), ("stroke-width", &1.6)],
             );
             if run.failure.is_some() {
-                let _ = writeln!(
-                    s,
-                    r#"<text x="{:.1}" y="{:.1}" fill="{color}" font-weight="bold">✕ OOM</text>"#,
-                    at(last.0) + 4.0,
-                    y(last.1.1) + 4.0
+                svg.text(
+                    "text",
+                    &[
+                        ("x", &Px(at(last.0) + 4.0)),
+                        ("y", &Px(y(last.1.1) + 4.0)),
+                        ("fill", &color),
+                        ("font-weight", &"bold"),
+                    ],
+                    "✕ OOM",
                 );
             }
         }
-        let _ = writeln!(
-            s,
-            r##"<text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">event {}</text><text x="{LEFT}" y="{:.1}" fill="#555">event 0</text>"##,
-            LEFT + plot_width,
-            y0 + PANEL + 18.0,
-            trace.events.len(),
-            y0 + PANEL + 18.0
+        let label_y = Px(y0 + PANEL + 18.0);
+        svg.text(
+            "text",
+            &[("x", &Px(LEFT + plot_width)), ("y", &label_y), ("text-anchor", &"end"), ("fill", &"#555")],
+            &format!("event {}", trace.events.len()),
         );
+        svg.text("text", &[("x", &LEFT), ("y", &label_y), ("fill", &"#555")], "event 0");
     }
-    let _ = writeln!(s, "</svg>");
-    svg
+    svg.finish()
 }
 
 /// The smallest of 1, 2 or 5 × a power of two-ish byte unit above `bytes`, for axis ticks.
@@ -154,10 +164,6 @@ fn nice_ceiling(bytes: u64) -> u64 {
         }
         step = step.saturating_mul(1024);
     }
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
 #[cfg(test)]

@@ -3,8 +3,7 @@
 //! reverse and allocates gradients, and an optimizer update, with sizes that vary per step as
 //! variable-length batches make them.
 
-use crate::error::Location;
-use crate::trace::{Event, EventKind, Trace, TraceDevice, TraceFormat};
+use steppool_trace::{Event, EventKind, Location, Trace, TraceDevice, TraceFormat};
 
 /// The shape of a synthetic trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,11 +5,12 @@
 use std::path::Path;
 
 use proptest::prelude::*;
-use steppool_cli::analysis::analyse;
-use steppool_cli::read::{read_bytes, write_steppool};
 use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, run};
-use steppool_cli::steps::infer;
 use steppool_cli::synth::{Shape, training_trace};
+use steppool_trace::analysis::analyse;
+use steppool_trace::jsonl;
+use steppool_trace::read::read_bytes;
+use steppool_trace::steps::infer;
 
 fn samples() -> &'static [Vec<u8>] {
     static SAMPLES: std::sync::OnceLock<Vec<Vec<u8>>> = std::sync::OnceLock::new();
@@ -23,7 +24,7 @@ fn read_samples() -> Vec<Vec<u8>> {
     let mut shape = Shape::with_events(300);
     shape.boundaries = true;
     let mut jsonl = Vec::new();
-    write_steppool(&training_trace(shape), &mut jsonl).unwrap();
+    jsonl::write(&training_trace(shape), &mut jsonl).unwrap();
     vec![
         head.into_bytes(),
         jsonl,

@@ -6,9 +6,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use steppool_cli::analysis::analyse;
-use steppool_cli::read::read_bytes;
 use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
+use steppool_trace::analysis::analyse;
+use steppool_trace::read::read_bytes;
 
 const MIB: u64 = 1 << 20;
 

@@ -4,17 +4,18 @@
 use std::path::{Path, PathBuf};
 
 use steppool::Scope;
-use steppool_cli::analysis::{Op, analyse};
-use steppool_cli::read::{detect, read_bytes, read_trace, write_steppool};
 use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
 use steppool_cli::synth::{Shape, training_trace};
-use steppool_cli::{EventKind, Location, TraceError, TraceFormat, WarningKind};
+use steppool_trace::analysis::{Op, analyse};
+use steppool_trace::jsonl;
+use steppool_trace::read::{detect, read_bytes, read_trace};
+use steppool_trace::{EventKind, Location, Trace, TraceError, TraceFormat, TracePhase, WarningKind};
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
 }
 
-fn rmm(text: &str) -> Result<steppool_cli::Trace, TraceError> {
+fn rmm(text: &str) -> Result<Trace, TraceError> {
     read_bytes(Path::new("log.csv"), text.as_bytes())
 }
 
@@ -147,7 +148,7 @@ fn truncated_and_foreign_pickles_are_errors() {
 
 const STEPPOOL_HEADER: &str = r#"{"format":"steppool-trace","version":1,"driver":"simulated device","devices":[{"ordinal":0,"total_bytes":1073741824}],"phases":[{"name":"weights","scope":"persistent"},{"name":"activations","scope":"step"},{"name":"micro_activations","scope":"micro_step"}]}"#;
 
-fn steppool_trace(lines: &[&str]) -> Result<steppool_cli::Trace, TraceError> {
+fn steppool_trace(lines: &[&str]) -> Result<Trace, TraceError> {
     let text = std::iter::once(STEPPOOL_HEADER).chain(lines.iter().copied()).collect::<Vec<_>>().join("\n");
     read_bytes(Path::new("run.jsonl"), text.as_bytes())
 }
@@ -237,13 +238,13 @@ fn steppool_traces_round_trip() {
     let mut shape = Shape::with_events(5_000);
     shape.boundaries = true;
     let mut original = training_trace(shape);
-    original.phases.push(steppool_cli::trace::TracePhase { name: "weights".into(), scope: Scope::Persistent });
+    original.phases.push(TracePhase { name: "weights".into(), scope: Scope::Persistent });
     for event in original.events.iter_mut().take(10) {
         event.phase = Some(0);
         event.stream = 3;
     }
     let mut text = Vec::new();
-    write_steppool(&original, &mut text).unwrap();
+    jsonl::write(&original, &mut text).unwrap();
     let back = read_bytes(Path::new("round.jsonl"), &text).unwrap();
     assert_eq!(back.phases, original.phases);
     assert_eq!(back.events.len(), original.events.len());
@@ -257,7 +258,7 @@ fn steppool_traces_round_trip() {
     // And an RMM log converts to a steppool trace with its sidecar steps.
     let rmm = read_trace(data("vit_static_train.csv")).unwrap();
     let mut text = Vec::new();
-    write_steppool(&rmm, &mut text).unwrap();
+    jsonl::write(&rmm, &mut text).unwrap();
     let converted = read_bytes(Path::new("vit.jsonl"), &text).unwrap();
     assert_eq!(converted.step_count(), 5);
     let (a, b) = (analyse(&rmm).unwrap(), analyse(&converted).unwrap());

@@ -3,10 +3,10 @@
 
 use steppool::sys::sim::SimConfig;
 use steppool::{Phase, PhaseSpec, Runtime, Scope, Strategy};
-use steppool_cli::analysis::analyse;
-use steppool_cli::read::read_trace;
 use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
-use steppool_cli::trace::{StepSource, TraceFormat};
+use steppool_trace::analysis::analyse;
+use steppool_trace::read::read_trace;
+use steppool_trace::{StepSource, TraceFormat};
 
 const MIB: u64 = 1 << 20;
 

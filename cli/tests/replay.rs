@@ -3,14 +3,14 @@
 
 use std::path::Path;
 
-use steppool_cli::analysis::analyse;
-use steppool_cli::read::read_bytes;
 use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
 use steppool_cli::report::{inspect, replay_json};
+use steppool_trace::analysis::analyse;
+use steppool_trace::read::read_bytes;
 
 const MIB: u64 = 1 << 20;
 
-fn log(rows: &[(&str, u64, u64)]) -> steppool_cli::Trace {
+fn log(rows: &[(&str, u64, u64)]) -> steppool_trace::Trace {
     let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
     for (t, &(action, ptr, bytes)) in rows.iter().enumerate() {
         text += &format!("1,{t},{action},{ptr:#x},{bytes},0x0\n");

@@ -5,10 +5,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use steppool_cli::analysis::analyse;
 use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, replay, select};
-use steppool_cli::trace::{EventKind, StepSource};
-use steppool_cli::{read, steps};
+use steppool_trace::analysis::analyse;
+use steppool_trace::{EventKind, Location, StepSource, Trace, read, steps};
 
 const TRACES: [&str; 2] = ["vit_static_train", "t5_varlen_train"];
 
@@ -59,13 +58,13 @@ fn sidecar_steps_are_used_and_inference_finds_the_same_boundaries() {
         let bytes = std::fs::read(&path).unwrap();
         let mut inferred = read::read_bytes(&path, &bytes).unwrap();
         assert!(matches!(steps::infer(&mut inferred), StepSource::Inferred { every: 1 }), "{name}");
-        let begins = |trace: &steppool_cli::Trace| -> Vec<u64> {
+        let begins = |trace: &Trace| -> Vec<u64> {
             // The record (line) each step begins before.
             let mut lines = Vec::new();
             for window in trace.events.windows(2) {
                 if matches!(window[0].kind, EventKind::StepBegin(_)) {
                     lines.push(match window[1].location {
-                        steppool_cli::Location::Line(line) => line,
+                        Location::Line(line) => line,
                         other => panic!("{other:?}"),
                     });
                 }

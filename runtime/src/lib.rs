@@ -50,6 +50,23 @@
 //!
 //! What it leaves to the caller: the order of work on streams (a buffer's memory is valid for
 //! work in its stream's order), and, with the raw API, the lifetime of pointers.
+//!
+//! # Features
+//!
+//! The telemetry exporters are cargo features, all on by default. An embedding build keeps those
+//! it uses (`default-features = false, features = [...]`) and sheds the rest with their
+//! dependencies; counters, step reports, warnings, OOM reports and the recorded history stay.
+//!
+//! | feature | exporter | needs |
+//! | --- | --- | --- |
+//! | `json` | JSON lines of step reports, warnings and OOM reports (`telemetry::json`) | serde_json |
+//! | `prometheus` | Prometheus text (`telemetry::prometheus`) and the `/metrics` endpoint (`Telemetry::serve_metrics`, absent without it) | — |
+//! | `snapshot` | the history as a PyTorch memory snapshot (`History::write_memory_snapshot`) | — |
+//! | `svg` | the history as an SVG timeline (`History::timeline_svg`) | — |
+//! | `trace` | the history as a steppool trace (`History::write_trace`) | serde, serde_json (through steppool-trace) |
+//!
+//! The trace model itself ([`trace`], which [`telemetry::History::to_trace`] gives the history
+//! in, and [`Scope`]) is always there.
 
 // Layers, each importing only from the ones above it in this list (`tests/tidy.rs` fails on a
 // loop):
@@ -102,3 +119,6 @@ pub use warning::{Warning, WarningKind, WarningRule};
 
 /// The device layer steppool is built on: generated bindings, the loader and the simulated device.
 pub use steppool_sys as sys;
+/// The trace model the runtime's recorder writes through and the CLI reads: events, phases,
+/// readers and writers, the lifetime analysis and the SVG writer.
+pub use steppool_trace as trace;

@@ -4,40 +4,12 @@
 //! (device, stream, phase) its own CUDA memory pool, so long-lived and short-lived tensors never
 //! share one, and releases every allocation of a step-scoped phase at once at the boundary.
 
-use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
-/// How long a phase's allocations live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Scope {
-    /// Until freed; no step boundary touches them (weights, optimizer state). Allocated from the
-    /// [`Runtime`](crate::Runtime).
-    Persistent,
-    /// Until the end of the step at the latest (activations, gradients, workspace). Allocated from
-    /// a [`Step`](crate::Step) or one of its micro-steps.
-    Step,
-    /// Until the end of the micro-step at the latest (per-micro-batch activations under gradient
-    /// accumulation). Allocated from a [`MicroStep`](crate::MicroStep).
-    MicroStep,
-}
-
-impl Scope {
-    /// `persistent`, `step` or `micro-step`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Scope::Persistent => "persistent",
-            Scope::Step => "step",
-            Scope::MicroStep => "micro-step",
-        }
-    }
-}
-
-impl fmt::Display for Scope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// How long a phase's allocations live; defined with the trace model, so that the runtime, its
+/// traces and their readers share one type and one spelling (`micro_step`).
+pub use steppool_trace::Scope;
 
 /// How a phase's allocations are served from its pools.
 ///

@@ -48,6 +48,7 @@ impl Telemetry<'_> {
     /// Serves [`Telemetry::metrics`] as Prometheus text at `GET /metrics` on `addr` (for
     /// example `"127.0.0.1:9400"`, or port 0 for any free port), from a thread of its own, until
     /// the returned server is dropped. The server does not keep the runtime alive.
+    #[cfg(feature = "prometheus")]
     pub fn serve_metrics(
         &self,
         addr: impl std::net::ToSocketAddrs,

@@ -4,7 +4,7 @@
 //! ```text
 //! steppool-bench-report export-sequences DIR
 //!     writes every sequence the fragmentation benchmark replays (traces from STEPPOOL_TRACES or
-//!     ../shared/traces, and the synthetic transformer) as DIR/<name>.json for the peer harness,
+//!     cli/tests/data, and the synthetic transformer) as DIR/<name>.json for the peer harness,
 //!     and DIR/latency.json with the sizes of the latency benchmark
 //! steppool-bench-report collect --out DIR --mode smoke|full [--criterion DIR] [--records FILE]...
 //!     gathers criterion's estimates and the records files into DIR/<date>-<device>.json, .md
@@ -16,8 +16,8 @@ use std::process::ExitCode;
 
 use steppool_benches::record::{Line, criterion_records, read_lines};
 use steppool_benches::report::{Results, today};
-use steppool_benches::sequence::varlen_transformer;
-use steppool_benches::{BenchError, SIZES, SMOKE_SIZES, trace, traces_dir};
+use steppool_benches::sequence::{Sequence, traces, varlen_transformer};
+use steppool_benches::{BenchError, SIZES, SMOKE_SIZES, traces_dir};
 
 const USAGE: &str = "usage:
   steppool-bench-report export-sequences DIR [--smoke]
@@ -55,8 +55,8 @@ fn export(args: &[String]) -> Result<(), BenchError> {
     let dir = args.iter().find(|a| !a.starts_with("--")).map(PathBuf::from).ok_or_else(|| usage_error("no DIR"))?;
     std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io { path: dir.display().to_string(), source })?;
     let mut sequences = Vec::new();
-    for csv in trace::find(&traces_dir()) {
-        sequences.push(trace::read(&csv)?.0);
+    for csv in traces(&traces_dir()) {
+        sequences.push(Sequence::read(&csv)?);
     }
     sequences.push(varlen_transformer(smoke));
     for sequence in &sequences {

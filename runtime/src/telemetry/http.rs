@@ -1,6 +1,6 @@
 //! An HTTP endpoint for Prometheus to scrape: `GET /metrics`. Off unless
 //! [`Telemetry::serve_metrics`](crate::Telemetry::serve_metrics) starts it; plain `std::net`, one
-//! thread, one request per connection.
+//! thread, one request per connection. Part of the `prometheus` feature.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};

@@ -9,31 +9,35 @@
 //! [`Telemetry::start_recording`](crate::Telemetry::start_recording); while on, every event takes
 //! one runtime-wide lock, so it is a diagnostic mode, as PyTorch's `_record_memory_history` is.
 //!
-//! # Trace format, version 1
+//! # Exporters
 //!
-//! [`History::write_trace`] writes JSON lines. Line 1 is a header:
-//! `{"format":"steppool-trace","version":1,"driver":…,"devices":[{"ordinal":0,"total_bytes":N}],
-//! "phases":[{"name":"weights","scope":"persistent"},…],"dropped_events":N}` (`scope` is
-//! `persistent`, `step` or `micro_step`; `dropped_events` counts the oldest events the recording
-//! bound dropped). Then one object per event, in order, with `t_ns` (nanoseconds since recording
-//! began, never decreasing) and `event`:
-//! - `alloc` and `free`: `ptr`, `bytes`, `device`, `stream`, `phase`, `step` (or null), `thread`;
-//!   a free made by a boundary's release has `"release":true`. A free whose allocation came
-//!   before recording began (or was dropped) has no matching `alloc`;
-//! - `step_begin` and `step_end`: `step`; `micro_begin` and `micro_end`: `step`, `micro`;
-//! - `oom`: `bytes`, `device`, `stream`, `phase`;
-//! - `warning`: `rule`, `message`.
+//! Each form is a cargo feature of this crate, all on by default (see the [crate docs](crate)):
+//! [`json`] (`json`), [`prometheus`] and [`Telemetry::serve_metrics`](crate::Telemetry::serve_metrics)
+//! (`prometheus`), [`History::write_memory_snapshot`] (`snapshot`), [`History::timeline_svg`]
+//! (`svg`) and [`History::write_trace`] (`trace`). The history itself, and
+//! [`History::to_trace`], which gives it in the trace model the CLI and the benchmarks share, are
+//! always there.
 //!
-//! Segments and trims are the runtime's own doing, not the workload's, and are not written.
-//! Readers ignore keys they do not know.
+//! # Trace format
+//!
+//! [`History::write_trace`] writes steppool's JSON-lines trace format, whose version and fields
+//! [`steppool_trace::jsonl`] documents: a header naming the driver, the devices and the phases with
+//! their scopes (`persistent`, `step` or `micro_step`), then one line per allocation, free,
+//! failed allocation, step and micro-step boundary, and early warning, with `t_ns` in
+//! nanoseconds since recording began. Segments and trims are the runtime's own doing, not the
+//! workload's, and are not written. Readers ignore keys they do not know.
 
 mod history;
+#[cfg(feature = "prometheus")]
 mod http;
+#[cfg(feature = "json")]
 pub mod json;
 mod metrics;
-mod pickle;
+#[cfg(feature = "prometheus")]
 pub mod prometheus;
+#[cfg(feature = "snapshot")]
 mod snapshot;
+#[cfg(feature = "svg")]
 mod timeline;
 mod trace;
 mod warnings;
@@ -42,6 +46,7 @@ use std::sync::OnceLock;
 
 pub use history::{Event, EventKind, History, LiveBlock, LiveSegment};
 pub(crate) use history::{Recorder, thread_number};
+#[cfg(feature = "prometheus")]
 pub use http::MetricsServer;
 pub(crate) use metrics::Retired;
 pub use metrics::{DeviceMemory, GroupKey, Metrics, PhaseFragmentation, PoolMetrics, Usage, WarningCount};

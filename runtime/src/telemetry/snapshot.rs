@@ -1,5 +1,6 @@
 //! The history as a PyTorch memory snapshot: the pickle `torch.cuda.memory._snapshot()` writes,
-//! which pytorch.org/memory_viz opens (drag the file onto the page).
+//! which pytorch.org/memory_viz opens (drag the file onto the page). This module maps the history
+//! onto the snapshot's layout; [`steppool_trace::pytorch`] writes it.
 //!
 //! Mapping: a *segment* is memory a pool's strategy took from its CUDA pool (an arena slab, or
 //! for the `Pool` strategy the allocation itself, as PyTorch's own `cudaMallocAsync` backend
@@ -11,42 +12,52 @@
 use std::collections::{BTreeMap, HashSet};
 use std::io::{self, Write};
 
+use steppool_trace::pytorch::{self, Action, Block, BlockState, Frame, Segment, Snapshot, TraceEntry};
+
 use super::history::{EventKind, History};
-use super::pickle::{self, Value, dict};
 use crate::phase::ALIGNMENT;
 use crate::report::PoolId;
 
-fn frames(history: &History, pool: PoolId, step: Option<u64>, thread: Option<u64>) -> Value {
+fn frames(history: &History, pool: PoolId, step: Option<u64>, thread: Option<u64>) -> Vec<Frame> {
     let name = match (step, thread) {
         (Some(step), Some(thread)) => format!("step {step} (thread {thread})"),
         (Some(step), None) => format!("step {step}"),
         (None, Some(thread)) => format!("outside steps (thread {thread})"),
         (None, None) => "outside steps".to_owned(),
     };
-    Value::List(vec![dict([
-        ("filename", format!("steppool phase `{}`", history.phase_name(pool.phase)).into()),
-        ("line", Value::Int(step.map_or(0, i128::from))),
-        ("name", name.into()),
-    ])])
+    vec![Frame {
+        filename: format!("steppool phase `{}`", history.phase_name(pool.phase)),
+        line: step.unwrap_or(0),
+        name,
+    }]
 }
 
-fn trace_entry(action: &str, addr: u64, size: u64, pool: PoolId, t_ns: u64, frames: Value, category: &str) -> Value {
-    dict([
-        ("action", action.into()),
-        ("addr", addr.into()),
-        ("size", size.into()),
-        ("stream", u64::from(pool.stream).into()),
-        ("time_us", (t_ns / 1000).into()),
-        ("frames", frames),
-        ("category", category.into()),
-    ])
+fn trace_entry(
+    action: Action,
+    addr: u64,
+    size: u64,
+    pool: PoolId,
+    t_ns: u64,
+    frames: Vec<Frame>,
+    category: &str,
+) -> TraceEntry {
+    TraceEntry {
+        action,
+        addr,
+        size,
+        stream: u64::from(pool.stream),
+        time_us: t_ns / 1000,
+        device_free: None,
+        frames,
+        category: Some(category.to_owned()),
+    }
 }
 
-/// The snapshot as a Python value.
-fn snapshot(history: &History) -> Value {
+/// The history as a snapshot.
+fn snapshot(history: &History) -> Snapshot {
     let devices =
         history.devices_used().into_iter().chain(history.devices.iter().map(|d| d.0)).max().map_or(0, |d| d + 1);
-    let mut traces: Vec<Vec<Value>> = vec![Vec::new(); devices];
+    let mut traces: Vec<Vec<TraceEntry>> = vec![Vec::new(); devices];
     // The viewer replays the events backwards from the final state and needs every live block
     // inside a live segment at every point. Segments live when the retained window began are the
     // final ones with the window's segment events undone; a block that lands in no known segment
@@ -83,11 +94,19 @@ fn snapshot(history: &History) -> Value {
                     own_segments.insert((pool.device, *ptr));
                     live_segments.insert((pool.device, *ptr), *bytes);
                     let frames = frames(history, *pool, None, None);
-                    traces[pool.device].push(trace_entry("segment_alloc", *ptr, *bytes, *pool, t, frames, "unknown"));
+                    traces[pool.device].push(trace_entry(
+                        Action::SegmentAlloc,
+                        *ptr,
+                        *bytes,
+                        *pool,
+                        t,
+                        frames,
+                        "unknown",
+                    ));
                 }
                 let frames = frames(history, *pool, *step, Some(*thread));
                 traces[pool.device].push(trace_entry(
-                    "alloc",
+                    Action::Alloc,
                     *ptr,
                     *bytes,
                     *pool,
@@ -101,23 +120,31 @@ fn snapshot(history: &History) -> Value {
                     continue;
                 }
                 let category = history.phase_name(pool.phase);
-                for action in ["free_requested", "free_completed"] {
+                for action in [Action::FreeRequested, Action::FreeCompleted] {
                     let frames = frames(history, *pool, *step, Some(*thread));
                     traces[pool.device].push(trace_entry(action, *ptr, *bytes, *pool, t, frames, category));
                 }
                 if own_segments.remove(&(pool.device, *ptr)) {
                     live_segments.remove(&(pool.device, *ptr));
                     let frames = frames(history, *pool, None, None);
-                    traces[pool.device].push(trace_entry("segment_free", *ptr, *bytes, *pool, t, frames, "unknown"));
+                    traces[pool.device].push(trace_entry(
+                        Action::SegmentFree,
+                        *ptr,
+                        *bytes,
+                        *pool,
+                        t,
+                        frames,
+                        "unknown",
+                    ));
                 }
             }
             EventKind::SegmentAlloc { pool, ptr, bytes, .. } | EventKind::SegmentFree { pool, ptr, bytes, .. } => {
                 let action = if matches!(event.kind, EventKind::SegmentAlloc { .. }) {
                     live_segments.insert((pool.device, *ptr), *bytes);
-                    "segment_alloc"
+                    Action::SegmentAlloc
                 } else {
                     live_segments.remove(&(pool.device, *ptr));
-                    "segment_free"
+                    Action::SegmentFree
                 };
                 // The viewer requires the category `unknown` once any event has a category.
                 traces[pool.device].push(trace_entry(
@@ -130,31 +157,28 @@ fn snapshot(history: &History) -> Value {
                     "unknown",
                 ));
             }
-            EventKind::Oom { pool, bytes, device_free } => traces[pool.device].push(dict([
-                ("action", "oom".into()),
-                ("addr", 0u64.into()),
-                ("size", (*bytes).into()),
-                ("stream", u64::from(pool.stream).into()),
-                ("time_us", (t / 1000).into()),
-                ("device_free", (*device_free).into()),
-                ("frames", frames(history, *pool, None, None)),
-                ("category", history.phase_name(pool.phase).into()),
-            ])),
+            EventKind::Oom { pool, bytes, device_free } => {
+                let frames = frames(history, *pool, None, None);
+                let mut entry = trace_entry(Action::Oom, 0, *bytes, *pool, t, frames, history.phase_name(pool.phase));
+                entry.device_free = Some(*device_free);
+                traces[pool.device].push(entry);
+            }
             _ => {}
         }
     }
     // The viewer fails to load a snapshot whose events have categories but not `unknown`: one
     // closing `snapshot` event (which it lists and otherwise ignores) guarantees it.
     for trace in &mut traces {
-        trace.push(dict([
-            ("action", "snapshot".into()),
-            ("addr", 0u64.into()),
-            ("size", 0u64.into()),
-            ("stream", 0u64.into()),
-            ("time_us", (last_t / 1000).into()),
-            ("frames", Value::List(Vec::new())),
-            ("category", "unknown".into()),
-        ]));
+        trace.push(TraceEntry {
+            action: Action::Snapshot,
+            addr: 0,
+            size: 0,
+            stream: 0,
+            time_us: last_t / 1000,
+            device_free: None,
+            frames: Vec::new(),
+            category: Some("unknown".to_owned()),
+        });
     }
 
     // Live segments, each tiled by its live blocks and the free gaps between them; a live block
@@ -181,55 +205,51 @@ fn snapshot(history: &History) -> Value {
                 continue; // overlapping records cannot come from the runtime; keep the tiling valid
             }
             if block.ptr > cursor {
-                blocks.push(dict([
-                    ("address", cursor.into()),
-                    ("size", (block.ptr - cursor).into()),
-                    ("requested_size", 0u64.into()),
-                    ("state", "inactive".into()),
-                    ("frames", Value::List(Vec::new())),
-                ]));
+                blocks.push(free_gap(cursor, block.ptr - cursor));
             }
             let block_size = block.bytes.next_multiple_of(ALIGNMENT).min(end - block.ptr);
-            blocks.push(dict([
-                ("address", block.ptr.into()),
-                ("size", block_size.into()),
-                ("requested_size", block.bytes.min(block_size).into()),
-                ("state", "active_allocated".into()),
-                ("frames", frames(history, block.pool, block.step, None)),
-            ]));
+            blocks.push(Block {
+                address: block.ptr,
+                size: block_size,
+                requested_size: block.bytes.min(block_size),
+                state: BlockState::ActiveAllocated,
+                frames: frames(history, block.pool, block.step, None),
+            });
             allocated_size += block_size;
             requested_size += block.bytes.min(block_size);
             cursor = block.ptr + block_size;
         }
         if cursor < end {
-            blocks.push(dict([
-                ("address", cursor.into()),
-                ("size", (end - cursor).into()),
-                ("requested_size", 0u64.into()),
-                ("state", "inactive".into()),
-                ("frames", Value::List(Vec::new())),
-            ]));
+            blocks.push(free_gap(cursor, end - cursor));
         }
-        segment_values.push(dict([
-            ("device", (pool.device as u64).into()),
-            ("address", base.into()),
-            ("total_size", size.into()),
-            ("allocated_size", allocated_size.into()),
-            ("active_size", allocated_size.into()),
-            ("requested_size", requested_size.into()),
-            ("stream", u64::from(pool.stream).into()),
-            ("segment_type", "large".into()),
-            ("segment_pool_id", Value::Tuple(vec![Value::Int(0), Value::Int(pool.phase.index() as i128)])),
-            ("is_expandable", false.into()),
-            ("frames", frames(history, pool, None, None)),
-            ("blocks", Value::List(blocks)),
-        ]));
+        segment_values.push(Segment {
+            device: pool.device as u64,
+            address: base,
+            total_size: size,
+            allocated_size,
+            active_size: allocated_size,
+            requested_size,
+            stream: u64::from(pool.stream),
+            segment_type: "large".to_owned(),
+            pool_id: (0, pool.phase.index() as u64),
+            is_expandable: false,
+            frames: frames(history, pool, None, None),
+            blocks,
+        });
     }
-    dict([
-        ("segments", Value::List(segment_values)),
-        ("device_traces", Value::List(traces.into_iter().map(Value::List).collect())),
-        ("allocator_settings", dict([("backend", "steppool".into()), ("driver", history.driver.clone().into())])),
-    ])
+    Snapshot {
+        segments: segment_values,
+        device_traces: traces,
+        allocator_settings: vec![
+            ("backend".to_owned(), "steppool".to_owned()),
+            ("driver".to_owned(), history.driver.clone()),
+        ],
+    }
+}
+
+/// A free stretch of a segment.
+fn free_gap(address: u64, size: u64) -> Block {
+    Block { address, size, requested_size: 0, state: BlockState::Inactive, frames: Vec::new() }
 }
 
 impl History {
@@ -241,6 +261,6 @@ impl History {
     /// For a complete picture start recording before the first allocation: allocations made
     /// earlier appear as segments of their own, and their frees are left out.
     pub fn write_memory_snapshot(&self, out: &mut impl Write) -> io::Result<()> {
-        pickle::write(out, &snapshot(self))
+        pytorch::write(&snapshot(self), out)
     }
 }

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use steppool_sys::bytes::Bytes;
+use steppool_trace::svg::{Px, Svg};
 
 use super::history::{EventKind, History};
 use crate::phase::Phase;
@@ -98,10 +99,6 @@ fn bx(b: usize) -> f64 {
     LEFT + b as f64 + 0.5
 }
 
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
-
 /// A polyline (or a closed area down to `base`) through `values`, scaled to `max` over `height`.
 fn path(values: impl Iterator<Item = u64>, top: f64, height: f64, max: u64, area: Option<f64>) -> String {
     let mut d = String::new();
@@ -130,20 +127,21 @@ fn band(lower: &[u64], upper: &[u64], top: f64, height: f64, max: u64) -> String
     d
 }
 
-fn axis_label(out: &mut String, top: f64, height: f64, max: u64) {
-    let _ = writeln!(
-        out,
-        r##"<text x="{:.0}" y="{:.1}" text-anchor="end" class="axis">{}</text><text x="{:.0}" y="{:.1}" text-anchor="end" class="axis">0</text>"##,
-        LEFT - 6.0,
-        top + 10.0,
-        escape(&Bytes(max).to_string()),
-        LEFT - 6.0,
-        top + height,
-    );
-    let _ = writeln!(
-        out,
-        r##"<rect x="{LEFT}" y="{top:.1}" width="{:.0}" height="{height:.1}" fill="none" stroke="#ccc"/>"##,
-        WIDTH - LEFT - RIGHT
+fn axis_label(svg: &mut Svg, top: f64, height: f64, max: u64) {
+    let x = Px(LEFT - 6.0);
+    for (y, text) in [(top + 10.0, Bytes(max).to_string()), (top + height, "0".to_owned())] {
+        svg.text("text", &[("x", &x), ("y", &Px(y)), ("text-anchor", &"end"), ("class", &"axis")], &text);
+    }
+    svg.element(
+        "rect",
+        &[
+            ("x", &LEFT),
+            ("y", &Px(top)),
+            ("width", &(WIDTH - LEFT - RIGHT)),
+            ("height", &Px(height)),
+            ("fill", &"none"),
+            ("stroke", &"#ccc"),
+        ],
     );
 }
 
@@ -153,82 +151,75 @@ impl History {
         let series = series(self);
         let rows = series.phases.len();
         let height = 40.0 + TOP_HEIGHT + GAP + rows as f64 * (ROW_HEIGHT + GAP) + 30.0;
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            r##"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="Helvetica, Arial, sans-serif">"##
+        let height = height.round();
+        let mut svg = Svg::new(WIDTH, height, &[("font-family", &"Helvetica, Arial, sans-serif")]);
+        svg.text(
+            "style",
+            &[],
+            ".axis{font-size:10px;fill:#555} .label{font-size:12px;fill:#222} .mark{font-size:10px}",
         );
-        let _ = writeln!(
-            out,
-            r##"<style>.axis{{font-size:10px;fill:#555}} .label{{font-size:12px;fill:#222}} .mark{{font-size:10px}}</style><rect width="100%" height="100%" fill="white"/>"##
-        );
-        let _ =
-            writeln!(out, r##"<text x="{LEFT}" y="22" font-size="15" font-weight="bold">{}</text>"##, escape(title));
+        svg.text("text", &[("x", &LEFT), ("y", &22), ("font-size", &15), ("font-weight", &"bold")], title);
 
         // Top panel: used stacked by phase, total reserved over it.
         let top = 40.0;
         let max = series.totals.iter().map(|t| t.1.max(t.0)).max().unwrap_or(0).max(1);
-        axis_label(&mut out, top, TOP_HEIGHT, max);
+        axis_label(&mut svg, top, TOP_HEIGHT, max);
         let mut lower = vec![0u64; BUCKETS];
         for (i, &phase) in series.phases.iter().enumerate() {
             let upper: Vec<u64> = lower.iter().zip(&series.buckets).map(|(l, b)| l + b[i].0).collect();
             let color = COLORS[i % COLORS.len()];
-            let _ = writeln!(
-                out,
-                r##"<path d="{}" fill="{color}" fill-opacity="0.75" stroke="none"><title>{} used</title></path>"##,
-                band(&lower, &upper, top, TOP_HEIGHT, max),
-                escape(self.phase_name(phase))
-            );
+            let d = band(&lower, &upper, top, TOP_HEIGHT, max);
+            svg.open("path", &[("d", &d), ("fill", &color), ("fill-opacity", &0.75), ("stroke", &"none")]);
+            svg.text("title", &[], &format!("{} used", self.phase_name(phase)));
+            svg.close("path");
             lower = upper;
         }
-        let _ = writeln!(
-            out,
-            r##"<path d="{}" fill="none" stroke="#222" stroke-width="1.5"><title>reserved, all phases</title></path>"##,
-            path(series.totals.iter().map(|t| t.1), top, TOP_HEIGHT, max, None)
-        );
+        let d = path(series.totals.iter().map(|t| t.1), top, TOP_HEIGHT, max, None);
+        svg.open("path", &[("d", &d), ("fill", &"none"), ("stroke", &"#222"), ("stroke-width", &1.5)]);
+        svg.text("title", &[], "reserved, all phases");
+        svg.close("path");
         // Legend.
         let mut lx = LEFT + 8.0;
         for (i, &phase) in series.phases.iter().enumerate() {
-            let name = escape(self.phase_name(phase));
-            let _ = writeln!(
-                out,
-                r##"<rect x="{lx:.0}" y="{:.0}" width="10" height="10" fill="{}"/><text x="{:.0}" y="{:.0}" class="label">{name}</text>"##,
-                top + 8.0,
-                COLORS[i % COLORS.len()],
-                lx + 14.0,
-                top + 17.0
+            let name = self.phase_name(phase);
+            let color = COLORS[i % COLORS.len()];
+            svg.element(
+                "rect",
+                &[("x", &Px(lx)), ("y", &Px(top + 8.0)), ("width", &10), ("height", &10), ("fill", &color)],
             );
-            lx += 24.0 + 7.0 * name.len() as f64;
+            svg.text("text", &[("x", &Px(lx + 14.0)), ("y", &Px(top + 17.0)), ("class", &"label")], name);
+            lx += 24.0 + 7.0 * name.chars().count() as f64;
         }
-        let _ = writeln!(
-            out,
-            r##"<line x1="{lx:.0}" y1="{:.0}" x2="{:.0}" y2="{:.0}" stroke="#222" stroke-width="1.5"/><text x="{:.0}" y="{:.0}" class="label">reserved</text>"##,
-            top + 13.0,
-            lx + 18.0,
-            top + 13.0,
-            lx + 22.0,
-            top + 17.0
+        let line_y = Px(top + 13.0);
+        svg.element(
+            "line",
+            &[
+                ("x1", &Px(lx)),
+                ("y1", &line_y),
+                ("x2", &Px(lx + 18.0)),
+                ("y2", &line_y),
+                ("stroke", &"#222"),
+                ("stroke-width", &1.5),
+            ],
         );
+        svg.text("text", &[("x", &Px(lx + 22.0)), ("y", &Px(top + 17.0)), ("class", &"label")], "reserved");
 
         // One row per phase.
         for (i, &phase) in series.phases.iter().enumerate() {
             let row_top = top + TOP_HEIGHT + GAP + i as f64 * (ROW_HEIGHT + GAP);
             let max = series.buckets.iter().map(|b| b[i].0.max(b[i].1)).max().unwrap_or(0).max(1);
             let color = COLORS[i % COLORS.len()];
-            let _ = writeln!(
-                out,
-                r##"<text x="{LEFT}" y="{:.0}" class="label">{} — used (filled) and reserved (line)</text>"##,
-                row_top - 5.0,
-                escape(self.phase_name(phase))
+            svg.text(
+                "text",
+                &[("x", &LEFT), ("y", &Px(row_top - 5.0)), ("class", &"label")],
+                &format!("{} — used (filled) and reserved (line)", self.phase_name(phase)),
             );
-            axis_label(&mut out, row_top, ROW_HEIGHT, max);
+            axis_label(&mut svg, row_top, ROW_HEIGHT, max);
             let base = row_top + ROW_HEIGHT;
-            let _ = writeln!(
-                out,
-                r##"<path d="{}" fill="{color}" fill-opacity="0.6" stroke="none"/><path d="{}" fill="none" stroke="{color}" stroke-width="1.5"/>"##,
-                path(series.buckets.iter().map(|b| b[i].0), row_top, ROW_HEIGHT, max, Some(base)),
-                path(series.buckets.iter().map(|b| b[i].1), row_top, ROW_HEIGHT, max, None)
-            );
+            let used = path(series.buckets.iter().map(|b| b[i].0), row_top, ROW_HEIGHT, max, Some(base));
+            svg.element("path", &[("d", &used), ("fill", &color), ("fill-opacity", &0.6), ("stroke", &"none")]);
+            let reserved = path(series.buckets.iter().map(|b| b[i].1), row_top, ROW_HEIGHT, max, None);
+            svg.element("path", &[("d", &reserved), ("fill", &"none"), ("stroke", &color), ("stroke-width", &1.5)]);
         }
 
         // Step boundaries, warnings and OOMs across every panel.
@@ -243,17 +234,24 @@ impl History {
             .collect();
         let every = steps.len().div_ceil(40).max(1);
         for (n, &(t, step)) in steps.iter().enumerate() {
-            let x = x_of(&series, t);
-            let _ = writeln!(
-                out,
-                r##"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom:.0}" stroke="#999" stroke-dasharray="2,3" stroke-width="0.8"/>"##
+            let x = Px(x_of(&series, t));
+            svg.element(
+                "line",
+                &[
+                    ("x1", &x),
+                    ("y1", &top),
+                    ("x2", &x),
+                    ("y2", &bottom),
+                    ("stroke", &"#999"),
+                    ("stroke-dasharray", &"2,3"),
+                    ("stroke-width", &0.8),
+                ],
             );
             if n % every == 0 {
-                let _ = writeln!(
-                    out,
-                    r##"<text x="{:.1}" y="{:.0}" class="axis">step {step}</text>"##,
-                    x + 2.0,
-                    bottom + 12.0
+                svg.text(
+                    "text",
+                    &[("x", &Px(x.0 + 2.0)), ("y", &(bottom + 12.0)), ("class", &"axis")],
+                    &format!("step {step}"),
                 );
             }
         }
@@ -270,23 +268,33 @@ impl History {
             let short: String = label.chars().take(48).collect();
             let y = top + 32.0 + 14.0 * (warning_row % 8) as f64;
             warning_row += 1;
-            let _ = writeln!(
-                out,
-                r##"<g><title>{}</title><line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom:.0}" stroke="{color}" stroke-width="1.6"/><text x="{:.1}" y="{y:.0}" class="mark" fill="{color}" text-anchor="{}">{}</text></g>"##,
-                escape(&label),
-                if x > WIDTH / 2.0 { x - 4.0 } else { x + 4.0 },
-                if x > WIDTH / 2.0 { "end" } else { "start" },
-                escape(&short)
+            let (text_x, anchor) = if x > WIDTH / 2.0 { (x - 4.0, "end") } else { (x + 4.0, "start") };
+            svg.open("g", &[]);
+            svg.text("title", &[], &label);
+            svg.element(
+                "line",
+                &[
+                    ("x1", &Px(x)),
+                    ("y1", &top),
+                    ("x2", &Px(x)),
+                    ("y2", &bottom),
+                    ("stroke", &color),
+                    ("stroke-width", &1.6),
+                ],
             );
+            svg.text(
+                "text",
+                &[("x", &Px(text_x)), ("y", &y), ("class", &"mark"), ("fill", &color), ("text-anchor", &anchor)],
+                &short,
+            );
+            svg.close("g");
         }
         let seconds = (series.t1 - series.t0) as f64 / 1e9;
-        let _ = writeln!(
-            out,
-            r##"<text x="{:.0}" y="{:.0}" text-anchor="end" class="axis">time → ({seconds:.3} s)</text>"##,
-            WIDTH - RIGHT,
-            height - 6.0
+        svg.text(
+            "text",
+            &[("x", &(WIDTH - RIGHT)), ("y", &(height - 6.0)), ("text-anchor", &"end"), ("class", &"axis")],
+            &format!("time → ({seconds:.3} s)"),
         );
-        out.push_str("</svg>\n");
-        out
+        svg.finish()
     }
 }

@@ -1,23 +1,11 @@
 //! Reading traces: the format is recognized by content (not only by extension), the file is
 //! parsed by its reader, and step boundaries come from the trace, a sidecar, or inference.
 
-mod pickle_scan;
-mod pytorch;
-mod rmm;
-mod steppool;
-
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub use self::pytorch::read_pytorch;
-pub use self::rmm::read_rmm;
-pub use self::steppool::{read_steppool, write_steppool};
-use crate::error::{Location, Result, TraceError};
-use crate::steps;
+use crate::error::{Result, TraceError};
 use crate::trace::{StepSource, Trace, TraceFormat};
-
-/// The most devices a trace may use: as many as the simulated device has.
-pub const MAX_DEVICES: u32 = steppool_sys::sim::MAX_DEVICES as u32;
+use crate::{jsonl, pytorch, rmm, steps};
 
 /// Reads the trace at `path` in whichever format it is, then finds its step boundaries: its own,
 /// else those of a sidecar `<stem>.json` with `steps_start_ns`, else inferred (see
@@ -40,9 +28,9 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace> {
 /// Parses a trace held in memory; `path` names it in messages. No sidecar, no inference.
 pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<Trace> {
     match detect(bytes) {
-        Some(TraceFormat::Rmm) => read_rmm(path, bytes),
-        Some(TraceFormat::PyTorch) => read_pytorch(path, bytes),
-        Some(TraceFormat::Steppool) => read_steppool(path, bytes),
+        Some(TraceFormat::Rmm) => rmm::read(path, bytes),
+        Some(TraceFormat::PyTorch) => pytorch::read(path, bytes),
+        Some(TraceFormat::Steppool) => jsonl::read(path, bytes),
         None => Err(TraceError::UnknownFormat { path: path.to_owned() }),
     }
 }
@@ -90,35 +78,4 @@ pub fn read_sidecar(trace: &Path) -> Result<Option<(PathBuf, Vec<i64>)>> {
         })
         .collect::<Result<Vec<i64>>>()?;
     Ok(Some((sidecar, starts)))
-}
-
-/// Thread names to indices, for the readers.
-#[derive(Debug, Default)]
-pub(crate) struct Threads {
-    indices: HashMap<String, u32>,
-}
-
-impl Threads {
-    /// The index of thread `name` in `trace.threads`, added if new.
-    pub(crate) fn index(&mut self, trace: &mut Trace, name: &str) -> u32 {
-        if let Some(&index) = self.indices.get(name) {
-            return index;
-        }
-        let index = trace.threads.len() as u32;
-        trace.threads.push(name.to_owned());
-        self.indices.insert(name.to_owned(), index);
-        index
-    }
-}
-
-/// Checks a device ordinal against what the simulated device supports.
-pub(crate) fn check_device(path: &Path, location: Location, device: u64) -> Result<u32> {
-    if device >= u64::from(MAX_DEVICES) {
-        return Err(TraceError::malformed(
-            path,
-            location,
-            format!("device {device}: the simulated device replays at most {MAX_DEVICES} devices (0 to 63)"),
-        ));
-    }
-    Ok(device as u32)
 }

@@ -9,12 +9,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use steppool::Scope;
-
 use crate::error::{Location, Result, TraceError};
+use crate::scope::Scope;
 use crate::trace::{EventKind, Trace, WarningKind, Warnings};
 
-/// The most streams a replay creates.
+/// The most streams a trace may use: a replay creates one runtime stream per trace stream.
 pub const MAX_STREAMS: usize = 4096;
 
 /// One allocation of the trace.
@@ -332,7 +331,9 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
                     let location = trace.events[allocation.event].location;
                     let name = &trace.phases[usize::from(tag)].name;
                     warnings.add(WarningKind::ScopeMismatch, location, || {
-                        format!("an allocation of {scope}-scoped phase `{name}` is replayed as {inferred_scope}")
+                        format!(
+                            "an allocation of phase `{name}` (scope {scope}) is replayed with scope {inferred_scope}"
+                        )
                     });
                 }
                 let slot = match inferred_scope {
@@ -343,7 +344,7 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
                 let phase = match inferred[slot] {
                     Some(phase) => phase,
                     None => {
-                        let base = ["persistent", "step", "micro_step"][slot];
+                        let base = inferred_scope.name();
                         let mut name = base.to_owned();
                         if phases.iter().any(|p| p.name == name) {
                             name = format!("{base} (inferred)");

@@ -1,13 +1,13 @@
-//! The trace model every reader produces: allocation events in record order, the step
-//! boundaries, and the warnings counted while reading.
+//! The trace model every reader produces and every writer takes: allocation events in record
+//! order, the step boundaries, the phases and devices a trace declares, and the warnings counted
+//! while reading.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 
-use steppool::Scope;
-
 use crate::error::Location;
+use crate::scope::Scope;
 
 /// The file format a trace was read from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +113,20 @@ pub struct TraceDevice {
     pub total_bytes: Option<u64>,
 }
 
+/// An early warning the runtime fired while it recorded the trace: telemetry, not workload, so no
+/// analysis or replay uses it, but a steppool trace keeps it where it happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Alert {
+    /// How many of [`Trace::events`] came before it.
+    pub at: usize,
+    /// Nanoseconds on the trace's clock.
+    pub t_ns: u64,
+    /// The rule that fired (`fragmentation`, `scattered_free`, ...).
+    pub rule: String,
+    /// What it said.
+    pub message: String,
+}
+
 /// Where a trace's step boundaries came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StepSource {
@@ -176,7 +190,8 @@ pub enum WarningKind {
 }
 
 impl WarningKind {
-    fn describe(self) -> &'static str {
+    /// What the warning means, as [`Warnings::lines`] says it.
+    pub fn describe(self) -> &'static str {
         match self {
             WarningKind::UnknownAction => "record(s) with an unknown action, skipped",
             WarningKind::UnknownPointerFree => "free(s) of a pointer that is not live, skipped",
@@ -268,7 +283,8 @@ impl Warnings {
 /// A trace: its events in record order, with step boundaries as events.
 #[derive(Clone, Debug)]
 pub struct Trace {
-    /// The file it was read from.
+    /// The file it was read from, or a name for a trace made in memory (a recorded history, a
+    /// synthetic workload); messages about its records name it.
     pub path: PathBuf,
     /// Its format.
     pub format: TraceFormat,
@@ -282,6 +298,10 @@ pub struct Trace {
     pub threads: Vec<String>,
     /// Its events, in record order, step boundaries included.
     pub events: Vec<Event>,
+    /// The runtime's early warnings recorded with it (steppool traces), in order.
+    pub alerts: Vec<Alert>,
+    /// Events the recorder dropped before the first one kept, when its bound was reached.
+    pub dropped_events: u64,
     /// Where the step boundaries came from.
     pub steps: StepSource,
     /// Odd records that were counted and fixed up or skipped.
@@ -289,7 +309,7 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// An empty trace of `format` read from `path`.
+    /// An empty trace of `format`, read from (or named) `path`.
     pub fn new(path: impl Into<PathBuf>, format: TraceFormat) -> Self {
         Self {
             path: path.into(),
@@ -299,6 +319,8 @@ impl Trace {
             phases: Vec::new(),
             threads: Vec::new(),
             events: Vec::new(),
+            alerts: Vec::new(),
+            dropped_events: 0,
             steps: StepSource::None,
             warnings: Warnings::default(),
         }
@@ -314,11 +336,47 @@ impl Trace {
         self.events.iter().filter(|event| matches!(event.kind, EventKind::StepBegin(_))).count()
     }
 
-    /// Records `device` in [`Trace::devices`] if it is new.
-    pub(crate) fn note_device(&mut self, ordinal: u32) {
+    /// Records device `ordinal` in [`Trace::devices`] (kept in ordinal order) if it is new.
+    pub fn note_device(&mut self, ordinal: u32) {
         if !self.devices.iter().any(|device| device.ordinal == ordinal) {
             self.devices.push(TraceDevice { ordinal, total_bytes: None });
             self.devices.sort_by_key(|device| device.ordinal);
         }
+    }
+}
+
+/// The most devices a trace may use (ordinals 0 to 63): as many as steppool's simulated device
+/// replays, and a bound on what a hostile file can make a reader allocate per device.
+pub const MAX_DEVICES: u32 = 64;
+
+/// Checks a device ordinal read at `location` against [`MAX_DEVICES`].
+#[cfg(any(feature = "jsonl", feature = "pytorch"))]
+pub(crate) fn check_device(path: &std::path::Path, location: Location, device: u64) -> crate::Result<u32> {
+    if device >= u64::from(MAX_DEVICES) {
+        return Err(crate::TraceError::malformed(
+            path,
+            location,
+            format!("device {device}: the simulated device replays at most {MAX_DEVICES} devices (0 to 63)"),
+        ));
+    }
+    Ok(device as u32)
+}
+
+/// Thread names to indices into [`Trace::threads`], for the readers.
+#[derive(Debug, Default)]
+pub(crate) struct Threads {
+    indices: std::collections::HashMap<String, u32>,
+}
+
+impl Threads {
+    /// The index of thread `name` in `trace.threads`, added if new.
+    pub(crate) fn index(&mut self, trace: &mut Trace, name: &str) -> u32 {
+        if let Some(&index) = self.indices.get(name) {
+            return index;
+        }
+        let index = trace.threads.len() as u32;
+        trace.threads.push(name.to_owned());
+        self.indices.insert(name.to_owned(), index);
+        index
     }
 }

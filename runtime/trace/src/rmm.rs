@@ -9,9 +9,8 @@
 
 use std::path::Path;
 
-use super::Threads;
 use crate::error::{Location, Result, TraceError};
-use crate::trace::{Event, EventKind, Trace, TraceFormat, WarningKind};
+use crate::trace::{Event, EventKind, Threads, Trace, TraceFormat, WarningKind};
 
 const NS_PER_DAY: u64 = 86_400 * 1_000_000_000;
 
@@ -25,8 +24,8 @@ struct Columns {
     stream: Option<usize>,
 }
 
-/// Reads an RMM CSV log.
-pub fn read_rmm(path: &Path, bytes: &[u8]) -> Result<Trace> {
+/// Reads an RMM CSV log; `path` names it in messages.
+pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
     let mut trace = Trace::new(path, TraceFormat::Rmm);
     let mut threads = Threads::default();
     let bytes = bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(bytes);
@@ -201,7 +200,7 @@ mod tests {
     fn midnight_is_crossed() {
         let log =
             "Thread,Time,Action,Pointer,Size,Stream\n1,23:59:59.9,allocate,0x10,8,0x0\n1,00:00:00.1,free,0x10,8,0x0\n";
-        let trace = read_rmm(Path::new("x.csv"), log.as_bytes()).unwrap();
+        let trace = read(Path::new("x.csv"), log.as_bytes()).unwrap();
         assert_eq!(trace.events[1].t_ns - trace.events[0].t_ns, 200_000_000);
         assert!(trace.warnings.is_empty());
     }

@@ -1,46 +1,27 @@
-//! PyTorch memory snapshot pickles (`torch.cuda.memory._dump_snapshot`).
-//!
-//! A snapshot is a dict whose `device_traces` is one list per device of trace entries, each a
-//! dict with `action`, `addr` (`device_free` for `oom`), `size`, `stream`, `time_us` (newer
-//! PyTorch; older ones have none) and `frames`, as `torch/csrc/cuda/memory_snapshot.cpp` and the
-//! `_snapshot` docstring in `torch/cuda/memory.py` lay them out. Actions:
-//!
-//! - `alloc`: an allocation; `free_requested`: the program freed it, which is the free replayed
-//!   (a stream-ordered pool makes the memory reusable in stream order from there).
-//!   `free_completed` (the caching allocator may reuse it) is replayed as the free only when no
-//!   `free_requested` came first, as in traces recorded with `skip_actions=["free_requested"]`.
-//! - `oom`: a failed allocation of `size`.
-//! - `segment_alloc`, `segment_free`, `segment_map`, `segment_unmap`, `snapshot`, `annotate`:
-//!   the caching allocator's own bookkeeping, not requests; skipped.
-//!
-//! Devices are merged by `time_us` (their own order kept on ties); without times, device after
-//! device. Times become nanoseconds (`time_us` × 1000).
+//! The reader of PyTorch memory snapshots' allocation traces; the format and the mapping are in
+//! the [module docs](super).
 
 use std::collections::HashSet;
 use std::path::Path;
 
 use serde_pickle::{DeOptions, HashableValue, Value};
 
-use super::check_device;
+use super::Action;
+use super::scan::{self, MAX_DEPTH, MAX_OPEN_MARKS, Refusal};
 use crate::error::{Location, Result, TraceError};
-use crate::trace::{Event, EventKind, Trace, TraceFormat, WarningKind};
+use crate::trace::{Event, EventKind, Trace, TraceFormat, WarningKind, check_device};
 
-/// Reads a PyTorch memory snapshot pickle.
-pub fn read_pytorch(path: &Path, bytes: &[u8]) -> Result<Trace> {
+/// Reads a PyTorch memory snapshot pickle's allocation trace (see the [module docs](super));
+/// `path` names it in messages.
+pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
     let refused = |message: String| TraceError::malformed(path, Location::File, message);
-    match super::pickle_scan::scan(bytes) {
+    match scan::scan(bytes) {
         Ok(()) => {}
-        Err(super::pickle_scan::Refusal::TooDeep(at)) => {
-            return Err(refused(format!(
-                "values nested deeper than {} at byte {at}: not a memory snapshot",
-                super::pickle_scan::MAX_DEPTH
-            )));
+        Err(Refusal::TooDeep(at)) => {
+            return Err(refused(format!("values nested deeper than {MAX_DEPTH} at byte {at}: not a memory snapshot")));
         }
-        Err(super::pickle_scan::Refusal::TooManyMarks(at)) => {
-            return Err(refused(format!(
-                "more than {} marks open at byte {at}: not a memory snapshot",
-                super::pickle_scan::MAX_OPEN_MARKS
-            )));
+        Err(Refusal::TooManyMarks(at)) => {
+            return Err(refused(format!("more than {MAX_OPEN_MARKS} marks open at byte {at}: not a memory snapshot")));
         }
     }
     let value = serde_pickle::value_from_slice(bytes, DeOptions::new().replace_unresolved_globals())
@@ -90,35 +71,32 @@ pub fn read_pytorch(path: &Path, bytes: &[u8]) -> Result<Trace> {
                 }
             };
             let time_us = int("time_us")?;
-            let kind = match action {
-                "alloc" => EventKind::Alloc,
-                "free_requested" => EventKind::Free { released: false },
-                "free_completed" => EventKind::Free { released: false },
-                "oom" => EventKind::AllocFailure,
-                "segment_alloc" | "segment_free" | "segment_map" | "segment_unmap" | "snapshot" | "annotate" => {
-                    continue;
-                }
-                other => {
-                    trace.warnings.add(WarningKind::UnknownAction, location, || format!("action `{other}`"));
-                    continue;
-                }
+            let Some(known) = Action::from_name(action) else {
+                trace.warnings.add(WarningKind::UnknownAction, location, || format!("action `{action}`"));
+                continue;
+            };
+            let kind = match known {
+                Action::Alloc => EventKind::Alloc,
+                Action::FreeRequested | Action::FreeCompleted => EventKind::Free { released: false },
+                Action::Oom => EventKind::AllocFailure,
+                _ => continue,
             };
             let size = int("size")?.ok_or_else(|| bad(format!("`{action}` entry without `size`")))?;
             let addr = match kind {
                 EventKind::AllocFailure => 0,
                 _ => int("addr")?.ok_or_else(|| bad(format!("`{action}` entry without `addr`")))?,
             };
-            match action {
-                "alloc" => {
+            match known {
+                Action::Alloc => {
                     live.insert(addr);
                     requested.remove(&addr);
                 }
-                "free_requested" => {
+                Action::FreeRequested => {
                     requested.insert(addr);
                     live.remove(&addr);
                 }
                 // The free was replayed at `free_requested`; only a trace without those frees here.
-                "free_completed" if requested.remove(&addr) || !live.remove(&addr) => continue,
+                Action::FreeCompleted if requested.remove(&addr) || !live.remove(&addr) => continue,
                 _ => {}
             }
             // Streams are cudaStream_t values stored as int64: keep their bits.
