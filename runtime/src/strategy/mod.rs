@@ -8,11 +8,10 @@
 //! - [`Direct`]: every allocation and free goes to the source (the phase's CUDA pool).
 //! - [`Arena`]: bump allocation in slabs; memory comes back in stack order or at the reset.
 //! - [`Planned`]: the scope's sequence is recorded and packed; later scopes are served at the
-//!   planned offsets of one slab (see `planned.rs`; the packing is `plan.rs`).
+//!   planned offsets of one slab (see `planned.rs`; the packing is `steppool_trace::packing`).
 
 mod arena;
 mod direct;
-mod plan;
 mod planned;
 
 use std::fmt;

@@ -30,9 +30,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, PoisonError};
 
 use steppool_sys::CUdeviceptr;
+use steppool_trace::packing::{self as plan, Block};
 
 use super::Allocator;
-use super::plan::{self, Block};
 use crate::error::{Error, Result};
 use crate::phase::ALIGNMENT;
 use crate::phase::PhaseEntry;

@@ -41,6 +41,7 @@ pub mod analysis;
 mod error;
 #[cfg(feature = "jsonl")]
 pub mod jsonl;
+pub mod packing;
 pub mod pytorch;
 #[cfg(feature = "read")]
 pub mod read;

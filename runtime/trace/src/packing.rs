@@ -1,5 +1,7 @@
-//! Offline packing of a recorded scope: an offset in one slab for each allocation, such that
-//! allocations alive at the same time never overlap, and the slab as small as the heuristic finds.
+//! Offline packing of a recorded sequence of allocations: an offset in one slab for each, such
+//! that allocations alive at the same time never overlap, and the slab as small as the heuristic
+//! finds. The planned strategy packs each recorded scope with it; a replay packs a whole trace
+//! with it to know the least any online strategy could reserve.
 //!
 //! The problem is NP-complete (it is dynamic storage allocation). The floor any packing meets is
 //! the *lower bound*: the peak of live bytes over the recorded sequence. The heuristic is TFLite's
@@ -14,31 +16,36 @@ use std::collections::BTreeMap;
 /// of its allocation and of its free in the scope's sequence of events. Positions are distinct
 /// for distinct events; a block never freed in the scope ends at [`Block::NEVER_FREED`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Block {
-    pub(crate) size: u64,
-    pub(crate) start: u32,
-    pub(crate) end: u32,
+pub struct Block {
+    /// Bytes, already aligned as the slab needs.
+    pub size: u64,
+    /// Position of its allocation in the sequence.
+    pub start: u32,
+    /// Position of its free, or [`Block::NEVER_FREED`].
+    pub end: u32,
 }
 
 impl Block {
     /// The end of a block alive until the scope's end.
-    pub(crate) const NEVER_FREED: u32 = u32::MAX;
+    pub const NEVER_FREED: u32 = u32::MAX;
 
     /// Whether the two are alive at the same time.
-    pub(crate) fn overlaps_in_time(&self, other: &Block) -> bool {
+    pub fn overlaps_in_time(&self, other: &Block) -> bool {
         self.start < other.end && other.start < self.end
     }
 }
 
 /// Offsets of the blocks in one slab, in block order, and the slab's size.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Packing {
-    pub(crate) offsets: Vec<u64>,
-    pub(crate) size: u64,
+pub struct Packing {
+    /// Each block's offset in the slab, in block order.
+    pub offsets: Vec<u64>,
+    /// The slab's size: the highest end of a placed block.
+    pub size: u64,
 }
 
 /// The peak of live bytes over the sequence: no packing fits in less.
-pub(crate) fn lower_bound(blocks: &[Block]) -> u64 {
+pub fn lower_bound(blocks: &[Block]) -> u64 {
     let mut events: Vec<(u32, bool, u64)> = Vec::with_capacity(blocks.len() * 2);
     for block in blocks {
         events.push((block.start, true, block.size));
@@ -64,7 +71,7 @@ pub(crate) fn lower_bound(blocks: &[Block]) -> u64 {
 /// Greedy by size: the largest block first (the earlier one on ties), each at the start of the
 /// smallest gap that holds it between the time-overlapping blocks placed so far, else right above
 /// the highest of them.
-pub(crate) fn greedy_by_size(blocks: &[Block]) -> Packing {
+pub fn greedy_by_size(blocks: &[Block]) -> Packing {
     let mut order: Vec<usize> = (0..blocks.len()).collect();
     order.sort_by(|&a, &b| blocks[b].size.cmp(&blocks[a].size).then(blocks[a].start.cmp(&blocks[b].start)));
     place_in_order(blocks, &order)
@@ -78,7 +85,7 @@ const MAX_ORDERINGS_BLOCKS: usize = 8192;
 /// size (ties: longer-lived first), by area (size × lifetime), and by lifetime. On the six
 /// shapes of the shared PyTorch traces the best of them is 0.3–1.1 % above the lower bound where
 /// greedy by size alone is 0.3–2.6 % above; no single ordering wins on all of them.
-pub(crate) fn pack(blocks: &[Block]) -> Packing {
+pub fn pack(blocks: &[Block]) -> Packing {
     if blocks.len() > MAX_ORDERINGS_BLOCKS {
         return greedy_by_size(blocks);
     }
@@ -133,7 +140,7 @@ fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
 
 /// Checks a packing independently of how it was made: every block inside the slab, and no two
 /// blocks alive at the same time overlapping. A sweep over time with the live blocks by offset.
-pub(crate) fn is_valid(blocks: &[Block], packing: &Packing) -> bool {
+pub fn is_valid(blocks: &[Block], packing: &Packing) -> bool {
     if packing.offsets.len() != blocks.len() {
         return false;
     }
