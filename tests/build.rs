@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const VARIANTS: &[&str] = &["pools", "nopools", "old", "nopoolcalls", "stub", "nodevice", "initnodevice", "noinit"];
+const VARIANTS: &[&str] =
+    &["pools", "mixed", "nopools", "old", "nopoolcalls", "stub", "nodevice", "initnodevice", "noinit"];
 
 fn main() {
     let source = "fake_driver/libcuda.rs";

@@ -137,6 +137,32 @@ fn devices_without_pools_are_refused_unless_pools_are_optional() {
 }
 
 #[test]
+fn a_runtime_refuses_a_device_without_pools_when_the_driver_requires_them() {
+    // Device 0 has pools, so the driver opens with them required; device 1 has none.
+    let runtime = steppool::Runtime::with_driver(start("mixed").unwrap()).unwrap();
+    assert_eq!(runtime.device_count(), 2);
+    let error = runtime.device(1).unwrap_err();
+    match &error {
+        steppool::Error::PoolsUnsupported { ordinal, name, driver_version } => {
+            assert_eq!((*ordinal, name.as_str(), driver_version.as_str()), (1, "Fake GPU", "12.9"));
+        }
+        other => panic!("expected PoolsUnsupported, got {other:?}"),
+    }
+    assert!(error.to_string().contains("PoolRequirement::Optional"), "the way out is named: {error}");
+
+    // Asked for, the fallback goes on to open the device: here it stops at the first entry point
+    // this fake lacks, past the pool check.
+    let optional = Driver::from_library_with(open("mixed").unwrap(), PoolRequirement::Optional).unwrap();
+    let runtime = steppool::Runtime::with_driver(optional).unwrap();
+    match runtime.device(1).unwrap_err() {
+        steppool::Error::Driver(DriverError::MissingSymbol { symbol, .. }) => {
+            assert_eq!(symbol, "cuDevicePrimaryCtxRetain")
+        }
+        other => panic!("expected the missing context entry point, got {other:?}"),
+    }
+}
+
+#[test]
 fn the_stub_library_fails_to_start_with_its_code_and_description() {
     let error = start("stub").unwrap_err();
     match &error {

@@ -90,7 +90,7 @@ impl Buffer<'_> {
         let stream = &self.pool.stream;
         stream.prepare()?;
         // SAFETY: the range is this live allocation, on the stream it was allocated on.
-        unsafe { stream.device.driver.memset_d8_async(self.ptr, value, self.bytes as usize, stream.raw) }?;
+        unsafe { stream.device.driver.memset_d8_async(self.ptr, value, self.bytes as usize, stream.raw()) }?;
         Ok(())
     }
 

@@ -56,7 +56,7 @@ impl Device {
 
     /// The primary context's handle, for frameworks that need it.
     pub fn raw_context(&self) -> CUcontext {
-        self.core.ctx
+        self.core.ctx.raw()
     }
 
     /// A new non-blocking stream, destroyed when the last clone of the [`Stream`] goes.

@@ -4,7 +4,10 @@
 use std::fmt;
 use std::sync::{Mutex, Once, PoisonError};
 
-use steppool_sys::{CUcontext, CUdevice, CUmemAccess_flags, CUmemAccessDesc, CUmemLocation, CUmemLocationType, Driver};
+use steppool_sys::handle::ContextHandle;
+use steppool_sys::{
+    CUdevice, CUmemAccess_flags, CUmemAccessDesc, CUmemLocation, CUmemLocationType, Driver, PoolRequirement,
+};
 
 use crate::error::{Error, Result};
 
@@ -13,7 +16,7 @@ pub(crate) struct DeviceCore {
     pub(crate) driver: Driver,
     pub(crate) ordinal: usize,
     pub(crate) device: CUdevice,
-    pub(crate) ctx: CUcontext,
+    pub(crate) ctx: ContextHandle,
     pub(crate) name: String,
     pub(crate) total_memory: u64,
     /// Whether the device has memory pools; without them, allocation falls back to `cuMemAlloc`.
@@ -21,13 +24,6 @@ pub(crate) struct DeviceCore {
     /// Devices granted access to this device's pools.
     pub(crate) peers: Mutex<Vec<CUdevice>>,
 }
-
-// SAFETY: a CUcontext is an opaque driver handle; the driver API may be called with it from any
-// thread, and a context may be current on several threads at once (CUDA driver API, "Context
-// Management"). Every other field is Send + Sync.
-unsafe impl Send for DeviceCore {}
-// SAFETY: as above; the handle is never mutated after construction.
-unsafe impl Sync for DeviceCore {}
 
 static FALLBACK_NOTICE: Once = Once::new();
 
@@ -41,9 +37,11 @@ impl DeviceCore {
         let name = driver.device_name(device)?;
         let total_memory = driver.device_total_memory(device)?;
         let pools_supported = driver.memory_pools_supported(device)?;
-        let ctx = driver.primary_context_retain(device)?;
         if !pools_supported {
             let version = driver.driver_version().map(|v| v.to_string()).unwrap_or_else(|_| "unknown".into());
+            if driver.pool_requirement() == PoolRequirement::Required {
+                return Err(Error::PoolsUnsupported { ordinal, name, driver_version: version });
+            }
             FALLBACK_NOTICE.call_once(|| {
                 eprintln!(
                     "steppool: device {ordinal} ({name}) has no stream-ordered memory pools (driver {version}); \
@@ -51,6 +49,7 @@ impl DeviceCore {
                 );
             });
         }
+        let ctx = ContextHandle::from_raw(driver.primary_context_retain(device)?);
         let core = Self {
             driver: driver.clone(),
             ordinal,
@@ -67,9 +66,9 @@ impl DeviceCore {
 
     /// Makes the device's primary context current on the calling thread, if it is not.
     pub(crate) fn make_current(&self) -> Result<()> {
-        if self.driver.context_current()? != Some(self.ctx) {
+        if self.driver.context_current()? != Some(self.ctx.raw()) {
             // SAFETY: `ctx` is this driver's primary context, retained until `self` drops.
-            unsafe { self.driver.context_set_current(self.ctx) }?;
+            unsafe { self.driver.context_set_current(self.ctx.raw()) }?;
         }
         Ok(())
     }

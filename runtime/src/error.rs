@@ -139,6 +139,21 @@ pub enum Error {
         /// How many devices there are.
         count: usize,
     },
+    /// The device has no stream-ordered memory pools and the driver was opened requiring them
+    /// (`PoolRequirement::Required`, what `Driver::cuda` asks). Open the driver with
+    /// `Driver::cuda_with(PoolRequirement::Optional)` to serve such a device with `cuMemAlloc`.
+    #[error(
+        "device {ordinal} ({name}) has no stream-ordered memory pools (driver {driver_version}), and the driver was \
+         opened requiring them; open it with PoolRequirement::Optional to use cuMemAlloc on this device"
+    )]
+    PoolsUnsupported {
+        /// The ordinal.
+        ordinal: usize,
+        /// The device's name.
+        name: String,
+        /// The driver's version, as it reports it.
+        driver_version: String,
+    },
     /// The driver says `peer` cannot access `device`'s memory.
     #[error("device {peer} cannot access the memory of device {device} (cuDeviceCanAccessPeer)")]
     PeerAccessUnsupported {

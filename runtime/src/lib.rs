@@ -43,7 +43,9 @@
 //! - On `CUDA_ERROR_OUT_OF_MEMORY` the runtime synchronizes the device, gives back the idle memory
 //!   of its other pools and retries once; then it fails with [`Error::OutOfMemory`], whose
 //!   [`OomReport`] says whether fragmentation or demand caused it.
-//! - Devices without memory pools (old drivers, vGPU slices, Windows TCC) get the same API over
+//! - Devices without memory pools (old drivers, vGPU slices, Windows TCC) are refused with
+//!   [`Error::PoolsUnsupported`], unless the driver was opened with
+//!   `PoolRequirement::Optional` (or is the simulated device): then they get the same API over
 //!   `cuMemAlloc`/`cuMemFree`, said once on stderr.
 //! - [`Runtime`] is `Send + Sync`. Each (stream, phase) pool has its own lock and is found by index
 //!   from the stream, so threads allocating on their own streams do not contend.

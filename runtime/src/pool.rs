@@ -12,6 +12,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
+use steppool_sys::handle::PoolHandle;
 use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
 
 use crate::error::{Error, ErrorSink, Result};
@@ -137,18 +138,12 @@ pub(crate) struct PhasePool {
     pub(crate) stream: Arc<StreamCore>,
     /// The CUDA pool, fixed at creation (`None` for the `cuMemAlloc` fallback): readable
     /// without the lock.
-    handle: Option<CUmemoryPool>,
+    handle: Option<PoolHandle>,
     state: Mutex<PoolState>,
     errors: Arc<ErrorSink>,
     recorder: Arc<Recorder>,
     retired: Arc<Retired>,
 }
-
-// SAFETY: `handle` is a driver handle, never changed after creation, and driver handles may be
-// used from any thread; every other field is Send + Sync.
-unsafe impl Send for PhasePool {}
-// SAFETY: as above; mutable state sits behind the mutex.
-unsafe impl Sync for PhasePool {}
 
 impl fmt::Debug for PhasePool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -186,7 +181,7 @@ impl PhasePool {
             timing: Timing::default(),
             recent: VecDeque::new(),
         };
-        let handle = state.source.handle();
+        let handle = state.source.handle().map(PoolHandle::from_raw);
         let PoolSinks { errors, recorder, retired } = sinks;
         Ok(Self { entry, stream, handle, state: Mutex::new(state), errors, recorder, retired })
     }
@@ -209,7 +204,7 @@ impl PhasePool {
 
     /// The CUDA pool, unless the device has none.
     pub(crate) fn handle(&self) -> Option<CUmemoryPool> {
-        self.handle
+        self.handle.map(PoolHandle::raw)
     }
 
     /// The pool's (device, stream, phase).

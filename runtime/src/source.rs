@@ -10,7 +10,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use steppool_sys::{CUdevice, CUdeviceptr, CUevent, CUevent_flags, CUmemPool_attribute, CUmemoryPool, PoolProps};
+use steppool_sys::handle::{EventHandle, PoolHandle};
+use steppool_sys::{CUdevice, CUdeviceptr, CUevent_flags, CUmemPool_attribute, CUmemoryPool, PoolProps};
 
 use crate::device_core::read_write;
 use crate::error::Result;
@@ -52,7 +53,7 @@ pub(crate) struct Reservation {
 #[derive(Debug)]
 enum Backing {
     /// A CUDA memory pool of its own, allocated from in the stream's order.
-    CudaPool(CUmemoryPool),
+    CudaPool(PoolHandle),
     /// `cuMemAlloc`/`cuMemFree`, for devices without pools.
     Synchronous(Fallback),
 }
@@ -62,7 +63,7 @@ enum Backing {
 #[derive(Debug, Default)]
 struct Fallback {
     /// Freed allocations waiting for an event recorded on the stream at their free.
-    deferred: Vec<(CUdeviceptr, u64, CUevent)>,
+    deferred: Vec<(CUdeviceptr, u64, EventHandle)>,
     /// Bytes allocated with `cuMemAlloc` and not yet given back.
     reserved: u64,
     reserved_high: u64,
@@ -77,11 +78,6 @@ pub(crate) struct DeviceSource {
     /// The pool this source serves, for the history.
     id: PoolId,
 }
-
-// SAFETY: the fields that are not Send by themselves are driver handles: the CUmemoryPool, never
-// changed after creation, and the CUevents of deferred frees. Driver handles may be used from any
-// thread (the driver API is thread-safe).
-unsafe impl Send for DeviceSource {}
 
 impl fmt::Debug for DeviceSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -111,7 +107,7 @@ impl DeviceSource {
                 let _ = unsafe { driver.mem_pool_destroy(pool) };
                 return Err(error.into());
             }
-            Backing::CudaPool(pool)
+            Backing::CudaPool(PoolHandle::from_raw(pool))
         } else {
             Backing::Synchronous(Fallback::default())
         };
@@ -123,7 +119,7 @@ impl DeviceSource {
     /// The CUDA pool, unless the device has none.
     pub(crate) fn handle(&self) -> Option<CUmemoryPool> {
         match self.backing {
-            Backing::CudaPool(pool) => Some(pool),
+            Backing::CudaPool(pool) => Some(pool.raw()),
             Backing::Synchronous(_) => None,
         }
     }
@@ -133,7 +129,7 @@ impl DeviceSource {
         if let (Backing::CudaPool(pool), false) = (&self.backing, peers.is_empty()) {
             let access: Vec<_> = peers.iter().map(|&peer| read_write(peer)).collect();
             // SAFETY: the pool is live while `self` is.
-            unsafe { self.stream.device.driver.mem_pool_set_access(*pool, &access) }?;
+            unsafe { self.stream.device.driver.mem_pool_set_access(pool.raw(), &access) }?;
         }
         Ok(())
     }
@@ -143,7 +139,7 @@ impl DeviceSource {
         match &self.backing {
             Backing::CudaPool(pool) => {
                 // SAFETY: the pool is live while `self` is.
-                let counters = unsafe { self.stream.device.driver.mem_pool_counters(*pool) }?;
+                let counters = unsafe { self.stream.device.driver.mem_pool_counters(pool.raw()) }?;
                 Ok(Reservation {
                     reserved: counters.reserved,
                     peak_reserved: counters.reserved_high,
@@ -164,8 +160,12 @@ impl DeviceSource {
                 // SAFETY: the pool is live while `self` is. Setting a high-water mark to 0 resets
                 // it to the current value.
                 unsafe {
-                    driver.mem_pool_set_attribute(*pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
-                    driver.mem_pool_set_attribute(*pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
+                    driver.mem_pool_set_attribute(
+                        pool.raw(),
+                        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                        0,
+                    )?;
+                    driver.mem_pool_set_attribute(pool.raw(), CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
                 }
             }
             Backing::Synchronous(fallback) => fallback.reserved_high = fallback.reserved,
@@ -179,7 +179,7 @@ impl DeviceSource {
     pub(crate) fn trim(&mut self, keep: u64, wait: bool) -> Result<u64> {
         match &mut self.backing {
             Backing::CudaPool(pool) => {
-                let pool = *pool;
+                let pool = pool.raw();
                 let before = self.reservation()?.reserved;
                 // SAFETY: the pool is live while `self` is.
                 unsafe { self.stream.device.driver.mem_pool_trim_to(pool, keep) }?;
@@ -205,7 +205,7 @@ impl DeviceSource {
             Backing::CudaPool(pool) => {
                 // SAFETY: nothing allocates from the pool any more; allocations still outstanding
                 // keep their memory until freed, as cuMemPoolDestroy documents.
-                unsafe { self.stream.device.driver.mem_pool_destroy(pool) }?;
+                unsafe { self.stream.device.driver.mem_pool_destroy(pool.raw()) }?;
                 self.backing = Backing::Synchronous(Fallback::default());
                 Ok(())
             }
@@ -228,6 +228,7 @@ impl DeviceSource {
         let mut index = 0;
         while index < fallback.deferred.len() {
             let (ptr, bytes, event) = fallback.deferred[index];
+            let event = event.raw();
             // SAFETY: `event` is live until destroyed below; once it completes, no work enqueued
             // before the free uses `ptr`, and nothing after it may.
             let done = unsafe {
@@ -267,7 +268,7 @@ impl Source for DeviceSource {
                 self.stream.prepare()?;
                 // SAFETY: the pool and the stream are live while `self` is; the stream belongs
                 // to the pool's device.
-                unsafe { device.driver.mem_alloc_from_pool_async(bytes as usize, *pool, self.stream.raw) }?
+                unsafe { device.driver.mem_alloc_from_pool_async(bytes as usize, pool.raw(), self.stream.raw()) }?
             }
             Backing::Synchronous(fallback) => {
                 let ptr = device.driver.mem_alloc(bytes as usize)?;
@@ -290,15 +291,15 @@ impl Source for DeviceSource {
                 self.stream.prepare()?;
                 // SAFETY: `ptr` was allocated from this source and is freed once; the strategy
                 // enqueues nothing after this that uses it.
-                unsafe { device.driver.mem_free_async(ptr, self.stream.raw) }?;
+                unsafe { device.driver.mem_free_async(ptr, self.stream.raw()) }?;
             }
             Backing::Synchronous(fallback) => {
                 device.make_current()?;
                 let event = device.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
                 self.stream.prepare()?;
                 // SAFETY: both handles are live.
-                unsafe { device.driver.event_record(event, self.stream.raw) }?;
-                fallback.deferred.push((ptr, bytes, event));
+                unsafe { device.driver.event_record(event, self.stream.raw()) }?;
+                fallback.deferred.push((ptr, bytes, EventHandle::from_raw(event)));
             }
         }
         if self.recorder.is_on() {
@@ -315,7 +316,7 @@ impl Source for DeviceSource {
     fn synchronize(&mut self) -> Result<()> {
         self.stream.prepare()?;
         // SAFETY: the stream is live while `self` is.
-        unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw) }?;
+        unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw()) }?;
         Ok(())
     }
 }

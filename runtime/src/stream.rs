@@ -4,6 +4,7 @@
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
+use steppool_sys::handle::EventHandle;
 use steppool_sys::{CUevent, CUevent_flags, CUstream};
 
 use crate::device_core::DeviceCore;
@@ -32,7 +33,7 @@ impl Stream {
 
     /// The raw handle, to launch work on.
     pub fn raw(&self) -> CUstream {
-        self.core.raw
+        self.core.raw()
     }
 
     /// The stream's id, as reports name it.
@@ -49,7 +50,7 @@ impl Stream {
     pub fn synchronize(&self) -> Result<()> {
         self.core.prepare()?;
         // SAFETY: the stream is live while its core is.
-        unsafe { self.core.device.driver.stream_synchronize(self.core.raw) }?;
+        unsafe { self.core.device.driver.stream_synchronize(self.core.raw()) }?;
         Ok(())
     }
 
@@ -57,7 +58,7 @@ impl Stream {
     pub fn is_idle(&self) -> Result<bool> {
         self.core.prepare()?;
         // SAFETY: the stream is live while its core is.
-        Ok(unsafe { self.core.device.driver.stream_query(self.core.raw) }?)
+        Ok(unsafe { self.core.device.driver.stream_query(self.core.raw()) }?)
     }
 
     /// Records an event that completes when the work enqueued so far does.
@@ -65,10 +66,10 @@ impl Stream {
         let device = self.core.device.clone();
         device.make_current()?;
         let raw = device.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
-        let event = Event { device, raw };
+        let event = Event { device, handle: EventHandle::from_raw(raw) };
         self.core.prepare()?;
         // SAFETY: both handles are live.
-        unsafe { event.device.driver.event_record(event.raw, self.core.raw) }?;
+        unsafe { event.device.driver.event_record(event.raw(), self.core.raw()) }?;
         Ok(event)
     }
 
@@ -76,7 +77,7 @@ impl Stream {
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         self.core.prepare()?;
         // SAFETY: both handles are live.
-        unsafe { self.core.device.driver.stream_wait_event(self.core.raw, event.raw) }?;
+        unsafe { self.core.device.driver.stream_wait_event(self.core.raw(), event.raw()) }?;
         Ok(())
     }
 
@@ -89,43 +90,38 @@ impl Stream {
 /// An event; destroyed on drop.
 pub struct Event {
     device: Arc<DeviceCore>,
-    raw: CUevent,
+    handle: EventHandle,
 }
-
-// SAFETY: a CUevent is an opaque driver handle usable from any thread.
-unsafe impl Send for Event {}
-// SAFETY: as above; the handle is never mutated.
-unsafe impl Sync for Event {}
 
 impl fmt::Debug for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Event({:p})", self.raw)
+        write!(f, "Event({:p})", self.handle.raw())
     }
 }
 
 impl Event {
     /// The raw handle.
     pub fn raw(&self) -> CUevent {
-        self.raw
+        self.handle.raw()
     }
 
     /// Waits for the recorded work.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: the event is live.
-        unsafe { self.device.driver.event_synchronize(self.raw) }?;
+        unsafe { self.device.driver.event_synchronize(self.raw()) }?;
         Ok(())
     }
 
     /// Whether the recorded work is complete.
     pub fn is_complete(&self) -> Result<bool> {
         // SAFETY: the event is live.
-        Ok(unsafe { self.device.driver.event_query(self.raw) }?)
+        Ok(unsafe { self.device.driver.event_query(self.raw()) }?)
     }
 }
 
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: the event is live and not used after this.
-        let _ = unsafe { self.device.driver.event_destroy(self.raw) };
+        let _ = unsafe { self.device.driver.event_destroy(self.raw()) };
     }
 }

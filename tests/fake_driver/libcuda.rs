@@ -4,6 +4,7 @@
 //! - `pools`: a CUDA 12.9 driver with one device that supports memory pools: it opens.
 //! - `nopools`: the same, but its device reports no `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`
 //!   (a vGPU slice, a Windows TCC driver).
+//! - `mixed`: two devices; device 0 supports memory pools, device 1 does not.
 //! - `old`: a CUDA 11.1 driver, before memory pools: no `cuMemPool*`, no `cuMemAllocAsync`.
 //! - `nopoolcalls`: reports 12.9 but exports none of the pool entry points.
 //! - `stub`: the toolkit's stub library: `cuInit` returns `CUDA_ERROR_STUB_LIBRARY` (34).
@@ -21,7 +22,13 @@ use std::ffi::{c_char, c_int, c_uint};
 type CUresult = c_uint;
 
 const VERSION: c_int = if cfg!(variant = "old") { 11010 } else { 12090 };
-const DEVICES: c_int = if cfg!(variant = "nodevice") { 0 } else { 1 };
+const DEVICES: c_int = if cfg!(variant = "nodevice") {
+    0
+} else if cfg!(variant = "mixed") {
+    2
+} else {
+    1
+};
 
 /// `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR`, `_MINOR` and `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`.
 const COMPUTE_MAJOR: c_uint = 75;
@@ -70,16 +77,17 @@ pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CUre
     0
 }
 
-/// Compute capability 9.0; memory pools only in the `pools` variant; every other attribute 0.
+/// Compute capability 9.0; memory pools in the `pools` variant and on device 0 of `mixed`; every
+/// other attribute 0.
 ///
 /// # Safety
 /// `value` is valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetAttribute(value: *mut c_int, attribute: c_uint, _device: c_int) -> CUresult {
+pub unsafe extern "C" fn cuDeviceGetAttribute(value: *mut c_int, attribute: c_uint, device: c_int) -> CUresult {
     let answer = match attribute {
         COMPUTE_MAJOR => 9,
         COMPUTE_MINOR => 0,
-        MEMORY_POOLS_SUPPORTED => c_int::from(cfg!(variant = "pools")),
+        MEMORY_POOLS_SUPPORTED => c_int::from(cfg!(variant = "pools") || (cfg!(variant = "mixed") && device == 0)),
         _ => 0,
     };
     // SAFETY: the caller passes a valid out-pointer.
