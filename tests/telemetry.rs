@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use serde_pickle::{DeOptions, HashableValue, Value};
 use steppool::telemetry::json::{JsonLines, oom_json, step_json};
 use steppool::telemetry::{
-    FragmentationRule, GroupKey, LowHeadroomRule, ReservedCreepRule, ScatteredFreeRule, Warning, WarningKind,
-    WarningRules,
+    FragmentationRule, GroupKey, LowHeadroomRule, MAX_REQUEST_BYTES, ReservedCreepRule, ScatteredFreeRule,
+    ServeOptions, Warning, WarningKind, WarningRules,
 };
 use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict};
 use steppool_tests::simulated_runtime;
@@ -541,6 +541,139 @@ fn the_http_endpoint_serves_metrics_and_stops_when_dropped() {
     let addr = server.addr();
     drop(server);
     assert!(TcpStream::connect(addr).is_err(), "the listener is closed");
+}
+
+/// Sends `GET /metrics` on a fresh connection and reads the whole answer; a read that waits
+/// 30 s fails the test (the server answers each connection on its own thread, so it never has
+/// to wait for other clients).
+fn scrape(addr: std::net::SocketAddr) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("an answer while the other clients wait");
+    response
+}
+
+/// Whether the server still holds `stream` open: no data and no end of stream yet.
+fn still_open(stream: &TcpStream) -> bool {
+    stream.set_nonblocking(true).unwrap();
+    let mut byte = [0u8; 1];
+    let open = matches!(stream.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    stream.set_nonblocking(false).unwrap();
+    open
+}
+
+/// Connects and sends the start of a request line, then nothing more.
+fn slow_client(addr: std::net::SocketAddr) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.write_all(b"GET /metr").unwrap();
+    stream
+}
+
+#[test]
+fn a_scrape_is_answered_while_64_slow_clients_hold_their_connections() {
+    let (runtime, _, _streams) = busy_runtime();
+    // A deadline far longer than the test: had the scrape waited for the slow clients, its
+    // read would give up first.
+    let options = ServeOptions { max_connections: 80, request_deadline: std::time::Duration::from_secs(120) };
+    let server = runtime.telemetry().serve_metrics_with("127.0.0.1:0", options).unwrap();
+    let slow: Vec<TcpStream> = (0..64).map(|_| slow_client(server.addr())).collect();
+    let response = scrape(server.addr());
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(response.contains("steppool_steps_total"));
+    // The slow clients were not timed out or turned away to make room: all still connected.
+    assert_eq!(slow.iter().filter(|s| still_open(s)).count(), 64);
+}
+
+#[test]
+fn a_request_gets_one_deadline_however_slowly_it_trickles_in() {
+    let (runtime, _, _streams) = busy_runtime();
+    let options = ServeOptions { max_connections: 4, request_deadline: std::time::Duration::from_millis(300) };
+    let server = runtime.telemetry().serve_metrics_with("127.0.0.1:0", options).unwrap();
+    let mut stream = TcpStream::connect(server.addr()).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_millis(20))).unwrap();
+    // One byte every 20 ms: each read the server makes succeeds well inside any per-read
+    // timeout, so only a deadline for the whole request ends it. 500 bytes would take 10 s.
+    let request = format!("GET /metrics HTTP/1.1\r\nX-Slow: {}\r\n\r\n", "a".repeat(460));
+    let mut response = Vec::new();
+    let mut sent = 0;
+    for byte in request.bytes() {
+        if stream.write_all(&[byte]).is_err() {
+            break;
+        }
+        sent += 1;
+        let mut buffer = [0u8; 256];
+        match stream.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(n) => response.extend_from_slice(&buffer[..n]),
+            Err(_) => {}
+        }
+        if !response.is_empty() {
+            break;
+        }
+    }
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let _ = stream.read_to_end(&mut response);
+    let response = String::from_utf8_lossy(&response);
+    assert!(response.starts_with("HTTP/1.1 408 Request Timeout\r\n"), "{response}");
+    assert!(sent < request.len(), "the server cut the request short ({sent} of {} bytes)", request.len());
+}
+
+#[test]
+fn oversized_heads_garbage_and_one_connection_too_many_get_their_statuses() {
+    let (runtime, _, _streams) = busy_runtime();
+    let options = ServeOptions { max_connections: 2, request_deadline: std::time::Duration::from_secs(120) };
+    let server = runtime.telemetry().serve_metrics_with("127.0.0.1:0", options).unwrap();
+    let exchange = |request: &[u8]| -> String {
+        let mut stream = TcpStream::connect(server.addr()).unwrap();
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+        // The server may answer and close before it has read everything.
+        let _ = stream.write_all(request);
+        let mut response = Vec::new();
+        let _ = stream.read_to_end(&mut response);
+        String::from_utf8_lossy(&response).into_owned()
+    };
+    let oversized = format!("GET /metrics HTTP/1.1\r\nX-Big: {}\r\n\r\n", "b".repeat(MAX_REQUEST_BYTES));
+    assert!(exchange(oversized.as_bytes()).starts_with("HTTP/1.1 431 "));
+    assert!(exchange(b"\x00\x01\xffgarbage\r\n\r\n").starts_with("HTTP/1.1 400 Bad Request\r\n"));
+    assert!(exchange(b"POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
+
+    drop(server);
+
+    // On a fresh server, two slow clients take both places; a third connection is turned away
+    // at once, without its request being read (so this one sends none).
+    let server = runtime.telemetry().serve_metrics_with("127.0.0.1:0", options).unwrap();
+    let exchange = |request: &[u8]| -> String {
+        let mut stream = TcpStream::connect(server.addr()).unwrap();
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+        let _ = stream.write_all(request);
+        let mut response = Vec::new();
+        let _ = stream.read_to_end(&mut response);
+        String::from_utf8_lossy(&response).into_owned()
+    };
+    let mut slow: Vec<TcpStream> = (0..2).map(|_| slow_client(server.addr())).collect();
+    let turned_away = exchange(b"");
+    assert!(turned_away.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{turned_away}");
+    assert!(slow.iter().all(still_open));
+    // One leaves; its place comes free once its thread has seen it go.
+    drop(slow.pop());
+    let answered = (0..3000).find_map(|_| {
+        // Turned away (unread, so the answer may be lost to a reset), or answered.
+        let response = exchange(b"GET /metrics HTTP/1.1\r\n\r\n");
+        if response.starts_with("HTTP/1.1 200 OK") {
+            Some(response)
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            None
+        }
+    });
+    assert!(answered.is_some(), "a place came free when a slow client left");
+
+    let zero = ServeOptions { max_connections: 0, ..ServeOptions::default() };
+    let error = runtime.telemetry().serve_metrics_with("127.0.0.1:0", zero).unwrap_err();
+    assert_eq!(error.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(error.to_string().contains("max_connections 0"), "{error}");
 }
 
 #[test]

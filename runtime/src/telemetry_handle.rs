@@ -47,15 +47,28 @@ impl Telemetry<'_> {
 
     /// Serves [`Telemetry::metrics`] as Prometheus text at `GET /metrics` on `addr` (for
     /// example `"127.0.0.1:9400"`, or port 0 for any free port), from a thread of its own, until
-    /// the returned server is dropped. The server does not keep the runtime alive.
+    /// the returned server is dropped, with the default [`ServeOptions`](crate::telemetry::ServeOptions):
+    /// 64 connections at once, 5 s for a whole request. The server does not keep the runtime
+    /// alive.
     #[cfg(feature = "prometheus")]
     pub fn serve_metrics(
         &self,
         addr: impl std::net::ToSocketAddrs,
     ) -> std::io::Result<crate::telemetry::MetricsServer> {
+        self.serve_metrics_with(addr, crate::telemetry::ServeOptions::default())
+    }
+
+    /// [`Telemetry::serve_metrics`] with its bounds on clients chosen. An `InvalidInput` error
+    /// for zero connections or a zero deadline.
+    #[cfg(feature = "prometheus")]
+    pub fn serve_metrics_with(
+        &self,
+        addr: impl std::net::ToSocketAddrs,
+        options: crate::telemetry::ServeOptions,
+    ) -> std::io::Result<crate::telemetry::MetricsServer> {
         let runtime = Arc::downgrade(self.inner);
-        let read = Box::new(move || runtime.upgrade().map(|inner| inner.metrics()));
-        crate::telemetry::MetricsServer::start(read, addr)
+        let read = Arc::new(move || runtime.upgrade().map(|inner| inner.metrics()));
+        crate::telemetry::MetricsServer::start(read, addr, options)
     }
 
     /// Starts recording the allocation history afresh, keeping the most recent `max_events`

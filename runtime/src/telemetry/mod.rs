@@ -47,7 +47,7 @@ use std::sync::OnceLock;
 pub use history::{Event, EventKind, History, LiveBlock, LiveSegment};
 pub(crate) use history::{Recorder, thread_number};
 #[cfg(feature = "prometheus")]
-pub use http::MetricsServer;
+pub use http::{MAX_REQUEST_BYTES, MetricsServer, ServeOptions};
 pub(crate) use metrics::Retired;
 pub use metrics::{DeviceMemory, GroupKey, Metrics, PhaseFragmentation, PoolMetrics, Usage, WarningCount};
 pub(crate) use warnings::WarningState;
