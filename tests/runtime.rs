@@ -362,73 +362,184 @@ fn phases_are_allocated_only_where_their_scope_allows() {
     step.end().unwrap();
 }
 
+/// Where a step end stands, as the thread ending it publishes it: before, during, after.
+const BEFORE: u8 = 0;
+const DURING: u8 = 1;
+const AFTER: u8 = 2;
+
+/// Whether a call that saw `started` when it began and `finished` when it returned ran while
+/// the step end was in progress.
+fn overlapped(started: u8, finished: u8) -> bool {
+    started == DURING || finished == DURING || (started == BEFORE && finished == AFTER)
+}
+
 #[test]
 fn the_release_is_atomic_for_other_threads() {
+    use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
     let rt = simulated_runtime(16 * GIB);
     let device = rt.device(0).unwrap();
     let streams: Vec<_> = (0..4).map(|_| device.create_stream().unwrap()).collect();
-    let step = rt.begin_step().unwrap();
-    for stream in &streams {
-        for _ in 0..50 {
-            // SAFETY: released at the step end; nothing uses them.
-            unsafe { rt.raw().alloc(Phase::ACTIVATIONS, 3 * MIB, stream) }.unwrap();
+    let live = 4 * 50 * 3 * MIB;
+    let used =
+        || -> u64 { rt.stats().unwrap().iter().filter(|s| s.pool.phase == Phase::ACTIVATIONS).map(|s| s.used).sum() };
+    // Steps until a read has run while a release was in progress (each read brackets itself
+    // with the release's progress); every read, those above all, sees all or nothing.
+    let (mut overlapping, mut reads) = (0usize, 0usize);
+    for _attempt in 0..1000 {
+        let step = rt.begin_step().unwrap();
+        for stream in &streams {
+            for _ in 0..50 {
+                // SAFETY: released at the step end; nothing uses them.
+                unsafe { rt.raw().alloc(Phase::ACTIVATIONS, 3 * MIB, stream) }.unwrap();
+            }
+        }
+        let progress = AtomicU8::new(BEFORE);
+        let watching = AtomicBool::new(true);
+        let ready = AtomicUsize::new(0);
+        let observed: Vec<(u8, u64, u8)> = std::thread::scope(|scope| {
+            let watchers: Vec<_> = (0..3)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut seen = Vec::new();
+                        while watching.load(Ordering::Acquire) {
+                            let started = progress.load(Ordering::Acquire);
+                            let value = used();
+                            seen.push((started, value, progress.load(Ordering::Acquire)));
+                            if seen.len() == 1 {
+                                ready.fetch_add(1, Ordering::AcqRel);
+                            }
+                        }
+                        seen
+                    })
+                })
+                .collect();
+            // Every watcher reads the full step at least once before the release begins.
+            while ready.load(Ordering::Acquire) < 3 {
+                std::thread::yield_now();
+            }
+            progress.store(DURING, Ordering::Release);
+            step.end().unwrap();
+            progress.store(AFTER, Ordering::Release);
+            // A read after the release, then stop.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            watching.store(false, Ordering::Release);
+            watchers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+        });
+        for &(started, value, finished) in &observed {
+            assert!(value == live || value == 0, "a half-released step was seen: {value} of {live} bytes");
+            if started == AFTER {
+                assert_eq!(value, 0, "a read that began after the step end saw memory of the step");
+            }
+            if finished == BEFORE {
+                assert_eq!(value, live, "a read that ended before the step end missed memory of the step");
+            }
+        }
+        reads += observed.len();
+        overlapping += observed.iter().filter(|&&(s, _, f)| overlapped(s, f)).count();
+        if overlapping > 0 {
+            break;
         }
     }
-    let live = 4 * 50 * 3 * MIB;
-    let observed = std::thread::scope(|scope| {
-        let watchers: Vec<_> = (0..3)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut seen = Vec::new();
-                    while seen.len() < 200 {
-                        let used: u64 = rt
-                            .stats()
-                            .unwrap()
-                            .iter()
-                            .filter(|s| s.pool.phase == Phase::ACTIVATIONS)
-                            .map(|s| s.used)
-                            .sum();
-                        seen.push(used);
-                    }
-                    seen
-                })
-            })
-            .collect();
-        std::thread::yield_now();
-        step.end().unwrap();
-        watchers.into_iter().flat_map(|w| w.join().unwrap()).collect::<Vec<u64>>()
-    });
-    assert!(observed.iter().all(|&used| used == live || used == 0), "a half-released step was seen");
+    assert!(overlapping > 0, "no read ran during a release in 1000 steps ({reads} reads)");
 }
 
 #[test]
 fn raw_allocations_racing_a_step_end_are_released_or_refused() {
+    use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
     let rt = simulated_runtime(16 * GIB);
     let device = rt.device(0).unwrap();
     let stream = device.create_stream().unwrap();
-    rt.raw().begin_step().unwrap();
-    let outcomes = std::thread::scope(|scope| {
-        let allocator = scope.spawn(|| {
-            let mut outcomes = Vec::new();
-            for _ in 0..400 {
-                // SAFETY: nothing uses the pointers.
-                outcomes.push(unsafe { rt.raw().alloc(Phase::ACTIVATIONS, MIB, &stream) });
+    // Steps until an allocation has run while a step end was in progress; its outcome, like
+    // every other, is either memory the step end released or `NoActiveStep`.
+    let (mut overlapping, mut released, mut refused) = (0usize, 0usize, 0usize);
+    for _attempt in 0..1000 {
+        rt.raw().begin_step().unwrap();
+        let progress = AtomicU8::new(BEFORE);
+        let granted = AtomicUsize::new(0);
+        let outcomes = std::thread::scope(|scope| {
+            let allocator = scope.spawn(|| {
+                let mut outcomes = Vec::new();
+                // Until refused: the step end comes while this thread allocates.
+                loop {
+                    let started = progress.load(Ordering::Acquire);
+                    // SAFETY: nothing uses the pointers.
+                    let outcome = unsafe { rt.raw().alloc(Phase::ACTIVATIONS, MIB, &stream) };
+                    let finished = progress.load(Ordering::Acquire);
+                    let refused = outcome.is_err();
+                    granted.fetch_add(usize::from(!refused), Ordering::AcqRel);
+                    outcomes.push((started, outcome, finished));
+                    if refused {
+                        return outcomes;
+                    }
+                }
+            });
+            // The step ends once the thread has been granted some memory.
+            while granted.load(Ordering::Acquire) == 0 {
+                std::thread::yield_now();
             }
-            outcomes
+            progress.store(DURING, Ordering::Release);
+            // SAFETY: nothing uses the released pointers.
+            unsafe { rt.raw().end_step() }.unwrap();
+            progress.store(AFTER, Ordering::Release);
+            allocator.join().unwrap()
         });
-        std::thread::sleep(std::time::Duration::from_millis(1));
-        // SAFETY: nothing uses the released pointers.
-        unsafe { rt.raw().end_step() }.unwrap();
-        allocator.join().unwrap()
-    });
-    for outcome in outcomes {
-        match outcome {
-            // SAFETY: the runtime checks the pointer.
-            Ok(ptr) => assert!(matches!(unsafe { rt.raw().free(ptr) }, Err(Error::UnknownPointer { .. }))),
-            Err(error) => assert!(matches!(error, Error::NoActiveStep), "{error}"),
+        for (started, outcome, finished) in outcomes {
+            overlapping += usize::from(overlapped(started, finished));
+            match outcome {
+                Ok(ptr) => {
+                    // SAFETY: the runtime checks the pointer.
+                    let freed = unsafe { rt.raw().free(ptr) };
+                    assert!(matches!(freed, Err(Error::UnknownPointer { .. })), "not released: {freed:?}");
+                    assert_ne!(started, AFTER, "granted after the step ended");
+                    released += 1;
+                }
+                Err(error) => {
+                    assert!(matches!(error, Error::NoActiveStep), "{error}");
+                    assert_ne!(finished, BEFORE, "refused before the step ended");
+                    refused += 1;
+                }
+            }
+        }
+        assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &stream).used, 0, "nothing leaked into the next step");
+        if overlapping > 0 {
+            break;
         }
     }
-    assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &stream).used, 0, "nothing leaked into the next step");
+    assert!(overlapping > 0, "no allocation ran during a step end in 1000 steps");
+    assert!(released > 0 && refused > 0, "both outcomes: {released} released, {refused} refused");
+}
+
+#[test]
+fn a_panic_inside_a_step_releases_the_step_and_leaves_the_runtime_usable() {
+    let rt = simulated_runtime(GIB);
+    let micro_phase = rt.declare_phase(PhaseSpec::new("micro", Scope::MicroStep)).unwrap();
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let weights = rt.alloc(Phase::WEIGHTS, 64 * MIB, &stream).unwrap();
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let step = rt.begin_step().unwrap();
+        let _activations = step.alloc(Phase::ACTIVATIONS, 32 * MIB, &stream).unwrap();
+        let micro = step.begin_micro_step().unwrap();
+        let _scratch = micro.alloc(micro_phase, 16 * MIB, &stream).unwrap();
+        // SAFETY: released at the step end; nothing uses it.
+        unsafe { rt.raw().alloc(Phase::ACTIVATIONS, 8 * MIB, &stream) }.unwrap();
+        assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &stream).used, 40 * MIB);
+        panic!("the user's model failed mid-step");
+    }));
+    let payload = unwound.expect_err("the closure panicked");
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"the user's model failed mid-step"));
+    // The unwinding dropped the buffers, then the micro-step, then the step: each ended cleanly.
+    assert_eq!(rt.active_step(), None);
+    assert!(rt.take_errors().is_empty(), "no error while unwinding");
+    assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &stream).used, 0);
+    assert_eq!(stats_of(&rt, micro_phase, &stream).used, 0);
+    assert_eq!(stats_of(&rt, Phase::WEIGHTS, &stream).used, 64 * MIB, "persistent memory untouched");
+    // The next step runs as any other.
+    let step = rt.begin_step().unwrap();
+    let again = step.alloc(Phase::ACTIVATIONS, 32 * MIB, &stream).unwrap();
+    drop(again);
+    let report = step.end().unwrap();
+    assert_eq!(report.phase(Phase::ACTIVATIONS).unwrap().peak_used, 32 * MIB);
+    drop(weights);
 }
 
 // ----- strategies ------------------------------------------------------------------------------------
