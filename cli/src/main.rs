@@ -81,6 +81,9 @@ enum Command {
         /// Seed of the draws (lengths, batches, routing).
         #[arg(long, default_value_t = 7)]
         seed: u64,
+        /// Leave out micro-step boundaries (steps only, as an RMM log with a step sidecar).
+        #[arg(long)]
+        no_micro_steps: bool,
     },
     /// Write the trace in steppool's own format (JSON lines), with its step boundaries.
     Convert {
@@ -189,9 +192,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 write(&path, svg::timeline_svg(&trace, &results))?;
             }
         }
-        Command::Synth { pattern, output, scale, steps, seed } => {
+        Command::Synth { pattern, output, scale, steps, seed, no_micro_steps } => {
             let pattern = steppool_cli::patterns::Pattern::from_name(&pattern)?;
-            let options = steppool_cli::patterns::PatternOptions { steps, seed, scale };
+            let options = steppool_cli::patterns::PatternOptions { steps, seed, scale, micro_steps: !no_micro_steps };
             let trace = steppool_cli::patterns::generate(pattern, &options)?;
             let mut text = Vec::new();
             steppool_trace::jsonl::write(&trace, &mut text)?;

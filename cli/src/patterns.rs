@@ -118,11 +118,14 @@ pub struct PatternOptions {
     /// Every size is multiplied by this (rounded up to 16 bytes): 1 for the real shapes, a few GiB
     /// live; 1/1024 for MiB.
     pub scale: f64,
+    /// Whether to write micro-step boundaries (otherwise only steps, as an RMM log with a step
+    /// sidecar has them; the allocations are the same).
+    pub micro_steps: bool,
 }
 
 impl Default for PatternOptions {
     fn default() -> Self {
-        Self { steps: 8, seed: 7, scale: 1.0 }
+        Self { steps: 8, seed: 7, scale: 1.0, micro_steps: true }
     }
 }
 
@@ -179,6 +182,7 @@ struct Gen {
     next_ptr: u64,
     rng: u64,
     scale: f64,
+    micro_steps: bool,
 }
 
 impl Gen {
@@ -194,6 +198,7 @@ impl Gen {
             next_ptr: 0x7f00_0000_0000,
             rng: options.seed ^ 0x9e37_79b9_7f4a_7c15,
             scale: options.scale,
+            micro_steps: options.micro_steps,
         }
     }
 
@@ -261,11 +266,15 @@ impl Gen {
     }
 
     fn begin_micro(&mut self, step: u32, micro: u32) {
-        self.push(EventKind::MicroBegin(u64::from(step), micro), 0, 0);
+        if self.micro_steps {
+            self.push(EventKind::MicroBegin(u64::from(step), micro), 0, 0);
+        }
     }
 
     fn end_micro(&mut self, step: u32, micro: u32) {
-        self.push(EventKind::MicroEnd(u64::from(step), micro), 0, 0);
+        if self.micro_steps {
+            self.push(EventKind::MicroEnd(u64::from(step), micro), 0, 0);
+        }
     }
 
     /// A number in `lo..=hi` (splitmix64).

@@ -203,12 +203,12 @@ fn the_recorded_evaluation_passes_allocate_differently_from_training() {
 const SMOKE: f64 = 1.0 / 1024.0;
 
 fn smoke(pattern: Pattern, steps: u32) -> Trace {
-    generate(pattern, &PatternOptions { steps, seed: 7, scale: SMOKE }).unwrap()
+    generate(pattern, &PatternOptions { steps, seed: 7, scale: SMOKE, ..PatternOptions::default() }).unwrap()
 }
 
 /// At the real shapes (generation only; nothing replays these).
 fn full(pattern: Pattern, steps: u32) -> Trace {
-    generate(pattern, &PatternOptions { steps, seed: 7, scale: 1.0 }).unwrap()
+    generate(pattern, &PatternOptions { steps, ..PatternOptions::default() }).unwrap()
 }
 
 #[test]
@@ -236,9 +236,11 @@ fn every_generated_trace_replays_under_every_strategy_without_overlap() {
 fn generated_traces_reach_gib_at_full_scale_and_follow_the_scale() {
     for pattern in Pattern::ALL {
         let big = analyse(&full(pattern, 8)).unwrap().peak_live_bytes;
-        let small = analyse(&generate(pattern, &PatternOptions { steps: 8, seed: 7, scale: 0.25 }).unwrap())
-            .unwrap()
-            .peak_live_bytes;
+        let small = analyse(
+            &generate(pattern, &PatternOptions { steps: 8, scale: 0.25, ..PatternOptions::default() }).unwrap(),
+        )
+        .unwrap()
+        .peak_live_bytes;
         assert!(big >= 1 << 30, "{pattern:?}: {big} bytes");
         // Every size is scaled (rounded up to 16 bytes), so the peak is too, within the rounding.
         let ratio = small as f64 / big as f64;
@@ -249,13 +251,17 @@ fn generated_traces_reach_gib_at_full_scale_and_follow_the_scale() {
 #[test]
 fn generators_are_deterministic_from_their_seed() {
     for pattern in Pattern::ALL {
-        let a = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE }).unwrap();
-        let b = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE }).unwrap();
+        let a = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
+        let b = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
         assert_eq!(a.events, b.events, "{pattern:?}");
     }
     for pattern in [Pattern::Gpt2Varlen, Pattern::ResnetVarbatch, Pattern::MoeRouting, Pattern::Gpt2KvGenerate] {
-        let a = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE }).unwrap();
-        let b = generate(pattern, &PatternOptions { steps: 3, seed: 2, scale: SMOKE }).unwrap();
+        let a = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
+        let b = generate(pattern, &PatternOptions { steps: 3, seed: 2, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
         assert_ne!(a.events, b.events, "{pattern:?}: the seed draws its shapes");
     }
 }
@@ -404,5 +410,22 @@ fn evaluation_passes_allocate_differently_from_training_steps() {
     }
     for &t in &train[1..] {
         assert_eq!(steps[t].0, steps[train[0]].0, "training steps repeat");
+    }
+}
+
+#[test]
+fn without_micro_steps_the_allocations_are_the_same() {
+    for pattern in [Pattern::LlamaAccum, Pattern::Gpt2KvGenerate, Pattern::CurriculumAccum] {
+        let options = PatternOptions { steps: 2, scale: SMOKE, ..PatternOptions::default() };
+        let with = generate(pattern, &options).unwrap();
+        let without = generate(pattern, &PatternOptions { micro_steps: false, ..options }).unwrap();
+        let records = |trace: &Trace| -> Vec<(EventKind, u64, u64)> {
+            trace.events.iter().filter(|e| !e.kind.is_boundary()).map(|e| (e.kind, e.ptr, e.bytes)).collect()
+        };
+        assert_eq!(records(&with), records(&without), "{pattern:?}");
+        let micro = |trace: &Trace| analyse(trace).unwrap().micro_steps;
+        assert!(micro(&with) >= 2 * u64::from(ACCUMULATION), "{pattern:?}");
+        assert_eq!(micro(&without), 0, "{pattern:?}");
+        assert_eq!(analyse(&without).unwrap().steps, 2);
     }
 }
