@@ -36,6 +36,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.checkpoint import checkpoint
 
 
+# Micro-batches a step in the accumulation workloads.
+ACCUMULATION = 4
+
 # ---------------------------------------------------------------------------------------------
 # Models: small versions of the architectures the patterns name.
 
@@ -244,8 +247,8 @@ def llama_accum(mark, steps):
     model = Transformer(vocab=8192, dim=256, layers=4, heads=8, kv_heads=2, ffn=688, causal=True, llama=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
-    batches = [[torch.randint(0, 8192, (2, 256)) for _ in range(4)] for _ in range(steps)]
-    train_steps(model, opt, batches, mark, micro=4)
+    batches = [[torch.randint(0, 8192, (2, 256)) for _ in range(ACCUMULATION)] for _ in range(steps)]
+    train_steps(model, opt, batches, mark, micro=ACCUMULATION)
     return dict(model="Llama-style decoder, 4 layers, d=256, 8 heads / 2 KV heads, SwiGLU 688, vocab 8192",
                 pattern="4x gradient accumulation: 4 micro-batches of 2 x 256 tokens, one AdamW step a step")
 
@@ -345,8 +348,8 @@ def curriculum_accum(mark, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
     lengths = [int(64 + (512 - 64) * step / max(steps - 1, 1)) // 32 * 32 for step in range(steps)]
-    batches = [[torch.randint(0, 8192, (2, s)) for _ in range(4)] for s in lengths]
-    train_steps(model, opt, batches, mark, micro=4)
+    batches = [[torch.randint(0, 8192, (2, s)) for _ in range(ACCUMULATION)] for s in lengths]
+    train_steps(model, opt, batches, mark, micro=ACCUMULATION)
     return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192",
                 pattern=f"sequence-length curriculum {lengths} with 4x gradient accumulation (micro-batch 2)")
 
@@ -362,9 +365,6 @@ WORKLOADS = {
     "train_eval": (train_eval, 9),
     "curriculum_accum": (curriculum_accum, 6),
 }
-
-MICRO = {"llama_accum", "curriculum_accum"}
-
 
 # ---------------------------------------------------------------------------------------------
 # Recording and writing.
@@ -403,25 +403,24 @@ def record(name, out_dir, seed):
     rows, live, implied = [], {}, 0
     for e in memory:
         a = e["args"]
-        addr, size, t = a["Addr"], a["Bytes"], ns(e["ts"])
+        addr, size, t, tid = a["Addr"], a["Bytes"], ns(e["ts"]), e["tid"]
         if size > 0:
             if addr in live:
                 # The allocator handed out an address whose free the profiler did not report.
-                rows.append((t, "free", addr, live.pop(addr)))
+                rows.append((t, "free", addr, live.pop(addr), tid))
                 implied += 1
             live[addr] = size
-            rows.append((t, "alloc", addr, size))
+            rows.append((t, "alloc", addr, size, tid))
         elif size < 0 and addr in live:
-            rows.append((t, "free", addr, live.pop(addr)))
+            rows.append((t, "free", addr, live.pop(addr), tid))
         # A free of memory allocated before the recording began is left out, as RMM would.
     peak, total = 0, 0
-    for _, action, _, size in rows:
+    for _, action, _, size, _ in rows:
         total += size if action == "alloc" else -size
         peak = max(peak, total)
 
     step_starts = [ns(ranges[f"steppool_step_{s}"][0]) for s in range(steps)]
-    thread = memory[0]["tid"]
-    micro = name in MICRO
+    micro = sum(1 for n in ranges if n.startswith("steppool_micro_0_"))
     if micro:
         path = os.path.join(out_dir, f"{name}.jsonl")
         boundaries = []
@@ -429,7 +428,7 @@ def record(name, out_dir, seed):
             begin, end = ranges[f"steppool_step_{s}"]
             boundaries.append((ns(begin), 0, {"event": "step_begin", "step": s}))
             boundaries.append((ns(end), 3, {"event": "step_end", "step": s}))
-            for k in range(4):
+            for k in range(micro):
                 mb, me = ranges[f"steppool_micro_{s}_{k}"]
                 boundaries.append((ns(mb), 1, {"event": "micro_begin", "step": s, "micro": k}))
                 boundaries.append((ns(me), 2, {"event": "micro_end", "step": s, "micro": k}))
@@ -439,14 +438,15 @@ def record(name, out_dir, seed):
                              "devices": [{"ordinal": 0, "total_bytes": None}], "phases": [],
                              "dropped_events": 0}, separators=(",", ":"))]
         b, last = 0, 0
-        for t, action, addr, size in rows:
+        for t, action, addr, size, _ in rows:
             while b < len(boundaries) and boundaries[b][0] <= t:
                 bt, _, ev = boundaries[b]
                 last = max(last, bt)
                 lines.append(json.dumps({"t_ns": last, **ev}, separators=(",", ":")))
                 b += 1
             last = max(last, t)
-            # Device, stream and thread are left at their default, 0, to keep the file small.
+            # Device, stream and thread are left at their default, 0, to keep the file small (the
+            # workloads allocate on one thread).
             lines.append(json.dumps({"t_ns": last, "event": action, "ptr": addr, "bytes": size},
                                     separators=(",", ":")))
         for bt, _, ev in boundaries[b:]:
@@ -458,13 +458,13 @@ def record(name, out_dir, seed):
         path = os.path.join(out_dir, f"{name}.csv")
         with open(path, "w") as f:
             f.write("Thread,Time,Action,Pointer,Size,Stream\n")
-            for t, action, addr, size in rows:
+            for t, action, addr, size, thread in rows:
                 f.write(f"{thread},{t},{'allocate' if action == 'alloc' else 'free'},{addr:#x},{size},0x0\n")
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump({"workload": name, "steps_start_ns": step_starts, "events": len(rows),
                        "torch": torch.__version__}, f)
     return dict(file=os.path.basename(path), format="steppool-jsonl" if micro else "rmm-csv+sidecar",
-                steps=steps, micro_steps_per_step=4 if micro else 0, events=len(rows),
+                steps=steps, micro_steps_per_step=micro, events=len(rows),
                 allocations=sum(1 for r in rows if r[1] == "alloc"), peak_live_bytes=peak,
                 live_at_end_bytes=total, implied_frees=implied,
                 bytes=os.path.getsize(path), seed=seed, **info)
