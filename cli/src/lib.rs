@@ -9,6 +9,7 @@
 //! steppool replay TRACE [--capacity SIZE] [--strategy NAME|all] [--arena-slab SIZE] [--no-bisect]
 //!                       [--json FILE] [--svg FILE]
 //! steppool convert TRACE OUTPUT.jsonl
+//! steppool synth PATTERN OUTPUT.jsonl [--scale X] [--steps N] [--seed N] [--no-micro-steps]
 //! ```
 //!
 //! The pipeline is [`read::read_trace`] (format by content, steps from the trace, a sidecar, or
@@ -35,6 +36,7 @@
 //! ```
 
 pub mod error;
+pub mod patterns;
 pub mod replay;
 pub mod report;
 pub mod svg;

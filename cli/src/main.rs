@@ -64,6 +64,27 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         svg: Option<PathBuf>,
     },
+    /// Generate a trace of a workload pattern (steppool format) at the real models' sizes times
+    /// --scale: bert_static, gpt2_varlen, llama_accum, resnet_varbatch, moe_routing,
+    /// llama_ckpt_bf16, gpt2_kv_generate, train_eval, curriculum_accum.
+    Synth {
+        /// The pattern.
+        pattern: String,
+        /// The .jsonl file to write.
+        output: PathBuf,
+        /// Multiplies every size (1: a few GiB live).
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Steps (requests, for generation).
+        #[arg(long, default_value_t = 8)]
+        steps: u32,
+        /// Seed of the draws (lengths, batches, routing).
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Leave out micro-step boundaries (steps only, as an RMM log with a step sidecar).
+        #[arg(long)]
+        no_micro_steps: bool,
+    },
     /// Write the trace in steppool's own format (JSON lines), with its step boundaries.
     Convert {
         /// The trace to read.
@@ -170,6 +191,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(path) = svg {
                 write(&path, svg::timeline_svg(&trace, &results))?;
             }
+        }
+        Command::Synth { pattern, output, scale, steps, seed, no_micro_steps } => {
+            let pattern = steppool_cli::patterns::Pattern::from_name(&pattern)?;
+            let options = steppool_cli::patterns::PatternOptions { steps, seed, scale, micro_steps: !no_micro_steps };
+            let trace = steppool_cli::patterns::generate(pattern, &options)?;
+            let mut text = Vec::new();
+            steppool_trace::jsonl::write(&trace, &mut text)?;
+            write(&output, text)?;
+            eprintln!("wrote {} ({} events)", output.display(), trace.events.len());
         }
         Command::Convert { trace, output } => {
             let trace = read::read_trace(&trace)?;

@@ -1,0 +1,502 @@
+"""Records PyTorch training and inference runs on the CPU as allocation traces steppool replays.
+
+Each workload runs under ``torch.profiler`` with ``profile_memory=True``, which reports every
+allocation and free of the CPU allocator (the ``[memory]`` events of the exported chrome trace,
+with ``Addr``, ``Bytes`` and ``Total Allocated``). Steps and micro-steps are marked with
+``record_function`` ranges named ``steppool_step_N`` and ``steppool_micro_N_K``.
+
+Written per workload, into the output folder (default: ``cli/tests/data/recorded``):
+
+* without micro-steps, an RMM log ``NAME.csv`` (``Thread,Time,Action,Pointer,Size,Stream``,
+  nanoseconds from the first allocation) and its sidecar ``NAME.json`` with ``steps_start_ns``,
+  as the repository's ``vit_static_train`` and ``t5_varlen_train`` traces are;
+* with micro-steps (gradient accumulation), a steppool trace ``NAME.jsonl`` with
+  ``step_begin``/``micro_begin``/``micro_end``/``step_end`` events.
+
+and ``manifest.json`` describing every trace (model, pattern, steps, micro-steps, peak live
+bytes, events, torch version). Not run by CI:
+
+    python3 -m venv venv && venv/bin/pip install -r benches/traces/requirements.txt
+    venv/bin/python benches/traces/record.py [--out DIR] [--only NAME ...]
+
+Everything is seeded, but CPU addresses and times differ between runs.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils.checkpoint import checkpoint
+
+
+# Micro-batches a step in the accumulation workloads.
+ACCUMULATION = 4
+
+# ---------------------------------------------------------------------------------------------
+# Models: small versions of the architectures the patterns name.
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped key/value heads and an optional KV cache."""
+
+    def __init__(self, dim, heads, kv_heads, bias):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim, bias=bias)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=bias)
+        self.o = nn.Linear(dim, dim, bias=bias)
+
+    def forward(self, x, causal, cache=None):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if cache is not None:
+            # A growing cache, as Hugging Face's DynamicCache grows it: one concatenation a token.
+            if "k" in cache:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and s > 1)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden, gated):
+        super().__init__()
+        self.gated = gated
+        self.up = nn.Linear(dim, hidden * (2 if gated else 1), bias=not gated)
+        self.down = nn.Linear(hidden, dim, bias=not gated)
+
+    def forward(self, x):
+        if self.gated:
+            gate, up = self.up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routing over experts: each expert sees a different number of tokens each batch."""
+
+    def __init__(self, dim, hidden, experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(Mlp(dim, hidden, gated=True) for _ in range(experts))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = torch.topk(F.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel() == 0:
+                continue
+            y = expert(x.index_select(0, token)) * weights[token, slot].unsqueeze(-1)
+            out = out.index_add(0, token, y)
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, kv_heads, ffn, llama, experts=0, top_k=2):
+        super().__init__()
+        norm = (lambda: RMSNorm(dim)) if llama else (lambda: nn.LayerNorm(dim))
+        self.norm1, self.norm2 = norm(), norm()
+        self.attn = Attention(dim, heads, kv_heads, bias=not llama)
+        self.mlp = MoE(dim, ffn, experts, top_k) if experts else Mlp(dim, ffn, gated=llama)
+
+    def forward(self, x, causal, cache=None):
+        x = x + self.attn(self.norm1(x), causal, cache)
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    """BERT (bidirectional, learned positions), GPT-2 (causal, learned positions) or Llama-style
+    (causal, RMSNorm, SwiGLU, grouped KV heads) stacks, with a language-model head."""
+
+    def __init__(self, vocab, dim, layers, heads, ffn, causal, llama=False, kv_heads=None, experts=0,
+                 max_len=1024, checkpointed=False):
+        super().__init__()
+        self.causal, self.checkpointed = causal, checkpointed
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = None if llama else nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, kv_heads or heads, ffn, llama, experts) for _ in range(layers))
+        self.norm = RMSNorm(dim) if llama else nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, caches=None, offset=0):
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(offset, offset + tokens.shape[1]))
+        for i, block in enumerate(self.blocks):
+            cache = caches[i] if caches is not None else None
+            if self.checkpointed and self.training:
+                x = checkpoint(block, x, self.causal, use_reentrant=False)
+            else:
+                x = block(x, self.causal, cache)
+        return self.head(self.norm(x))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet-18's layout (two basic blocks a stage) at reduced width."""
+
+    def __init__(self, width=32, classes=100):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        blocks, cin = [], width
+        for stage, cout in enumerate([width, width * 2, width * 4, width * 8]):
+            for i in range(2):
+                blocks.append(BasicBlock(cin, cout, 2 if stage > 0 and i == 0 else 1))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+# Models and optimizers outlive the recording, as they outlive the steps of a training process:
+# their memory is live at the end of the trace.
+KEEP = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads. Each takes `mark(step, micro=None)`, a context manager naming the region, and runs
+# its steps; models and optimizers are built inside the recording so weights are in the trace.
+
+
+def lm_loss(logits, tokens):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def train_steps(model, opt, batches, mark, micro=1, autocast=False):
+    """`batches[step][micro]` is a token tensor; each micro-step runs forward and backward, the
+    optimizer steps once per step."""
+    for step, micro_batches in enumerate(batches):
+        with mark(step):
+            for k, tokens in enumerate(micro_batches):
+                with mark(step, k if micro > 1 else None):
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        logits = model(tokens)
+                        loss = lm_loss(logits.float(), tokens) / len(micro_batches)
+                    loss.backward()
+                    del logits, loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def bert_static(mark, steps):
+    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=False, max_len=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    KEEP.append((model, opt))
+    batches = [[torch.randint(0, 8192, (8, 128))] for _ in range(steps)]
+    train_steps(model, opt, batches, mark)
+    return dict(model="BERT-style encoder, 4 layers, d=256, ffn 1024, vocab 8192, 128 positions",
+                pattern="static shapes: batch 8 x 128 tokens every step, masked-LM head, AdamW")
+
+
+def gpt2_varlen(mark, steps):
+    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=512)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    KEEP.append((model, opt))
+    lengths = [random.choice(range(64, 513, 32)) for _ in range(steps)]
+    batches = [[torch.randint(0, 8192, (4, s))] for s in lengths]
+    train_steps(model, opt, batches, mark)
+    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192",
+                pattern=f"variable sequence length per step (batch 4, lengths {lengths}), AdamW")
+
+
+def llama_accum(mark, steps):
+    model = Transformer(vocab=8192, dim=256, layers=4, heads=8, kv_heads=2, ffn=688, causal=True, llama=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    KEEP.append((model, opt))
+    batches = [[torch.randint(0, 8192, (2, 256)) for _ in range(ACCUMULATION)] for _ in range(steps)]
+    train_steps(model, opt, batches, mark, micro=ACCUMULATION)
+    return dict(model="Llama-style decoder, 4 layers, d=256, 8 heads / 2 KV heads, SwiGLU 688, vocab 8192",
+                pattern="4x gradient accumulation: 4 micro-batches of 2 x 256 tokens, one AdamW step a step")
+
+
+def resnet_varbatch(mark, steps):
+    model = ResNet(width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    KEEP.append((model, opt))
+    sizes = [random.choice([8, 12, 16, 24, 32]) for _ in range(steps)]
+    for step, batch in enumerate(sizes):
+        with mark(step):
+            x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 100, (batch,))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del x, y
+    return dict(model="ResNet-18 layout at width 16, 32x32 images, 100 classes, BatchNorm",
+                pattern=f"variable batch per step ({sizes}), SGD with momentum")
+
+
+def moe_routing(mark, steps):
+    model = Transformer(vocab=4096, dim=192, layers=3, heads=4, ffn=384, causal=True, llama=True, experts=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    KEEP.append((model, opt))
+    batches = [[torch.randint(0, 4096, (4, 128))] for _ in range(steps)]
+    train_steps(model, opt, batches, mark)
+    return dict(model="mixture-of-experts decoder, 3 layers, d=192, 8 SwiGLU experts of 384, top-2, vocab 4096",
+                pattern="variable routing: each expert's token count changes every step and layer, AdamW")
+
+
+def llama_ckpt_bf16(mark, steps):
+    model = Transformer(vocab=8192, dim=256, layers=4, heads=8, kv_heads=2, ffn=688, causal=True, llama=True,
+                        checkpointed=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    KEEP.append((model, opt))
+    batches = [[torch.randint(0, 8192, (4, 256))] for _ in range(steps)]
+    train_steps(model, opt, batches, mark, autocast=True)
+    return dict(model="Llama-style decoder, 4 layers, d=256, 8 heads / 2 KV heads, SwiGLU 688, vocab 8192",
+                pattern="activation checkpointing per block (non-reentrant) under bf16 autocast, batch 4 x 256")
+
+
+@torch.no_grad()
+def gpt2_kv_generate(mark, steps):
+    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=1024).eval()
+    KEEP.append(model)
+    requests = [(random.choice(range(32, 257, 16)), random.choice(range(16, 49, 8))) for _ in range(steps)]
+    for step, (prompt, new) in enumerate(requests):
+        with mark(step):
+            caches = [dict() for _ in model.blocks]
+            tokens = torch.randint(0, 8192, (8, prompt))
+            logits = model(tokens, caches, 0)
+            offset = prompt
+            for _ in range(new):
+                token = logits[:, -1:].argmax(-1)
+                logits = model(token, caches, offset)
+                offset += 1
+            del caches, logits, tokens, token
+    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192, inference",
+                pattern=f"KV-cache generation, batch 8, one request a step (prompt, new tokens): {requests}; "
+                        "the cache grows by concatenation each token")
+
+
+def train_eval(mark, steps):
+    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    KEEP.append((model, opt))
+    kinds = []
+    for step in range(steps):
+        with mark(step):
+            if step % 3 == 2:
+                kinds.append("eval")
+                model.eval()
+                with torch.no_grad():
+                    for _ in range(2):
+                        tokens = torch.randint(0, 8192, (16, 256))
+                        loss = lm_loss(model(tokens), tokens)
+                        del loss
+                model.train()
+            else:
+                kinds.append("train")
+                tokens = torch.randint(0, 8192, (8, 256))
+                loss = lm_loss(model(tokens), tokens)
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            del tokens
+    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192",
+                pattern=f"training interleaved with evaluation passes (each its own step): {kinds}; "
+                        "train batch 8 x 256, eval 2 batches of 16 x 256 without gradients")
+
+
+def curriculum_accum(mark, steps):
+    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=512)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    KEEP.append((model, opt))
+    lengths = [int(64 + (512 - 64) * step / max(steps - 1, 1)) // 32 * 32 for step in range(steps)]
+    batches = [[torch.randint(0, 8192, (2, s)) for _ in range(ACCUMULATION)] for s in lengths]
+    train_steps(model, opt, batches, mark, micro=ACCUMULATION)
+    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192",
+                pattern=f"sequence-length curriculum {lengths} with 4x gradient accumulation (micro-batch 2)")
+
+
+WORKLOADS = {
+    "bert_static": (bert_static, 8),
+    "gpt2_varlen": (gpt2_varlen, 8),
+    "llama_accum": (llama_accum, 6),
+    "resnet_varbatch": (resnet_varbatch, 8),
+    "moe_routing": (moe_routing, 8),
+    "llama_ckpt_bf16": (llama_ckpt_bf16, 6),
+    "gpt2_kv_generate": (gpt2_kv_generate, 6),
+    "train_eval": (train_eval, 9),
+    "curriculum_accum": (curriculum_accum, 6),
+}
+
+# ---------------------------------------------------------------------------------------------
+# Recording and writing.
+
+
+class Marks:
+    """`record_function` ranges named after steps and micro-steps."""
+
+    def __call__(self, step, micro=None):
+        return record_function(f"steppool_step_{step}" if micro is None else f"steppool_micro_{step}_{micro}")
+
+
+def record(name, out_dir, seed):
+    fn, steps = WORKLOADS[name]
+    random.seed(seed)
+    torch.manual_seed(seed)
+    chrome = os.path.join(out_dir, f".{name}.chrome.json")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        info = fn(Marks(), steps)
+    prof.export_chrome_trace(chrome)
+    with open(chrome) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(chrome)
+    KEEP.clear()
+
+    memory = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0]
+    memory.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    ranges = {}
+    for e in events:
+        n = e.get("name", "")
+        if e.get("ph") == "X" and n.startswith("steppool_"):
+            ranges.setdefault(n, (e["ts"], e["ts"] + e["dur"]))
+    t0 = memory[0]["ts"]
+    ns = lambda ts: int(round((ts - t0) * 1000))
+
+    rows, live, implied = [], {}, 0
+    for e in memory:
+        a = e["args"]
+        addr, size, t, tid = a["Addr"], a["Bytes"], ns(e["ts"]), e["tid"]
+        if size > 0:
+            if addr in live:
+                # The allocator handed out an address whose free the profiler did not report.
+                rows.append((t, "free", addr, live.pop(addr), tid))
+                implied += 1
+            live[addr] = size
+            rows.append((t, "alloc", addr, size, tid))
+        elif size < 0 and addr in live:
+            rows.append((t, "free", addr, live.pop(addr), tid))
+        # A free of memory allocated before the recording began is left out, as RMM would.
+    peak, total = 0, 0
+    for _, action, _, size, _ in rows:
+        total += size if action == "alloc" else -size
+        peak = max(peak, total)
+
+    step_starts = [ns(ranges[f"steppool_step_{s}"][0]) for s in range(steps)]
+    micro = sum(1 for n in ranges if n.startswith("steppool_micro_0_"))
+    if micro:
+        path = os.path.join(out_dir, f"{name}.jsonl")
+        boundaries = []
+        for s in range(steps):
+            begin, end = ranges[f"steppool_step_{s}"]
+            boundaries.append((ns(begin), 0, {"event": "step_begin", "step": s}))
+            boundaries.append((ns(end), 3, {"event": "step_end", "step": s}))
+            for k in range(micro):
+                mb, me = ranges[f"steppool_micro_{s}_{k}"]
+                boundaries.append((ns(mb), 1, {"event": "micro_begin", "step": s, "micro": k}))
+                boundaries.append((ns(me), 2, {"event": "micro_end", "step": s, "micro": k}))
+        boundaries.sort(key=lambda b: (b[0], b[1]))
+        lines = [json.dumps({"format": "steppool-trace", "version": 1,
+                             "driver": f"torch {torch.__version__} CPU profiler (profile_memory)",
+                             "devices": [{"ordinal": 0, "total_bytes": None}], "phases": [],
+                             "dropped_events": 0}, separators=(",", ":"))]
+        b, last = 0, 0
+        for t, action, addr, size, _ in rows:
+            while b < len(boundaries) and boundaries[b][0] <= t:
+                bt, _, ev = boundaries[b]
+                last = max(last, bt)
+                lines.append(json.dumps({"t_ns": last, **ev}, separators=(",", ":")))
+                b += 1
+            last = max(last, t)
+            # Device, stream and thread are left at their default, 0, to keep the file small (the
+            # workloads allocate on one thread).
+            lines.append(json.dumps({"t_ns": last, "event": action, "ptr": addr, "bytes": size},
+                                    separators=(",", ":")))
+        for bt, _, ev in boundaries[b:]:
+            last = max(last, bt)
+            lines.append(json.dumps({"t_ns": last, **ev}, separators=(",", ":")))
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    else:
+        path = os.path.join(out_dir, f"{name}.csv")
+        with open(path, "w") as f:
+            f.write("Thread,Time,Action,Pointer,Size,Stream\n")
+            for t, action, addr, size, thread in rows:
+                f.write(f"{thread},{t},{'allocate' if action == 'alloc' else 'free'},{addr:#x},{size},0x0\n")
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+            json.dump({"workload": name, "steps_start_ns": step_starts, "events": len(rows),
+                       "torch": torch.__version__}, f)
+    return dict(file=os.path.basename(path), format="steppool-jsonl" if micro else "rmm-csv+sidecar",
+                steps=steps, micro_steps_per_step=micro, events=len(rows),
+                allocations=sum(1 for r in rows if r[1] == "alloc"), peak_live_bytes=peak,
+                live_at_end_bytes=total, implied_frees=implied,
+                bytes=os.path.getsize(path), seed=seed, **info)
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    default_out = os.path.join(here, "..", "..", "cli", "tests", "data", "recorded")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=default_out)
+    parser.add_argument("--only", nargs="*", choices=sorted(WORKLOADS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.set_num_threads(1)
+    manifest_path = os.path.join(args.out, "manifest.json")
+    manifest = {"traces": {}}
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    manifest["recorded_with"] = (f"benches/traces/record.py, torch {torch.__version__} on the CPU, "
+                                 "torch.profiler profile_memory=True, one thread")
+    for name in args.only or WORKLOADS:
+        entry = record(name, args.out, args.seed)
+        entry["torch"] = torch.__version__
+        manifest["traces"][name] = entry
+        print(f"{name}: {entry['events']} events, peak live {entry['peak_live_bytes'] / 2**20:.1f} MiB, "
+              f"{entry['bytes'] / 2**20:.2f} MiB file", file=sys.stderr)
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

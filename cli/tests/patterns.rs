@@ -1,0 +1,431 @@
+//! The workload patterns: every recorded trace reads with the steps, allocations and peak live
+//! bytes its manifest says and replays under every strategy without two live allocations
+//! overlapping; every generator makes the pattern it claims, deterministically from its seed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use steppool::sys::sim::SimConfig;
+use steppool::{Phase, Runtime, Scope};
+use steppool_cli::patterns::{ACCUMULATION, Pattern, PatternOptions, curriculum_length, generate, is_eval_step};
+use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, replay, select};
+use steppool_trace::analysis::{Analysis, Op, analyse};
+use steppool_trace::{EventKind, StepSource, Trace, TraceFormat, read};
+
+const MIB: u64 = 1 << 20;
+
+fn recorded(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/recorded").join(name)
+}
+
+fn manifest() -> serde_json::Map<String, Value> {
+    let text = std::fs::read_to_string(recorded("manifest.json")).unwrap();
+    let manifest: Value = serde_json::from_str(&text).unwrap();
+    manifest["traces"].as_object().unwrap().clone()
+}
+
+/// Replays `analysis` under `strategy` on a runtime in checked mode, as `replay::run` does, and
+/// checks every pointer handed out against the ranges still live: no allocation may overlap one.
+/// Returns the peak of live bytes the replay saw.
+fn replay_without_overlap(analysis: &Analysis, strategy: &str, capacity: u64) -> u64 {
+    let def = STRATEGIES.iter().find(|s| s.name == strategy).unwrap();
+    let runtime = Runtime::builder().simulated(SimConfig::with_capacity(capacity)).checked(true).build().unwrap();
+    let options = ReplayOptions::new(capacity);
+    let mut by_name: HashMap<String, Phase> = HashMap::new();
+    let mut phases = Vec::new();
+    for (phase, facts) in analysis.phases.iter().zip(&analysis.facts) {
+        let spec = (def.layout)(phase, facts, &options);
+        let name = spec.name.clone();
+        let declared = match by_name.get(&name) {
+            Some(&existing) => existing,
+            None => {
+                let declared = match runtime.phase_named(&name) {
+                    Some(built_in) => runtime.set_phase_spec(built_in, spec).map(|()| built_in).unwrap(),
+                    None => runtime.declare_phase(spec).unwrap(),
+                };
+                by_name.insert(name, declared);
+                declared
+            }
+        };
+        phases.push(declared);
+    }
+    assert_eq!(analysis.streams.len(), 1, "the patterns run on one stream");
+    let device = runtime.device(0).unwrap();
+    let stream = device.create_stream().unwrap();
+    let mut pointers = vec![0u64; analysis.allocations.len()];
+    // Live ranges: start → end.
+    let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+    let (mut live_bytes, mut peak) = (0u64, 0u64);
+    for &(event, op) in &analysis.ops {
+        match op {
+            Op::Alloc(id) => {
+                let allocation = &analysis.allocations[id as usize];
+                // SAFETY: the simulated device's memory is never touched.
+                let ptr =
+                    unsafe { runtime.raw().alloc(phases[usize::from(allocation.phase)], allocation.bytes, &stream) }
+                        .unwrap_or_else(|e| panic!("{strategy}: event {event}: {e}"));
+                let end = ptr + allocation.bytes;
+                if let Some((&start, &until)) = live.range(..end).next_back() {
+                    assert!(
+                        until <= ptr,
+                        "{strategy}: event {event}: [{ptr:#x}, {end:#x}) overlaps live [{start:#x}, {until:#x})"
+                    );
+                }
+                live.insert(ptr, end);
+                pointers[id as usize] = ptr;
+                live_bytes += allocation.bytes;
+                peak = peak.max(live_bytes);
+            }
+            Op::Free(id) => {
+                let allocation = &analysis.allocations[id as usize];
+                assert!(!allocation.released_at_boundary, "the patterns' traces have no boundary releases");
+                live.remove(&pointers[id as usize]).unwrap();
+                live_bytes -= allocation.bytes;
+                // SAFETY: as for the allocation.
+                unsafe { runtime.raw().free(pointers[id as usize]) }.unwrap();
+            }
+            Op::BeginStep => {
+                runtime.raw().begin_step().unwrap();
+            }
+            Op::BeginMicro => {
+                runtime.raw().begin_micro_step().unwrap();
+            }
+            Op::EndMicro => {
+                // SAFETY: as for the allocations.
+                unsafe { runtime.raw().end_micro_step() }.unwrap();
+            }
+            Op::EndStep => {
+                device.synchronize().unwrap();
+                // SAFETY: as for the allocations.
+                unsafe { runtime.raw().end_step() }.unwrap();
+            }
+        }
+    }
+    peak
+}
+
+/// Per step of a trace with boundaries: the sizes it allocated, in order, and its micro-steps.
+fn steps_of(trace: &Trace) -> Vec<(Vec<u64>, u32)> {
+    let mut steps: Vec<(Vec<u64>, u32)> = Vec::new();
+    for event in &trace.events {
+        match event.kind {
+            EventKind::StepBegin(n) => {
+                assert_eq!(n as usize, steps.len(), "steps in order");
+                steps.push((Vec::new(), 0));
+            }
+            EventKind::MicroBegin(..) => steps.last_mut().unwrap().1 += 1,
+            EventKind::Alloc => {
+                if let Some(step) = steps.last_mut() {
+                    step.0.push(event.bytes);
+                }
+            }
+            _ => {}
+        }
+    }
+    steps
+}
+
+// ---------------------------------------------------------------------------------------------
+// The recorded traces.
+
+#[test]
+fn every_recorded_trace_reads_as_its_manifest_says() {
+    let manifest = manifest();
+    assert_eq!(manifest.len(), Pattern::ALL.len(), "one recorded trace per pattern");
+    for pattern in Pattern::ALL {
+        let entry = &manifest[pattern.name()];
+        let file = entry["file"].as_str().unwrap();
+        let path = recorded(file);
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert!(size < 3 * MIB, "{file}: {size} bytes");
+        let trace = read::read_trace(&path).unwrap();
+        assert!(trace.warnings.is_empty(), "{file}: {:?}", trace.warnings.lines());
+        let micro_per_step = entry["micro_steps_per_step"].as_u64().unwrap();
+        if micro_per_step > 0 {
+            assert_eq!((trace.format, &trace.steps), (TraceFormat::Steppool, &StepSource::Trace), "{file}");
+        } else {
+            assert_eq!(trace.format, TraceFormat::Rmm, "{file}");
+            assert_eq!(trace.steps, StepSource::Sidecar(path.with_extension("json")), "{file}");
+        }
+        let analysis = analyse(&trace).unwrap();
+        assert!(analysis.warnings.is_empty(), "{file}: {:?}", analysis.warnings.lines());
+        let steps = entry["steps"].as_u64().unwrap();
+        assert!(steps >= 6, "{file}: a steady state from the second step on");
+        assert_eq!(analysis.steps, steps, "{file}");
+        assert_eq!(analysis.micro_steps, steps * micro_per_step, "{file}");
+        assert_eq!(analysis.allocations.len() as u64, entry["allocations"].as_u64().unwrap(), "{file}");
+        assert_eq!(analysis.peak_live_bytes, entry["peak_live_bytes"].as_u64().unwrap(), "{file}");
+        assert_eq!(analysis.live_at_end, entry["live_at_end_bytes"].as_u64().unwrap(), "{file}");
+        let records =
+            trace.events.iter().filter(|e| matches!(e.kind, EventKind::Alloc | EventKind::Free { .. })).count();
+        assert_eq!(records as u64, entry["events"].as_u64().unwrap(), "{file}");
+        assert!(analysis.peak_live_bytes > 40 * MIB, "{file}: tens of MiB live at least");
+    }
+}
+
+#[test]
+fn every_recorded_trace_replays_under_every_strategy_without_overlap() {
+    for (name, entry) in manifest() {
+        let path = recorded(entry["file"].as_str().unwrap());
+        let trace = read::read_trace(&path).unwrap();
+        let analysis = analyse(&trace).unwrap();
+        for strategy in STRATEGIES {
+            let peak = replay_without_overlap(&analysis, strategy.name, 16 << 30);
+            assert_eq!(peak, analysis.peak_live_bytes, "{name} under {}", strategy.name);
+        }
+        let results =
+            replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(16 << 30), &Silent).unwrap();
+        for result in &results {
+            assert!(result.run.completed(), "{name} under {}", result.run.strategy);
+            assert!(result.run.peak_reserved_bytes >= analysis.peak_live_bytes, "{name} under {}", result.run.strategy);
+        }
+    }
+}
+
+#[test]
+fn the_recorded_evaluation_passes_allocate_differently_from_training() {
+    let trace = read::read_trace(recorded("train_eval.csv")).unwrap();
+    let steps = steps_of(&trace);
+    let (train, eval): (Vec<_>, Vec<_>) = (1..steps.len()).partition(|&s| !is_eval_step(s as u32));
+    assert!(!eval.is_empty() && train.len() > 1);
+    for &e in &eval {
+        for &t in &train {
+            assert_ne!(steps[e].0.len(), steps[t].0.len(), "eval step {e} against training step {t}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The generators.
+
+/// Small enough to replay in a test: the real shapes divided by 1024.
+const SMOKE: f64 = 1.0 / 1024.0;
+
+fn smoke(pattern: Pattern, steps: u32) -> Trace {
+    generate(pattern, &PatternOptions { steps, seed: 7, scale: SMOKE, ..PatternOptions::default() }).unwrap()
+}
+
+/// At the real shapes (generation only; nothing replays these).
+fn full(pattern: Pattern, steps: u32) -> Trace {
+    generate(pattern, &PatternOptions { steps, ..PatternOptions::default() }).unwrap()
+}
+
+#[test]
+fn every_generated_trace_replays_under_every_strategy_without_overlap() {
+    for pattern in Pattern::ALL {
+        let steps = if pattern == Pattern::Gpt2KvGenerate { 3 } else { 6 };
+        let trace = smoke(pattern, steps);
+        // Through the steppool format and back, as `steppool synth` writes it.
+        let mut text = Vec::new();
+        steppool_trace::jsonl::write(&trace, &mut text).unwrap();
+        let back = read::read_bytes(Path::new("synth.jsonl"), &text).unwrap();
+        assert_eq!(back.events.len(), trace.events.len(), "{pattern:?}");
+        assert!(back.warnings.is_empty(), "{pattern:?}: {:?}", back.warnings.lines());
+        let analysis = analyse(&back).unwrap();
+        assert!(analysis.warnings.is_empty(), "{pattern:?}: {:?}", analysis.warnings.lines());
+        assert_eq!(analysis.steps, u64::from(steps), "{pattern:?}");
+        for strategy in STRATEGIES {
+            let peak = replay_without_overlap(&analysis, strategy.name, 1 << 30);
+            assert_eq!(peak, analysis.peak_live_bytes, "{pattern:?} under {}", strategy.name);
+        }
+    }
+}
+
+#[test]
+fn generated_traces_reach_gib_at_full_scale_and_follow_the_scale() {
+    for pattern in Pattern::ALL {
+        let big = analyse(&full(pattern, 8)).unwrap().peak_live_bytes;
+        let small = analyse(
+            &generate(pattern, &PatternOptions { steps: 8, scale: 0.25, ..PatternOptions::default() }).unwrap(),
+        )
+        .unwrap()
+        .peak_live_bytes;
+        assert!(big >= 1 << 30, "{pattern:?}: {big} bytes");
+        // Every size is scaled (rounded up to 16 bytes), so the peak is too, within the rounding.
+        let ratio = small as f64 / big as f64;
+        assert!((0.249..0.26).contains(&ratio), "{pattern:?}: {ratio}");
+    }
+}
+
+#[test]
+fn generators_are_deterministic_from_their_seed() {
+    for pattern in Pattern::ALL {
+        let a = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
+        let b = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
+        assert_eq!(a.events, b.events, "{pattern:?}");
+    }
+    for pattern in [Pattern::Gpt2Varlen, Pattern::ResnetVarbatch, Pattern::MoeRouting, Pattern::Gpt2KvGenerate] {
+        let a = generate(pattern, &PatternOptions { steps: 3, seed: 1, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
+        let b = generate(pattern, &PatternOptions { steps: 3, seed: 2, scale: SMOKE, ..PatternOptions::default() })
+            .unwrap();
+        assert_ne!(a.events, b.events, "{pattern:?}: the seed draws its shapes");
+    }
+}
+
+#[test]
+fn static_bert_repeats_its_steps_exactly() {
+    let steps = steps_of(&full(Pattern::BertStatic, 6));
+    // The first step also allocates the optimizer's state.
+    assert!(steps[0].0.len() > steps[1].0.len());
+    for step in &steps[2..] {
+        assert_eq!(step.0, steps[1].0);
+    }
+}
+
+/// The sequence length of a GPT-2 step with 4 sequences: its fp32 logits are 4 × length × the
+/// vocabulary × 4 bytes, the length a multiple of 64. The embedding (vocabulary × 768 × 4 bytes) is
+/// left out: it would read as 192 tokens.
+fn gpt2_length(sizes: &[u64]) -> u64 {
+    let row = 4 * 50257 * 4;
+    let embedding = 50257 * 768 * 4;
+    sizes.iter().filter(|&&b| b != embedding && b % row == 0 && (b / row) % 64 == 0).map(|b| b / row).max().unwrap()
+}
+
+#[test]
+fn variable_length_gpt2_changes_its_sizes_but_not_its_sequence() {
+    let steps = steps_of(&full(Pattern::Gpt2Varlen, 8));
+    let lengths: Vec<u64> = steps.iter().map(|s| gpt2_length(&s.0)).collect();
+    for (step, &length) in steps[1..].iter().zip(&lengths[1..]) {
+        assert_eq!(step.0.len(), steps[1].0.len());
+        assert!((128..=1024).contains(&length), "{length}");
+    }
+    assert!(lengths.iter().any(|&l| l != lengths[0]), "lengths vary: {lengths:?}");
+}
+
+#[test]
+fn accumulation_patterns_have_their_micro_steps_and_gradients_span_them() {
+    for pattern in [Pattern::LlamaAccum, Pattern::CurriculumAccum] {
+        let trace = full(pattern, 6);
+        for (step, (_, micro)) in steps_of(&trace).iter().enumerate() {
+            assert_eq!(*micro, ACCUMULATION, "{pattern:?} step {step}");
+        }
+        let analysis = analyse(&trace).unwrap();
+        assert_eq!(analysis.micro_steps, 6 * u64::from(ACCUMULATION));
+        // Activations die in their micro-step; gradients live from the first micro-step's backward
+        // to the optimizer step: step-scoped.
+        let scoped = |scope: Scope| analysis.allocations.iter().filter(|a| a.scope == scope).count();
+        assert!(scoped(Scope::MicroStep) > scoped(Scope::Step) && scoped(Scope::Step) > 0, "{pattern:?}");
+        let largest_step_scoped =
+            analysis.allocations.iter().filter(|a| a.scope == Scope::Step).map(|a| a.bytes).max().unwrap();
+        // The largest gradient is the embedding's.
+        let embedding = if pattern == Pattern::LlamaAccum { 32000 * 2048 * 4 } else { 50257 * 768 * 4 };
+        assert_eq!(largest_step_scoped, embedding, "{pattern:?}");
+    }
+}
+
+#[test]
+fn the_curriculum_lengthens_its_sequences() {
+    let steps = 8;
+    let trace = full(Pattern::CurriculumAccum, steps);
+    let lengths: Vec<u64> = steps_of(&trace).iter().map(|(sizes, _)| gpt2_length(sizes)).collect();
+    let expected: Vec<u64> = (0..steps).map(|step| curriculum_length(step, steps)).collect();
+    assert_eq!(lengths, expected);
+    assert_eq!((lengths[0], lengths[7]), (128, 1024));
+}
+
+#[test]
+fn resnet_batches_vary_between_steps() {
+    let steps = steps_of(&full(Pattern::ResnetVarbatch, 8));
+    let image = 3 * 224 * 224 * 4;
+    let batches: Vec<u64> = steps.iter().map(|s| s.0[0] / image).collect();
+    for (step, &batch) in batches.iter().enumerate() {
+        assert_eq!(steps[step].0[0], batch * image);
+        assert!([8, 16, 24, 32].contains(&batch), "{batch}");
+    }
+    assert!(batches.iter().any(|&b| b != batches[0]), "{batches:?}");
+}
+
+#[test]
+fn moe_routing_changes_every_step() {
+    let steps = steps_of(&full(Pattern::MoeRouting, 6));
+    for a in 1..steps.len() {
+        for b in a + 1..steps.len() {
+            assert_ne!(steps[a].0, steps[b].0, "steps {a} and {b} routed alike");
+        }
+    }
+}
+
+#[test]
+fn checkpointing_recomputes_every_layer_under_bf16() {
+    // TinyLlama's SwiGLU activations in bf16 for 4 × 2048 tokens: gate, up and their product per
+    // layer in the checkpointed forward, again in the recomputation, and a gradient for each.
+    let ffn_activation = 4 * 2048 * 5632 * 2;
+    let layers = 6;
+    for (step, (sizes, _)) in steps_of(&full(Pattern::LlamaCheckpointBf16, 4)).iter().enumerate() {
+        let count = sizes.iter().filter(|&&b| b == ffn_activation).count();
+        assert_eq!(count, 3 * 3 * layers, "step {step}");
+    }
+}
+
+#[test]
+fn kv_generation_grows_its_cache_one_token_a_micro_step() {
+    let trace = full(Pattern::Gpt2KvGenerate, 4);
+    let row = 8 * 1024 * 2; // batch × GPT-2 medium's width × fp16, per position
+    let mut tokens = Vec::new();
+    let mut step_micro: Option<(u64, u32)> = None;
+    let mut per_micro: BTreeMap<(u64, u32), Vec<u64>> = BTreeMap::new();
+    for event in &trace.events {
+        match event.kind {
+            EventKind::MicroBegin(n, k) => step_micro = Some((n, k)),
+            EventKind::MicroEnd(..) => step_micro = None,
+            EventKind::Alloc => {
+                if let Some(key) = step_micro {
+                    per_micro.entry(key).or_default().push(event.bytes);
+                }
+            }
+            _ => {}
+        }
+    }
+    for (step, (_, micro)) in steps_of(&trace).iter().enumerate() {
+        tokens.push(*micro);
+        // The prompt's caches: 24 layers' keys and values, the prompt a multiple of 64.
+        let prefill = &per_micro[&(step as u64, 0)];
+        let prompt = prefill.iter().filter(|&&b| b % row == 0 && (b / row) % 64 == 0).map(|b| b / row).min().unwrap();
+        for k in 1..*micro {
+            let context = prompt + u64::from(k);
+            let grown = per_micro[&(step as u64, k)].iter().filter(|&&b| b == context * row).count();
+            assert_eq!(grown, 2 * 24, "step {step} token {k}");
+        }
+    }
+    assert!(tokens.iter().all(|&t| t >= 17), "{tokens:?}");
+    assert!(tokens.iter().any(|&t| t != tokens[0]), "requests generate different lengths: {tokens:?}");
+}
+
+#[test]
+fn evaluation_passes_allocate_differently_from_training_steps() {
+    let steps = steps_of(&full(Pattern::TrainEval, 9));
+    let eval: Vec<usize> = (0..9).filter(|&s| is_eval_step(s as u32)).collect();
+    let train: Vec<usize> = (1..9).filter(|&s| !is_eval_step(s as u32)).collect();
+    assert_eq!(eval, [2, 5, 8]);
+    for &e in &eval {
+        assert_eq!(steps[e].0, steps[eval[0]].0, "evaluation passes repeat");
+        for &t in &train {
+            assert_ne!(steps[e].0, steps[t].0);
+            assert!(steps[e].0.len() < steps[t].0.len(), "no gradients in evaluation");
+        }
+    }
+    for &t in &train[1..] {
+        assert_eq!(steps[t].0, steps[train[0]].0, "training steps repeat");
+    }
+}
+
+#[test]
+fn without_micro_steps_the_allocations_are_the_same() {
+    for pattern in [Pattern::LlamaAccum, Pattern::Gpt2KvGenerate, Pattern::CurriculumAccum] {
+        let options = PatternOptions { steps: 2, scale: SMOKE, ..PatternOptions::default() };
+        let with = generate(pattern, &options).unwrap();
+        let without = generate(pattern, &PatternOptions { micro_steps: false, ..options }).unwrap();
+        let records = |trace: &Trace| -> Vec<(EventKind, u64, u64)> {
+            trace.events.iter().filter(|e| !e.kind.is_boundary()).map(|e| (e.kind, e.ptr, e.bytes)).collect()
+        };
+        assert_eq!(records(&with), records(&without), "{pattern:?}");
+        let micro = |trace: &Trace| analyse(trace).unwrap().micro_steps;
+        assert!(micro(&with) >= 2 * u64::from(ACCUMULATION), "{pattern:?}");
+        assert_eq!(micro(&without), 0, "{pattern:?}");
+        assert_eq!(analyse(&without).unwrap().steps, 2);
+    }
+}
