@@ -1,0 +1,129 @@
+//! `libcuda` from the simulated device: a shared library exporting the CUDA driver's C entry
+//! points, each answered by one process-wide [`SimLibrary`], so that programs which load the
+//! driver by name (cudarc, or C code) run on steppool's simulated device.
+//!
+//! # What it answers
+//!
+//! Every entry point the simulated device models (the list is
+//! [`steppool_sys::sim_entry_points!`]): initialization, devices, the primary context, streams,
+//! events, memory pools, `cuMemAlloc*`/`cuMemFree*`, memset, host/device copies, modules and
+//! launches, with the codes the real driver returns. Device memory is backed by host memory when
+//! `STEPPOOL_SIM_HOST_MEMORY=1`, so copies read back what was written and the repository's fill
+//! kernels (`steppool_sys::kernels`) run at launch; other kernels are checked and ordered, not
+//! run. Entry points cudarc's safe layer may call but the model does not cover (UUIDs, graphs,
+//! managed and pinned host memory, occupancy, external memory, peer copies, priorities,
+//! non-primary contexts) are exported and return `CUDA_ERROR_NOT_SUPPORTED`, so a caller gets a
+//! code instead of a missing symbol.
+//!
+//! # Configuration
+//!
+//! Read once, at the first call, from the environment: `STEPPOOL_SIM_DEVICES` (for example
+//! `2x16GiB`), `STEPPOOL_SIM_GRANULE` and `STEPPOOL_SIM_HOST_MEMORY` (see
+//! [`SimConfig::from_env`]). A configuration that does not parse is said once on stderr, and then
+//! every entry point but the error-text ones returns `CUDA_ERROR_NOT_INITIALIZED`.
+//!
+//! # One device per process
+//!
+//! The simulated device is a process-wide static: every opening of this file in one process
+//! (by path through `steppool_sys::CudaLibrary::open_path`, or by the name `libcuda.so`, its
+//! soname, once it is loaded) reaches the same handles, pools and memory. That is how a steppool
+//! runtime over this library and cudarc share one device.
+//!
+//! # Safety at the boundary
+//!
+//! No panic crosses the C ABI: each entry point runs inside `catch_unwind`, and a panic becomes
+//! `CUDA_ERROR_UNKNOWN`.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::OnceLock;
+
+use steppool_sys::CUresult;
+use steppool_sys::sim::{SimConfig, SimLibrary};
+
+/// The process-wide simulated driver, or why its configuration was refused.
+static LIBRARY: OnceLock<Result<SimLibrary, String>> = OnceLock::new();
+
+/// A default simulated driver that answers `cuGetErrorName` and `cuGetErrorString` when the
+/// configured one could not be made; it serves nothing else.
+static ERROR_TEXT: OnceLock<Result<SimLibrary, String>> = OnceLock::new();
+
+fn library() -> Result<&'static SimLibrary, CUresult> {
+    let library = LIBRARY.get_or_init(|| {
+        SimConfig::from_env().and_then(SimLibrary::new).map_err(|error| {
+            eprintln!("steppool libcuda-sim: {error}; every call returns CUDA_ERROR_NOT_INITIALIZED");
+            error.to_string()
+        })
+    });
+    library.as_ref().map_err(|_| CUresult::CUDA_ERROR_NOT_INITIALIZED)
+}
+
+/// The driver that answers the error-text entry points: the configured one, or a default one.
+fn error_text_library() -> Result<&'static SimLibrary, CUresult> {
+    library().or_else(|_| {
+        let fallback = ERROR_TEXT.get_or_init(|| SimLibrary::new(SimConfig::default()).map_err(|e| e.to_string()));
+        fallback.as_ref().map_err(|_| CUresult::CUDA_ERROR_NOT_INITIALIZED)
+    })
+}
+
+/// Runs one entry point with panics caught: a panic is `CUDA_ERROR_UNKNOWN`, never an unwind
+/// into the caller's frames.
+fn guard(call: impl FnOnce() -> Result<CUresult, CUresult>) -> CUresult {
+    match catch_unwind(AssertUnwindSafe(call)) {
+        Ok(Ok(code) | Err(code)) => code,
+        Err(_) => CUresult::CUDA_ERROR_UNKNOWN,
+    }
+}
+
+macro_rules! export {
+    ($($name:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {$(
+        #[doc = concat!("`", stringify!($name), "`, answered by the simulated device.")]
+        ///
+        /// # Safety
+        ///
+        /// The contract of the driver function of the same name: pointer arguments are null or
+        /// valid for the reads and writes it documents. Handles may be anything; invalid ones are
+        /// refused with the driver's error code.
+        #[unsafe(no_mangle)]
+        #[allow(non_snake_case, clippy::too_many_arguments)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            guard(|| {
+                let library = export!(@library $name)?;
+                // SAFETY: the caller's contract is the entry point's, forwarded unchanged.
+                Ok(unsafe { library.$name($($arg),*) })
+            })
+        }
+    )*};
+    (@library cuGetErrorName) => { error_text_library() };
+    (@library cuGetErrorString) => { error_text_library() };
+    (@library $name:ident) => { library() };
+}
+
+steppool_sys::sim_entry_points!(export);
+
+macro_rules! not_supported {
+    ($($name:ident)*) => {$(
+        #[doc = concat!("`", stringify!($name), "`: not modelled by the simulated device; returns `CUDA_ERROR_NOT_SUPPORTED`.")]
+        ///
+        /// It reads none of its arguments. In the C calling convention the caller owns the
+        /// argument area, so a callee that reads nothing is sound whatever the caller passed.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name() -> CUresult {
+            CUresult::CUDA_ERROR_NOT_SUPPORTED
+        }
+    )*};
+}
+
+not_supported! {
+    cuCtxCreate_v3 cuCtxCreate_v4 cuCtxDestroy_v2 cuCtxGetCacheConfig cuCtxSetCacheConfig
+    cuCtxGetLimit cuCtxSetLimit cuCtxSetFlags cuCtxGetStreamPriorityRange cuStreamCreateWithPriority
+    cuDeviceGetUuid cuDeviceGetUuid_v2 cuEventElapsedTime_v2
+    cuFuncGetAttribute cuFuncSetAttribute cuFuncSetCacheConfig cuModuleLoad cuModuleGetGlobal_v2
+    cuLaunchCooperativeKernel cuLaunchHostFunc
+    cuOccupancyAvailableDynamicSMemPerBlock cuOccupancyMaxActiveBlocksPerMultiprocessor
+    cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags cuOccupancyMaxPotentialBlockSize
+    cuOccupancyMaxPotentialBlockSizeWithFlags cuOccupancyMaxActiveClusters cuOccupancyMaxPotentialClusterSize
+    cuMemAllocManaged cuMemHostAlloc cuMemFreeHost cuMemAdvise_v2 cuMemPrefetchAsync_v2 cuStreamAttachMemAsync
+    cuMemcpyPeerAsync cuImportExternalMemory cuExternalMemoryGetMappedBuffer cuDestroyExternalMemory
+    cuStreamBeginCapture_v2 cuStreamEndCapture cuStreamIsCapturing
+    cuGraphInstantiateWithFlags cuGraphLaunch cuGraphUpload cuGraphDestroy cuGraphExecDestroy
+}
