@@ -7,9 +7,10 @@
 //! Every entry point the simulated device models (the list is
 //! [`steppool_sys::sim_entry_points!`]): initialization, devices, the primary context, streams,
 //! events, memory pools, `cuMemAlloc*`/`cuMemFree*`, memset, host/device copies, modules and
-//! launches, with the codes the real driver returns. Device memory is backed by host memory when
-//! `STEPPOOL_SIM_HOST_MEMORY=1`, so copies read back what was written and the repository's fill
-//! kernels (`steppool_sys::kernels`) run at launch; other kernels are checked and ordered, not
+//! launches, with the codes the real driver returns. Device memory is backed by host memory
+//! (unless `STEPPOOL_SIM_HOST_MEMORY=0`; unlike `Driver::simulated`, where it is off by default),
+//! so copies read back what was written and the repository's fill kernels
+//! (`steppool_sys::kernels`) run at launch; other kernels are checked and ordered, not
 //! run. Entry points cudarc's safe layer may call but the model does not cover (UUIDs, graphs,
 //! managed and pinned host memory, occupancy, external memory, peer copies, priorities,
 //! non-primary contexts) are exported and return `CUDA_ERROR_NOT_SUPPORTED`, so a caller gets a
@@ -29,6 +30,17 @@
 //! soname, once it is loaded) reaches the same handles, pools and memory. That is how a steppool
 //! runtime over this library and cudarc share one device.
 //!
+//! # Checking it
+//!
+//! `tests/cudarc.rs` drives it with cudarc. Any device test of the workspace also runs through it
+//! when it is given as the real driver, which checks the C ABI against the same expectations as
+//! the simulated device behind [`Driver`](steppool_sys::Driver):
+//!
+//! ```text
+//! STEPPOOL_DEVICE=cuda STEPPOOL_CUDA_LIBRARY=$PWD/target/debug/deps/libsteppool_libcuda_sim.so \
+//!     cargo test -p steppool-tests --test conformance --test runtime
+//! ```
+//!
 //! # Safety at the boundary
 //!
 //! No panic crosses the C ABI: each entry point runs inside `catch_unwind`, and a panic becomes
@@ -40,6 +52,9 @@ use std::sync::OnceLock;
 use steppool_sys::CUresult;
 use steppool_sys::sim::{SimConfig, SimLibrary};
 
+/// The variable that turns host-backed memory off (`0`); on by default in this library.
+const HOST_MEMORY_VARIABLE: &str = "STEPPOOL_SIM_HOST_MEMORY";
+
 /// The process-wide simulated driver, or why its configuration was refused.
 static LIBRARY: OnceLock<Result<SimLibrary, String>> = OnceLock::new();
 
@@ -49,7 +64,16 @@ static ERROR_TEXT: OnceLock<Result<SimLibrary, String>> = OnceLock::new();
 
 fn library() -> Result<&'static SimLibrary, CUresult> {
     let library = LIBRARY.get_or_init(|| {
-        SimConfig::from_env().and_then(SimLibrary::new).map_err(|error| {
+        let config = SimConfig::from_env().map(|mut config| {
+            // Programs that load a driver expect copies to read back what they wrote: memory is
+            // host-backed unless `STEPPOOL_SIM_HOST_MEMORY=0` says otherwise (pages cost nothing
+            // until written, so large capacities stay cheap).
+            if std::env::var_os(HOST_MEMORY_VARIABLE).is_none() {
+                config.host_memory = true;
+            }
+            config
+        });
+        config.and_then(SimLibrary::new).map_err(|error| {
             eprintln!("steppool libcuda-sim: {error}; every call returns CUDA_ERROR_NOT_INITIALIZED");
             error.to_string()
         })
