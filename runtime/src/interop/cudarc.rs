@@ -3,6 +3,28 @@
 //! steppool and cudarc streams over one `CUstream`, and a guard that routes cudarc's own
 //! allocations (`cuMemAllocAsync`) into a phase's pool.
 //!
+//! ```no_run
+//! use cudarc::driver::CudaContext;
+//! use steppool::interop::cudarc::{StreamPair, route_allocations};
+//! use steppool::{Phase, Runtime};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let runtime = Runtime::new()?; // the GPU's libcuda, which cudarc loads too
+//! let ctx = CudaContext::new(0)?;
+//! let stream = ctx.new_stream()?;
+//! // SAFETY: `pair` outlives every buffer allocated on its steppool half.
+//! let pair = unsafe { StreamPair::from_cudarc(&runtime.device(0)?, &stream)? };
+//! let step = runtime.begin_step()?;
+//! let mut activations = pair.view::<f32>(step.alloc(Phase::ACTIVATIONS, 4 << 20, pair.steppool())?)?;
+//! stream.memset_zeros(&mut activations)?; // cudarc's own calls take the view
+//! {
+//!     let _route = route_allocations(&runtime, Phase::WORKSPACE, pair.steppool())?;
+//!     let scratch = stream.alloc_zeros::<f32>(1 << 20)?; // from the workspace phase's pool
+//! }
+//! drop(activations);
+//! println!("{}", step.end()?);
+//! # Ok(()) }
+//! ```
+//!
 //! # One driver
 //!
 //! Everything here assumes that the runtime and cudarc talk to the same driver in the same
@@ -19,6 +41,17 @@
 //! - **Views borrow the step.** A [`CudaBuffer`] owns a steppool [`Buffer`] and keeps its
 //!   lifetime, so a view of a step's buffer cannot outlive the step: ending the step while a view
 //!   is alive does not compile. Dropping the view frees the buffer through steppool, once.
+//!
+//!   ```compile_fail,E0505
+//!   # use steppool::{Phase, Runtime};
+//!   # use steppool::interop::cudarc::StreamPair;
+//!   # fn f(runtime: &Runtime, pair: &StreamPair) -> Result<(), Box<dyn std::error::Error>> {
+//!   let step = runtime.begin_step()?;
+//!   let view = pair.view::<f32>(step.alloc(Phase::ACTIVATIONS, 4096, pair.steppool())?)?;
+//!   step.end()?; // refused: `view` still borrows the step
+//!   drop(view);
+//!   # Ok(()) }
+//!   ```
 //! - **steppool memory is never owned by a `CudaSlice`.** An owning `CudaSlice` frees its memory
 //!   on drop; if it held a steppool pointer, the step end (or the buffer's drop) would free it a
 //!   second time. Views therefore implement cudarc's [`DevicePtr`] and [`DevicePtrMut`] instead of

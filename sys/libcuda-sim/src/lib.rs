@@ -151,3 +151,51 @@ not_supported! {
     cuStreamBeginCapture_v2 cuStreamEndCapture cuStreamIsCapturing
     cuGraphInstantiateWithFlags cuGraphLaunch cuGraphUpload cuGraphDestroy cuGraphExecDestroy
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::{CStr, c_char, c_int};
+
+    use steppool_sys::{CUcontext, CUdevice, CUdeviceptr, CUresult};
+
+    use super::*;
+
+    #[test]
+    fn entry_points_answer_through_the_c_abi() {
+        let mut count: c_int = 0;
+        let mut device: CUdevice = -1;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        let mut ptr: CUdeviceptr = 0;
+        let data = [7u8; 64];
+        let mut back = [0u8; 64];
+        // SAFETY: every out-pointer is a live local of the written type; the context, device and
+        // pointer passed back in were produced by the calls before them.
+        unsafe {
+            assert_eq!(cuInit(0), CUresult::CUDA_SUCCESS);
+            assert_eq!(cuDeviceGetCount(&mut count), CUresult::CUDA_SUCCESS);
+            assert!(count >= 1);
+            assert_eq!(cuDeviceGet(&mut device, 0), CUresult::CUDA_SUCCESS);
+            assert_eq!(cuDevicePrimaryCtxRetain(&mut ctx, device), CUresult::CUDA_SUCCESS);
+            assert_eq!(cuCtxSetCurrent(ctx), CUresult::CUDA_SUCCESS);
+            assert_eq!(cuMemAlloc_v2(&mut ptr, 64), CUresult::CUDA_SUCCESS);
+            assert_eq!(cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), 64), CUresult::CUDA_SUCCESS);
+            assert_eq!(cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), ptr, 64), CUresult::CUDA_SUCCESS);
+            assert_eq!(back, data, "memory is host-backed by default in the stand-in");
+            assert_eq!(cuMemFree_v2(ptr), CUresult::CUDA_SUCCESS);
+            assert_eq!(cuMemFree_v2(ptr), CUresult::CUDA_ERROR_INVALID_VALUE, "a second free is refused");
+            assert_eq!(cuDevicePrimaryCtxRelease_v2(device), CUresult::CUDA_SUCCESS);
+        }
+    }
+
+    #[test]
+    fn unmodelled_entry_points_are_not_supported() {
+        assert_eq!(cuDeviceGetUuid_v2(), CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        assert_eq!(cuStreamBeginCapture_v2(), CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        let mut name: *const c_char = std::ptr::null();
+        // SAFETY: `name` is a live local; the driver writes a pointer to a static string.
+        let code = unsafe { cuGetErrorName(CUresult::CUDA_ERROR_NOT_SUPPORTED, &mut name) };
+        assert_eq!(code, CUresult::CUDA_SUCCESS);
+        // SAFETY: a non-null result of cuGetErrorName is a static NUL-terminated string.
+        assert_eq!(unsafe { CStr::from_ptr(name) }, c"CUDA_ERROR_NOT_SUPPORTED");
+    }
+}
