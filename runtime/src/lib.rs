@@ -67,6 +67,12 @@
 //! | `svg` | the history as an SVG timeline (`History::timeline_svg`) | — |
 //! | `trace` | the history as a steppool trace (`History::write_trace`) | serde, serde_json (through steppool-trace) |
 //!
+//! Framework interop is a feature of its own, off by default:
+//!
+//! | feature | interop | needs |
+//! | --- | --- | --- |
+//! | `cudarc` | [`interop::cudarc`]: buffer views that cudarc's launches and copies accept, stream pairs, routing `cuMemAllocAsync` into a phase | cudarc 0.19 (`driver`, `dynamic-loading`, `cuda-12090`) |
+//!
 //! The trace model itself ([`trace`], which [`telemetry::History::to_trace`] gives the history
 //! in, and [`Scope`]) is always there.
 
@@ -98,6 +104,7 @@ mod registry;
 // 5. public handles.
 mod buffer;
 mod device;
+pub mod interop;
 pub mod raw;
 mod runtime;
 mod step;

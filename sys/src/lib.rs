@@ -12,7 +12,9 @@
 //!   [`DriverError::MissingSymbol`] that names it and the driver version, never a panic.
 //! - [`sim`]: the simulated device, with the same entry points and error codes, on the CPU. Its
 //!   entry points are private to this crate; other crates reach it through [`Driver`], and
-//!   inspect it (pool layouts, stream order) through [`Driver::sim`].
+//!   inspect it (pool layouts, stream order) through [`Driver::sim`]. The one exception is
+//!   [`sim::SimLibrary`] with [`sim_entry_points!`], for the C ABI library `sys/libcuda-sim` that
+//!   stands in for `libcuda`.
 //! - [`Driver`]: one handle on either, chosen by `STEPPOOL_DEVICE=auto|cuda|sim`, whose methods
 //!   make one checked call each. Layers above use only this. Methods that act on a handle are
 //!   `unsafe`: the caller answers for the handle being live and of this driver.
@@ -39,6 +41,7 @@
 //! | `STEPPOOL_CUDA_LIBRARY` | a driver library to open instead of `libcuda.so.1` |
 //! | `STEPPOOL_SIM_DEVICES` | simulated devices, e.g. `80GiB` (default), `2x80GiB`, `80GiB,40GiB` |
 //! | `STEPPOOL_SIM_GRANULE` | reservation granule of simulated pools, default `2MiB` |
+//! | `STEPPOOL_SIM_HOST_MEMORY` | `1`: simulated device memory backed by host memory, so copies read back what was written (default off; on by default in the libcuda stand-in `sys/libcuda-sim`) |
 
 #[rustfmt::skip] // Formatted by the generator; `cargo xtask codegen --check` compares it byte for byte.
 pub mod bindings;

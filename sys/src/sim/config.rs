@@ -31,6 +31,13 @@ pub struct SimConfig {
     pub memory_pools_supported: bool,
     /// Whether devices may access each other's pools (`cuDeviceCanAccessPeer`).
     pub peer_access: bool,
+    /// Whether device memory is backed by host memory, so that memset, copies and the
+    /// repository's fill kernels have effect (`STEPPOOL_SIM_HOST_MEMORY=1`). Off by default: a
+    /// simulated 80 GiB device then costs no memory, and copies out of the device are refused
+    /// with `CUDA_ERROR_NOT_SUPPORTED`. When on, each reserved segment takes zeroed host memory
+    /// of its size (pages are touched only when written), and a segment the host cannot back is
+    /// an out-of-memory error.
+    pub host_memory: bool,
 }
 
 impl Default for SimConfig {
@@ -41,6 +48,7 @@ impl Default for SimConfig {
             driver_version: DEFAULT_DRIVER_VERSION,
             memory_pools_supported: true,
             peer_access: true,
+            host_memory: false,
         }
     }
 }
@@ -65,6 +73,14 @@ pub enum SimConfigError {
         variable: &'static str,
         /// What was wrong with it.
         source: ParseBytesError,
+    },
+    /// `STEPPOOL_SIM_HOST_MEMORY` is neither on nor off.
+    #[error(
+        "STEPPOOL_SIM_HOST_MEMORY=`{value}` is not a switch: write `1` (or `true`, `on`) or `0` (or `false`, `off`)"
+    )]
+    HostMemory {
+        /// The value that was read.
+        value: String,
     },
     /// A device capacity is zero or beyond [`MAX_CAPACITY`].
     #[error("device {device} has capacity {capacity} bytes; a simulated device holds 1 byte to 64 TiB")]
@@ -94,8 +110,9 @@ impl SimConfig {
         Self { capacities: vec![capacity], ..Self::default() }
     }
 
-    /// The defaults, overridden by `STEPPOOL_SIM_DEVICES` (for example `2x80GiB`) and
-    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`) where they are set.
+    /// The defaults, overridden by `STEPPOOL_SIM_DEVICES` (for example `2x80GiB`),
+    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`) and `STEPPOOL_SIM_HOST_MEMORY` (`1` or `0`)
+    /// where they are set.
     pub fn from_env() -> Result<Self, SimConfigError> {
         let mut config = Self::default();
         if let Ok(value) = std::env::var("STEPPOOL_SIM_DEVICES") {
@@ -104,6 +121,9 @@ impl SimConfig {
         if let Ok(value) = std::env::var("STEPPOOL_SIM_GRANULE") {
             config.granule = parse_bytes(&value)
                 .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_GRANULE", source })?;
+        }
+        if let Ok(value) = std::env::var("STEPPOOL_SIM_HOST_MEMORY") {
+            config.host_memory = parse_switch(&value).ok_or(SimConfigError::HostMemory { value })?;
         }
         config.validate()?;
         Ok(config)
@@ -137,7 +157,17 @@ impl SimConfig {
         }
         let devices: Vec<String> =
             groups.iter().map(|(count, capacity)| format!("{count} × {}", Bytes(*capacity))).collect();
-        format!("{}, {} granules", devices.join(" + "), Bytes(self.granule))
+        let backed = if self.host_memory { ", host-backed" } else { "" };
+        format!("{}, {} granules{backed}", devices.join(" + "), Bytes(self.granule))
+    }
+}
+
+/// Reads an on/off switch: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no`, any case.
+fn parse_switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" | "" => Some(false),
+        _ => None,
     }
 }
 
@@ -187,6 +217,13 @@ mod tests {
         config.granule = 1000;
         let error = config.validate().unwrap_err();
         assert!(error.to_string().contains("1000 bytes"), "{error}");
+    }
+
+    #[test]
+    fn switches() {
+        assert_eq!(parse_switch(" On "), Some(true));
+        assert_eq!(parse_switch("0"), Some(false));
+        assert_eq!(parse_switch("maybe"), None);
     }
 
     #[test]

@@ -8,12 +8,21 @@
 //!
 //! Those entry points, and making a `Sim`, are private to this crate: other crates make a
 //! simulated device with [`Driver::simulated`](crate::Driver::simulated) and call it through
-//! [`Driver`](crate::Driver)'s checked methods. What they may reach through
+//! [`Driver`](crate::Driver)'s checked methods (the one exception, [`SimLibrary`], is below). What they may reach through
 //! [`Driver::sim`](crate::Driver::sim) is inspection only: [`Sim::config`],
 //! [`Sim::pool_layout`] and [`Sim::is_ordered_after`].
 //!
-//! Device memory is not backed by host memory: pointers are addresses in a simulated address
-//! space, never dereferenced. Kernels are checked and ordered but do not run.
+//! Device memory is not backed by host memory unless [`SimConfig::host_memory`] asks for it
+//! (`STEPPOOL_SIM_HOST_MEMORY=1`): pointers are addresses in a simulated address space, never
+//! dereferenced. Without it, memset and copies into the device are checked and ordered without
+//! effect, and copies back to the host return `CUDA_ERROR_NOT_SUPPORTED`. With it, every reserved
+//! segment has a zeroed host block behind it (`memory.rs`), and memset, the `cuMemcpy*` entry
+//! points and the repository's fill kernels ([`crate::kernels`]) write it. Other kernels are
+//! checked and ordered but do not run.
+//!
+//! [`SimLibrary`] makes the entry points public for one caller: a C ABI library that stands in
+//! for `libcuda` (`sys/libcuda-sim`), so that programs loading the driver by name (cudarc) talk
+//! to the simulated device. Everything else goes through [`Driver`](crate::Driver).
 //!
 //! # The model
 //!
@@ -54,15 +63,26 @@
 //!   retain of the primary context resets it: its streams, events, modules and `cuMemAlloc`
 //!   allocations are destroyed; pool allocations, which no context owns, stay.
 //! - **Kernels.** Launches are checked against an H100's limits (block 1024 × 1024 × 64 and 1024
-//!   threads, grid 2³¹−1 × 65535 × 65535, 48 KiB of dynamic shared memory) and ordered, not run.
+//!   threads, grid 2³¹−1 × 65535 × 65535, 48 KiB of dynamic shared memory) and ordered, not run;
+//!   on a host-backed device the fill kernels of [`crate::kernels`] (recognized by their exact
+//!   PTX) run at launch, and a fill outside every live allocation is
+//!   `CUDA_ERROR_ILLEGAL_ADDRESS`.
+//! - **Copies and memset.** Work runs when it is enqueued, in zero time, after the checks: the
+//!   device range must lie inside one live allocation (`CUDA_ERROR_INVALID_VALUE` otherwise).
+//!   The synchronous `cuMemcpy*_v2` and `cuMemsetD8_v2` are the asynchronous call on the legacy
+//!   stream followed by its synchronization.
 //! - **Not modelled.** IPC export and import return `CUDA_ERROR_NOT_SUPPORTED`, and pools with
 //!   export handle types are refused with it; stream capture and graphs are not bound.
 
+mod abi;
 mod clock;
 mod config;
 mod handle;
+mod memory;
 mod space;
 mod state;
+
+pub use abi::SimLibrary;
 
 use std::ffi::{CStr, c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -75,7 +95,7 @@ use space::Readiness;
 use state::{INVALID_VALUE, Launch, NOT_SUPPORTED, R, SUCCESS, State};
 
 use crate::bindings::*;
-use crate::{Width, pool_attribute_width as attribute_width};
+use crate::{CU_STREAM_LEGACY, Width, pool_attribute_width as attribute_width};
 
 /// Entry points that a driver older than 11.2 does not export; a simulated driver configured
 /// with such a version lacks them as well.
@@ -493,11 +513,93 @@ impl Sim {
     pub(crate) unsafe fn cuMemsetD8Async(
         &self,
         dstDevice: CUdeviceptr,
-        _uc: c_uchar,
+        uc: c_uchar,
         N: usize,
         hStream: CUstream,
     ) -> CUresult {
-        self.call(|s| s.memset_d8_async(dstDevice, N, hStream))
+        self.call(|s| s.memset_d8_async(dstDevice, uc, N, hStream))
+    }
+
+    pub(crate) unsafe fn cuMemsetD8_v2(&self, dstDevice: CUdeviceptr, uc: c_uchar, N: usize) -> CUresult {
+        self.call(|s| {
+            s.memset_d8_async(dstDevice, uc, N, CU_STREAM_LEGACY)?;
+            s.stream_synchronize(CU_STREAM_LEGACY)
+        })
+    }
+
+    pub(crate) unsafe fn cuMemcpyHtoDAsync_v2(
+        &self,
+        dstDevice: CUdeviceptr,
+        srcHost: *const c_void,
+        ByteCount: usize,
+        hStream: CUstream,
+    ) -> CUresult {
+        // SAFETY: forwarded contract: `srcHost` is readable for `ByteCount` bytes.
+        let Some(src) = (unsafe { host_slice(srcHost.cast::<u8>(), ByteCount) }) else { return INVALID_VALUE };
+        self.call(|s| s.memcpy_htod_async(dstDevice, src, hStream))
+    }
+
+    pub(crate) unsafe fn cuMemcpyDtoHAsync_v2(
+        &self,
+        dstHost: *mut c_void,
+        srcDevice: CUdeviceptr,
+        ByteCount: usize,
+        hStream: CUstream,
+    ) -> CUresult {
+        // SAFETY: forwarded contract: `dstHost` is writable for `ByteCount` bytes, and nothing
+        // else reads or writes it during the call.
+        let Some(dst) = (unsafe { host_slice_mut(dstHost.cast::<u8>(), ByteCount) }) else { return INVALID_VALUE };
+        self.call(|s| s.memcpy_dtoh_async(dst, srcDevice, hStream))
+    }
+
+    pub(crate) unsafe fn cuMemcpyDtoDAsync_v2(
+        &self,
+        dstDevice: CUdeviceptr,
+        srcDevice: CUdeviceptr,
+        ByteCount: usize,
+        hStream: CUstream,
+    ) -> CUresult {
+        self.call(|s| s.memcpy_dtod_async(dstDevice, srcDevice, ByteCount, hStream))
+    }
+
+    pub(crate) unsafe fn cuMemcpyHtoD_v2(
+        &self,
+        dstDevice: CUdeviceptr,
+        srcHost: *const c_void,
+        ByteCount: usize,
+    ) -> CUresult {
+        // SAFETY: forwarded contract.
+        let Some(src) = (unsafe { host_slice(srcHost.cast::<u8>(), ByteCount) }) else { return INVALID_VALUE };
+        self.call(|s| {
+            s.memcpy_htod_async(dstDevice, src, CU_STREAM_LEGACY)?;
+            s.stream_synchronize(CU_STREAM_LEGACY)
+        })
+    }
+
+    pub(crate) unsafe fn cuMemcpyDtoH_v2(
+        &self,
+        dstHost: *mut c_void,
+        srcDevice: CUdeviceptr,
+        ByteCount: usize,
+    ) -> CUresult {
+        // SAFETY: forwarded contract.
+        let Some(dst) = (unsafe { host_slice_mut(dstHost.cast::<u8>(), ByteCount) }) else { return INVALID_VALUE };
+        self.call(|s| {
+            s.memcpy_dtoh_async(dst, srcDevice, CU_STREAM_LEGACY)?;
+            s.stream_synchronize(CU_STREAM_LEGACY)
+        })
+    }
+
+    pub(crate) unsafe fn cuMemcpyDtoD_v2(
+        &self,
+        dstDevice: CUdeviceptr,
+        srcDevice: CUdeviceptr,
+        ByteCount: usize,
+    ) -> CUresult {
+        self.call(|s| {
+            s.memcpy_dtod_async(dstDevice, srcDevice, ByteCount, CU_STREAM_LEGACY)?;
+            s.stream_synchronize(CU_STREAM_LEGACY)
+        })
     }
 
     pub(crate) unsafe fn cuMemAllocAsync(
@@ -724,8 +826,54 @@ impl Sim {
             has_params: !kernelParams.is_null(),
             has_extra: !extra.is_null(),
         };
-        self.call(|s| s.launch_kernel(f, launch, hStream))
+        self.call(|s| {
+            s.launch_kernel(f, launch, hStream)?;
+            if !(s.host_backed() && s.is_fill_kernel(f)) {
+                return Ok(());
+            }
+            if kernelParams.is_null() {
+                return Err(INVALID_VALUE);
+            }
+            // SAFETY: forwarded contract: `kernelParams` holds one pointer per kernel parameter,
+            // each to a value of that parameter's type; the fill kernels take
+            // `(u64 dst, u64 len, u32 value)`.
+            let (dst, len, value) = unsafe {
+                (
+                    kernelParams.read().cast::<u64>().read_unaligned(),
+                    kernelParams.add(1).read().cast::<u64>().read_unaligned(),
+                    kernelParams.add(2).read().cast::<u32>().read_unaligned(),
+                )
+            };
+            s.run_fill(dst, len, value as u8)
+        })
     }
+}
+
+/// `len` bytes at `ptr` as a slice; `None` for a null pointer with a non-zero length.
+///
+/// # Safety
+///
+/// A non-null `ptr` must be readable for `len` bytes, not written during the borrow.
+unsafe fn host_slice<'a>(ptr: *const u8, len: usize) -> Option<&'a [u8]> {
+    if len == 0 {
+        return Some(&[]);
+    }
+    // SAFETY: non-null (checked) and readable for `len` bytes (the caller's promise).
+    (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// `len` writable bytes at `ptr` as a slice; `None` for a null pointer with a non-zero length.
+///
+/// # Safety
+///
+/// A non-null `ptr` must be writable for `len` bytes, and not otherwise accessed during the
+/// borrow.
+unsafe fn host_slice_mut<'a>(ptr: *mut u8, len: usize) -> Option<&'a mut [u8]> {
+    if len == 0 {
+        return Some(&mut []);
+    }
+    // SAFETY: non-null (checked) and exclusively writable for `len` bytes (the caller's promise).
+    (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts_mut(ptr, len) })
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use std::thread::ThreadId;
 use super::SimConfig;
 use super::clock::{Clock, StreamId};
 use super::handle::{Kind, decode, encode};
+use super::memory::HostMemory;
 use super::space::{AddressSpace, FreeSpace, Readiness};
 use crate::bindings::*;
 
@@ -37,6 +38,7 @@ pub(crate) const INVALID_HANDLE: CUresult = CUresult::CUDA_ERROR_INVALID_HANDLE;
 pub(crate) const INVALID_IMAGE: CUresult = CUresult::CUDA_ERROR_INVALID_IMAGE;
 pub(crate) const NOT_FOUND: CUresult = CUresult::CUDA_ERROR_NOT_FOUND;
 pub(crate) const NOT_SUPPORTED: CUresult = CUresult::CUDA_ERROR_NOT_SUPPORTED;
+pub(crate) const ILLEGAL_ADDRESS: CUresult = CUresult::CUDA_ERROR_ILLEGAL_ADDRESS;
 
 thread_local! {
     /// Each thread's context stack, per simulated driver (keyed by its unique id).
@@ -112,11 +114,22 @@ struct Event {
 struct Module {
     ctx: u32,
     entries: Vec<String>,
+    /// Whether the image is one of the repository's fill kernels (`crate::kernels`), which a
+    /// host-backed device runs.
+    fill: bool,
 }
 
 #[derive(Debug)]
 struct Function {
     module: u32,
+}
+
+/// Where a checked device range lives: its segment's base and the offset in that segment.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Range {
+    segment: u64,
+    offset: u64,
+    len: usize,
 }
 
 /// A live allocation.
@@ -228,6 +241,8 @@ pub(crate) struct State {
     modules: BTreeMap<u32, Module>,
     functions: BTreeMap<u32, Function>,
     pub(crate) allocations: BTreeMap<u64, Allocation>,
+    /// The host memory behind the segments, when the configuration asks for it.
+    host: Option<HostMemory>,
     /// Positions the host has observed complete.
     completed: Clock,
     next_id: u32,
@@ -249,9 +264,11 @@ impl State {
             modules: BTreeMap::new(),
             functions: BTreeMap::new(),
             allocations: BTreeMap::new(),
+            host: None,
             completed: Clock::default(),
             next_id: 0,
         };
+        state.host = state.config.host_memory.then(HostMemory::default);
         // Each driver instance and device gets its own slice of a 64-bit address space.
         let instance_base = ((id % 0xFF) + 1) << 52;
         for (device, &capacity) in state.config.capacities.clone().iter().enumerate() {
@@ -442,6 +459,12 @@ impl State {
             }
         }
         let base = self.devices[device].space.reserve(segment)?;
+        if let Some(host) = &mut self.host
+            && !host.reserve(base, segment)
+        {
+            self.devices[device].space.release(base, segment);
+            return None;
+        }
         self.devices[device].reserved += segment;
         let pool = self.pools.get_mut(&id).expect("pool");
         pool.segments.insert(base, Segment { size: segment, live: 0 });
@@ -459,6 +482,9 @@ impl State {
         let device = &mut self.devices[pool.device];
         device.reserved -= segment.size;
         device.space.release(base, segment.size);
+        if let Some(host) = &mut self.host {
+            host.release(base);
+        }
     }
 
     /// Releases idle segments of pool `id`, largest first, while at least `keep` bytes remain.
@@ -876,20 +902,116 @@ impl State {
         Ok(())
     }
 
-    pub(crate) fn memset_d8_async(&mut self, ptr: CUdeviceptr, len: usize, stream: CUstream) -> R<()> {
+    pub(crate) fn memset_d8_async(&mut self, ptr: CUdeviceptr, value: u8, len: usize, stream: CUstream) -> R<()> {
         let id = self.stream(stream)?;
-        if len > 0 {
-            let inside = self
-                .allocations
-                .range(..=ptr)
-                .next_back()
-                .is_some_and(|(&start, a)| ptr.checked_add(len as u64).is_some_and(|end| end <= start + a.size));
-            if !inside {
-                return Err(INVALID_VALUE);
-            }
+        let range = self.live_range(ptr, len).ok_or(INVALID_VALUE)?;
+        let clock = self.op_clock(id);
+        self.commit(id, clock);
+        if let Some(bytes) = self.host_bytes(range) {
+            bytes.fill(value);
+        }
+        Ok(())
+    }
+
+    // ----- host-backed memory: copies and the fill kernels ------------------------------------------
+
+    /// The range `[ptr, ptr + len)` when it lies inside one live allocation (an empty range
+    /// anywhere is accepted, as the driver accepts zero-length copies).
+    fn live_range(&self, ptr: CUdeviceptr, len: usize) -> Option<Range> {
+        if len == 0 {
+            return Some(Range { segment: 0, offset: 0, len: 0 });
+        }
+        let (&start, allocation) = self.allocations.range(..=ptr).next_back()?;
+        let end = ptr.checked_add(len as u64)?;
+        if end > start + allocation.size {
+            return None;
+        }
+        Some(Range { segment: allocation.segment, offset: ptr - allocation.segment, len })
+    }
+
+    /// The host bytes behind a checked range, on a host-backed device.
+    fn host_bytes(&mut self, range: Range) -> Option<&mut [u8]> {
+        let host = self.host.as_mut()?;
+        if range.len == 0 {
+            return Some(&mut []);
+        }
+        Some(host.bytes_mut(range.segment, range.offset, range.len))
+    }
+
+    /// Whether device memory is backed by host memory.
+    pub(crate) fn host_backed(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// Enqueues a copy on `stream` (the work itself takes no time) and checks the device side.
+    /// Host bytes move only on a host-backed device; elsewhere copies into device memory are
+    /// ordered without effect, and copies out are refused with `CUDA_ERROR_NOT_SUPPORTED`
+    /// because nothing could be read back.
+    pub(crate) fn memcpy_htod_async(&mut self, dst: CUdeviceptr, src: &[u8], stream: CUstream) -> R<()> {
+        let id = self.stream(stream)?;
+        let range = self.live_range(dst, src.len()).ok_or(INVALID_VALUE)?;
+        let clock = self.op_clock(id);
+        self.commit(id, clock);
+        if let Some(bytes) = self.host_bytes(range) {
+            bytes.copy_from_slice(src);
+        }
+        Ok(())
+    }
+
+    /// See [`State::memcpy_htod_async`].
+    pub(crate) fn memcpy_dtoh_async(&mut self, dst: &mut [u8], src: CUdeviceptr, stream: CUstream) -> R<()> {
+        let id = self.stream(stream)?;
+        let range = self.live_range(src, dst.len()).ok_or(INVALID_VALUE)?;
+        if !self.host_backed() && !dst.is_empty() {
+            return Err(NOT_SUPPORTED);
         }
         let clock = self.op_clock(id);
         self.commit(id, clock);
+        if let Some(bytes) = self.host_bytes(range) {
+            dst.copy_from_slice(bytes);
+        }
+        Ok(())
+    }
+
+    /// See [`State::memcpy_htod_async`]. Overlapping ranges copy as `memmove` does.
+    pub(crate) fn memcpy_dtod_async(
+        &mut self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        len: usize,
+        stream: CUstream,
+    ) -> R<()> {
+        let id = self.stream(stream)?;
+        let from = self.live_range(src, len).ok_or(INVALID_VALUE)?;
+        let to = self.live_range(dst, len).ok_or(INVALID_VALUE)?;
+        let clock = self.op_clock(id);
+        self.commit(id, clock);
+        if let Some(bytes) = self.host_bytes(from) {
+            let copy = bytes.to_vec();
+            if let Some(target) = self.host_bytes(to) {
+                target.copy_from_slice(&copy);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `function` is an entry of one of the repository's fill kernels, which a
+    /// host-backed device runs at launch.
+    pub(crate) fn is_fill_kernel(&self, function: CUfunction) -> bool {
+        decode(self.tag, Kind::Function, function as usize)
+            .and_then(|id| self.functions.get(&id))
+            .and_then(|f| self.modules.get(&f.module))
+            .is_some_and(|module| module.fill)
+    }
+
+    /// Runs a fill kernel launched on a host-backed device: `dst[..len] = value`. A range outside
+    /// every live allocation is `CUDA_ERROR_ILLEGAL_ADDRESS`, which a real kernel would hit.
+    pub(crate) fn run_fill(&mut self, dst: CUdeviceptr, len: u64, value: u8) -> R<()> {
+        let len = usize::try_from(len).map_err(|_| ILLEGAL_ADDRESS)?;
+        let range = self.live_range(dst, len).ok_or(ILLEGAL_ADDRESS)?;
+        if let Some(bytes) = self.host_bytes(range) {
+            bytes.fill(value);
+        }
         Ok(())
     }
 
@@ -1106,8 +1228,10 @@ impl State {
                 (!name.is_empty()).then_some(name)
             })
             .collect();
+        let fill =
+            [crate::kernels::FILL_BYTES_PTX, crate::kernels::FILL_V4_PTX].iter().any(|kernel| kernel.to_bytes() == ptx);
         let id = self.next();
-        self.modules.insert(id, Module { ctx, entries });
+        self.modules.insert(id, Module { ctx, entries, fill });
         Ok(self.handle(Kind::Module, id) as CUmodule)
     }
 

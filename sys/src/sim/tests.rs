@@ -676,3 +676,89 @@ fn waits_take_no_external_flag_and_unknown_codes_have_no_name() {
     }
     assert!(name.is_null(), "set to NULL, as documented");
 }
+
+/// A fixture whose device memory is backed by host memory, its `Sim` for the copy entry points.
+fn host_backed() -> Fixture {
+    Fixture::new(SimConfig { host_memory: true, ..SimConfig::with_capacity(1 << 30) })
+}
+
+#[test]
+fn host_backed_memory_keeps_what_memset_and_copies_write() {
+    let f = host_backed();
+    let sim = f.driver.sim().unwrap();
+    let a = f.alloc(4096, f.stream);
+    let b = f.alloc(4096, f.stream);
+    let mut out = [0u8; 8];
+    // SAFETY: pointers and stream come from this driver; `out` and `data` live through each call.
+    unsafe {
+        assert_eq!(sim.cuMemsetD8Async(a, 7, 4096, f.stream), CUresult::CUDA_SUCCESS);
+        assert_eq!(sim.cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), a + 100, 8, f.stream), CUresult::CUDA_SUCCESS);
+        assert_eq!(out, [7; 8]);
+        let data: Vec<u8> = (0..16).collect();
+        assert_eq!(sim.cuMemcpyHtoDAsync_v2(b + 8, data.as_ptr().cast(), 16, f.stream), CUresult::CUDA_SUCCESS);
+        assert_eq!(sim.cuMemcpyDtoDAsync_v2(a, b + 8, 16, f.stream), CUresult::CUDA_SUCCESS);
+        let mut back = [0u8; 18];
+        assert_eq!(sim.cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), a, 18), CUresult::CUDA_SUCCESS);
+        assert_eq!(&back[..16], &data[..]);
+        assert_eq!(&back[16..], &[7, 7]);
+        // A range that runs past the allocation is refused, as the driver refuses it.
+        let past = sim.cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), a + 4090, 18, f.stream);
+        assert_eq!(past, CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    // A segment released and reserved again starts zeroed: freed memory keeps no old bytes.
+    f.free(a, f.stream);
+    f.free(b, f.stream);
+    f.driver.context_synchronize().unwrap();
+    // SAFETY: the pool comes from this driver.
+    unsafe { f.driver.mem_pool_trim_to(f.pool, 0) }.unwrap();
+    let c = f.alloc(4096, f.stream);
+    // SAFETY: as above.
+    unsafe {
+        assert_eq!(sim.cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), c, 8, f.stream), CUresult::CUDA_SUCCESS);
+    }
+    assert_eq!(out, [0; 8]);
+}
+
+#[test]
+fn without_host_memory_copies_out_are_refused() {
+    let f = Fixture::with_capacity(1 << 30);
+    let sim = f.driver.sim().unwrap();
+    let a = f.alloc(4096, f.stream);
+    let mut out = [1u8; 8];
+    // SAFETY: pointer and stream come from this driver; `out` lives through the calls.
+    unsafe {
+        assert_eq!(sim.cuMemcpyHtoDAsync_v2(a, out.as_ptr().cast(), 8, f.stream), CUresult::CUDA_SUCCESS);
+        let back = sim.cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), a, 8, f.stream);
+        assert_eq!(back, CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    assert_eq!(out, [1; 8]);
+}
+
+#[test]
+fn host_backed_devices_run_the_fill_kernels() {
+    let f = host_backed();
+    let sim = f.driver.sim().unwrap();
+    let a = f.alloc(1000, f.stream);
+    for (ptx, name) in [
+        (crate::kernels::FILL_BYTES_PTX, crate::kernels::FILL_BYTES),
+        (crate::kernels::FILL_V4_PTX, crate::kernels::FILL_V4),
+    ] {
+        let module = f.driver.module_load_ptx(ptx).unwrap();
+        // SAFETY: module, function, pointer and stream come from this driver; the parameters
+        // are the kernel's `(u64 dst, u64 len, u32 value)` and live through the launch.
+        unsafe {
+            let function = f.driver.module_function(module, name).unwrap();
+            let (mut dst, mut len, mut value) = (a + 10, 990u64, 0x1ABu32);
+            let mut params =
+                [(&raw mut dst).cast::<c_void>(), (&raw mut len).cast::<c_void>(), (&raw mut value).cast::<c_void>()];
+            f.driver.launch_kernel(function, [2, 1, 1], [128, 1, 1], 0, f.stream, &mut params).unwrap();
+            let mut out = [0u8; 1000];
+            assert_eq!(sim.cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), a, 1000), CUresult::CUDA_SUCCESS);
+            assert!(out[10..].iter().all(|&byte| byte == 0xAB), "{name:?} filled every byte of its range");
+            params[1].cast::<u64>().write(1 << 20);
+            let outside = f.driver.launch_kernel(function, [2, 1, 1], [128, 1, 1], 0, f.stream, &mut params);
+            assert_eq!(code(outside), CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+            assert_eq!(sim.cuMemsetD8Async(a, 0, 1000, f.stream), CUresult::CUDA_SUCCESS);
+        }
+    }
+}
