@@ -27,7 +27,7 @@ use std::process::ExitCode;
 use steppool::sys::bytes::{Bytes, parse_bytes};
 use steppool::sys::kernels::{FILL_BYTES, FILL_BYTES_PTX};
 use steppool::sys::sim::SimConfig;
-use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverKind, Selection};
+use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverError, DriverKind, Selection};
 use steppool::telemetry::json::JsonLines;
 use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
 use steppool_examples::{Lifetime, StepPlan, TransformerConfig, Workload, path_for, peak_live};
@@ -102,14 +102,15 @@ struct Reservation {
 }
 
 impl Reservation {
-    fn start(driver: &Driver) -> Self {
-        let (free, total) = driver.mem_get_info().expect("cuMemGetInfo");
-        Self { baseline: total - free, peak: 0 }
+    fn start(driver: &Driver) -> Result<Self, DriverError> {
+        let (free, total) = driver.mem_get_info()?;
+        Ok(Self { baseline: total - free, peak: 0 })
     }
 
-    fn sample(&mut self, driver: &Driver) {
-        let (free, total) = driver.mem_get_info().expect("cuMemGetInfo");
+    fn sample(&mut self, driver: &Driver) -> Result<(), DriverError> {
+        let (free, total) = driver.mem_get_info()?;
         self.peak = self.peak.max((total - free).saturating_sub(self.baseline));
+        Ok(())
     }
 
     fn take_peak(&mut self) -> u64 {
@@ -241,7 +242,7 @@ fn run(
     let device = runtime.device(0)?;
     let stream = device.create_stream()?;
     let touch = Touch::new(driver);
-    let mut reservation = Reservation::start(driver);
+    let mut reservation = Reservation::start(driver)?;
     let mut run = match layout {
         Layout::Plain => Run {
             name: "plain cudaMallocAsync",
@@ -321,7 +322,7 @@ fn run(
                             .or_else(|| persistent.get(&id).map(Buffer::ptr))
                             .expect("just allocated");
                         touch.touch(driver, ptr, bytes, stream.raw());
-                        reservation.sample(driver);
+                        reservation.sample(driver)?;
                     }
                     EventKind::Free { .. } => {
                         let id = event.ptr;
@@ -342,6 +343,7 @@ fn run(
         // Reading the loss: the host waits for the step.
         stream.synchronize()?;
         let report = step.end()?;
+        dropped_cleanly(&runtime)?;
         if outputs.reports {
             print!("{report}");
         }
@@ -373,7 +375,18 @@ fn run(
     }
     drop(persistent);
     stream.synchronize()?;
+    dropped_cleanly(&runtime)?;
     Ok(run)
+}
+
+/// Fails with the first error the runtime met in a `Drop` (a buffer's free, a step's end), which
+/// it keeps because `Drop` cannot return it.
+fn dropped_cleanly(runtime: &Runtime) -> Result<(), Box<dyn std::error::Error>> {
+    let errors = runtime.take_errors();
+    match errors.first() {
+        None => Ok(()),
+        Some(first) => Err(format!("{first} (and {} more error(s) while dropping)", errors.len() - 1).into()),
+    }
 }
 
 fn print_run(run: &Run) {
@@ -424,8 +437,17 @@ fn main() -> ExitCode {
             .inspect_err(|why| eprintln!("no CUDA device answered ({why}); using the simulated device"))
             .ok(),
     };
-    let simulated = || Driver::simulated(SimConfig::with_capacity(options.capacity)).expect("a valid simulated device");
-    let describe = gpu.as_ref().map_or_else(|| simulated().describe(), Driver::describe);
+    // The environment's simulated device (faults included, `STEPPOOL_SIM_FAULTS`), at the
+    // capacity asked for.
+    let sim_config = match SimConfig::from_env() {
+        Ok(config) => SimConfig { capacities: vec![options.capacity], ..config },
+        Err(error) => {
+            eprintln!("training_loop: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let simulated = || Driver::simulated(sim_config.clone());
+    let describe = gpu.as_ref().map_or_else(|| sim_config.describe(), Driver::describe);
 
     let mut workload = Workload::new(TransformerConfig { ..options.model.clone() });
     let setup = workload.setup();
@@ -450,7 +472,14 @@ fn main() -> ExitCode {
 
     let mut runs = Vec::new();
     for layout in [Layout::Plain, Layout::Phases] {
-        match run(&gpu.clone().unwrap_or_else(simulated), layout, &setup, &plans, &options.outputs) {
+        let driver = match gpu.clone().map_or_else(simulated, Ok) {
+            Ok(driver) => driver,
+            Err(error) => {
+                eprintln!("training_loop: {error}");
+                return ExitCode::FAILURE;
+            }
+        };
+        match run(&driver, layout, &setup, &plans, &options.outputs) {
             Ok(run) => {
                 print_run(&run);
                 runs.push(run);

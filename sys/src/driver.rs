@@ -171,7 +171,10 @@ macro_rules! call {
                 Some(entry) => driver.check(name, entry($($arg),*)),
                 None => Err(library.missing(name)),
             },
-            Backend::Sim(sim) if sim.exports(name) => driver.check(name, sim.$name($($arg),*)),
+            Backend::Sim(sim) if sim.exports(name) => match sim.fault(name) {
+                Some(code) => driver.check(name, code),
+                None => driver.check(name, sim.$name($($arg),*)),
+            },
             Backend::Sim(_) => Err(driver.sim_missing(name)),
         }
     }};
@@ -286,7 +289,7 @@ impl Driver {
         let driver = Self { backend: Arc::new(Backend::Sim(Sim::new(config)?)), pools: PoolRequirement::Optional };
         // SAFETY: cuInit takes flags only; 0 is the documented value.
         unsafe { call!(&driver, cuInit(0)) }.map_err(|source| LoadError::Init {
-            library: "the simulated driver".to_owned(),
+            library: "(simulated)".to_owned(),
             driver_version: driver.sim().map(|sim| DriverVersion(sim.config().driver_version)),
             source,
         })?;

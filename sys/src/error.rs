@@ -140,7 +140,7 @@ pub enum LoadError {
     /// `cuInit` or a device query failed: typically no kernel driver, or the toolkit's stub library.
     #[error("the CUDA driver {library} ({version}) did not start: {source}", version = MaybeVersion(*driver_version))]
     Init {
-        /// The library that was loaded.
+        /// The library that was loaded (`(simulated)` for the simulated device).
         library: String,
         /// Its version, when it could be read.
         driver_version: Option<DriverVersion>,

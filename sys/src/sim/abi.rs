@@ -123,6 +123,9 @@ macro_rules! forward {
             $(
                 #[doc = concat!("`", stringify!($name), "`.")]
                 pub unsafe fn $name(&self, $($arg: $ty),*) -> $crate::CUresult {
+                    if let Some(code) = self.sim.fault(stringify!($name)) {
+                        return code;
+                    }
                     // SAFETY: the caller's contract is the entry point's, forwarded unchanged.
                     unsafe { self.sim.$name($($arg),*) }
                 }

@@ -1,6 +1,7 @@
 //! What the simulated device looks like: how many devices, their capacity, the reservation
 //! granule, and the driver it pretends to be.
 
+use super::faults::{FaultPlan, FaultPlanError};
 use crate::bytes::{Bytes, ParseBytesError, parse_bytes};
 
 /// The capacity of the default simulated device: an 80 GiB H100/A100.
@@ -18,7 +19,7 @@ pub const MAX_DEVICES: usize = 64;
 ///
 /// [`SimConfig::default`] is one 80 GiB device with 2 MiB granules that supports memory pools;
 /// [`SimConfig::from_env`] reads `STEPPOOL_SIM_DEVICES` and `STEPPOOL_SIM_GRANULE` over that.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
     /// Capacity in bytes of each device, by ordinal.
     pub capacities: Vec<u64>,
@@ -38,6 +39,8 @@ pub struct SimConfig {
     /// of its size (pages are touched only when written), and a segment the host cannot back is
     /// an out-of-memory error.
     pub host_memory: bool,
+    /// Calls made to fail (`STEPPOOL_SIM_FAULTS`, see [`FaultPlan::parse`]); none by default.
+    pub faults: Option<FaultPlan>,
 }
 
 impl Default for SimConfig {
@@ -49,6 +52,7 @@ impl Default for SimConfig {
             memory_pools_supported: true,
             peer_access: true,
             host_memory: false,
+            faults: None,
         }
     }
 }
@@ -82,6 +86,9 @@ pub enum SimConfigError {
         /// The value that was read.
         value: String,
     },
+    /// `STEPPOOL_SIM_FAULTS` could not be read.
+    #[error(transparent)]
+    Faults(#[from] FaultPlanError),
     /// A device capacity is zero or beyond [`MAX_CAPACITY`].
     #[error("device {device} has capacity {capacity} bytes; a simulated device holds 1 byte to 64 TiB")]
     Capacity {
@@ -124,6 +131,11 @@ impl SimConfig {
         }
         if let Ok(value) = std::env::var("STEPPOOL_SIM_HOST_MEMORY") {
             config.host_memory = parse_switch(&value).ok_or(SimConfigError::HostMemory { value })?;
+        }
+        if let Ok(value) = std::env::var("STEPPOOL_SIM_FAULTS")
+            && !value.trim().is_empty()
+        {
+            config.faults = Some(FaultPlan::parse(&value)?);
         }
         config.validate()?;
         Ok(config)

@@ -77,20 +77,23 @@
 mod abi;
 mod clock;
 mod config;
+mod faults;
 mod handle;
 mod memory;
 mod space;
 mod state;
 
 pub use abi::SimLibrary;
+pub use faults::{FaultCode, FaultPlan, FaultPlanError, Trigger};
 
 use std::ffi::{CStr, c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 pub use config::{
     DEFAULT_CAPACITY, DEFAULT_DRIVER_VERSION, DEFAULT_GRANULE, MAX_CAPACITY, MAX_DEVICES, SimConfig, SimConfigError,
 };
+use faults::Faults;
 use space::Readiness;
 use state::{INVALID_VALUE, Launch, NOT_SUPPORTED, R, SUCCESS, State};
 
@@ -133,6 +136,10 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 pub struct Sim {
     state: Mutex<State>,
     config: SimConfig,
+    /// The fault plan being carried out (see `faults.rs`).
+    faults: Mutex<Faults>,
+    /// Whether a plan is set or a fault poisoned the driver: calls look at `faults` only then.
+    faulting: AtomicBool,
 }
 
 /// A snapshot of one pool's memory, which only the simulated device can give: the driver
@@ -182,12 +189,43 @@ impl Sim {
     pub(crate) fn new(config: SimConfig) -> Result<Self, SimConfigError> {
         config.validate()?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Self { state: Mutex::new(State::new(id, config.clone())), config })
+        let faulting = AtomicBool::new(config.faults.is_some());
+        let faults = Mutex::new(Faults::new(config.faults.clone()));
+        Ok(Self { state: Mutex::new(State::new(id, config.clone())), config, faults, faulting })
     }
 
     /// The configuration it was made with.
     pub fn config(&self) -> &SimConfig {
         &self.config
+    }
+
+    /// Replaces the fault plan (`None`: no more faults) and counts calls afresh. A driver a
+    /// sticky error or a shutdown poisoned stays poisoned.
+    pub fn set_faults(&self, plan: Option<FaultPlan>) {
+        let mut faults = self.faults.lock().unwrap_or_else(PoisonError::into_inner);
+        self.faulting.store(plan.is_some() || faults.poisoned().is_some(), Ordering::Release);
+        faults.set(plan);
+    }
+
+    /// How many calls the fault plans made fail so far.
+    pub fn faults_fired(&self) -> u64 {
+        self.faults.lock().unwrap_or_else(PoisonError::into_inner).fired()
+    }
+
+    /// The code every call now returns, if an injected sticky error or shutdown poisoned the
+    /// driver.
+    pub fn poisoned(&self) -> Option<FaultCode> {
+        self.faults.lock().unwrap_or_else(PoisonError::into_inner).poisoned()
+    }
+
+    /// The code the call of `entry_point` about to run returns instead of running, if the fault
+    /// plan makes it fail (or a fault poisoned the driver).
+    #[inline]
+    pub(crate) fn fault(&self, entry_point: &str) -> Option<CUresult> {
+        if !self.faulting.load(Ordering::Acquire) {
+            return None;
+        }
+        self.faults.lock().unwrap_or_else(PoisonError::into_inner).check(entry_point)
     }
 
     /// Whether this driver exports `symbol`, given the version it pretends to be.
