@@ -39,6 +39,7 @@ pub mod replay;
 pub mod report;
 pub mod svg;
 pub mod synth;
+pub mod torch;
 
 pub use error::{ReplayError, Result};
 /// The trace model, its readers, step inference and the lifetime analysis live in
