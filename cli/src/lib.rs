@@ -34,7 +34,9 @@
 //! # Ok(()) }
 //! ```
 
+pub mod breakdown;
 pub mod error;
+pub mod limit;
 pub mod replay;
 pub mod report;
 pub mod svg;
