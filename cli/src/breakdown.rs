@@ -3,11 +3,11 @@
 //!
 //! # The moment measured
 //!
-//! The **peak moment** is the allocation after which the run's reservation (summed over devices)
-//! first reaches its highest value `R`, or, if the reservation stays at `R` for a while, the
-//! allocation in that stretch after which the most bytes are live. (Reservations grow only at
-//! allocations, so the peak moment is always right after one: the **peak allocation**.) Let `L`
-//! be the trace's peak of live bytes (requested sizes) and `ℓ` the live bytes at the peak moment.
+//! The **peak moment** is, of the allocations after which the run's reservation (summed over
+//! devices) is at its highest value `R`, the one after which the most bytes are live, the
+//! earliest on ties. (Reservations grow only at allocations, so a moment of peak reservation with
+//! the most live bytes is always right after one: the **peak allocation**.) Let `L` be the
+//! trace's peak of live bytes (requested sizes) and `ℓ` the live bytes at the peak moment.
 //!
 //! # The parts
 //!
@@ -131,8 +131,10 @@ pub fn breakdown(snapshot: &Snapshot, peak_live: u64) -> Breakdown {
     let growing = find(snapshot.peak_allocation.0, snapshot.peak_allocation.1).map(|i| ranges[i].pool);
     let (mut tails, mut holes, mut segregation) = (0u64, 0u64, 0u64);
     for (range, &(bytes, high)) in ranges.iter().zip(&used) {
-        let tail = if high == 0 { 0 } else { high.next_multiple_of(range.granule).min(range.size) - high };
-        let idle = range.size - bytes - tail;
+        // Saturating: live footprints never overlap in a layout the allocator made.
+        let tail =
+            if high == 0 { 0 } else { high.next_multiple_of(range.granule).min(range.size).saturating_sub(high) };
+        let idle = range.size.saturating_sub(bytes + tail);
         tails += tail;
         if Some(range.pool) == growing {
             holes += idle;
