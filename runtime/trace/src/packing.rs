@@ -74,7 +74,21 @@ pub fn lower_bound(blocks: &[Block]) -> u64 {
 pub fn greedy_by_size(blocks: &[Block]) -> Packing {
     let mut order: Vec<usize> = (0..blocks.len()).collect();
     order.sort_by(|&a, &b| blocks[b].size.cmp(&blocks[a].size).then(blocks[a].start.cmp(&blocks[b].start)));
-    place_in_order(blocks, &order)
+    place_in_order(&compress(blocks), &order)
+}
+
+/// The blocks with their positions replaced by their ranks among all the positions used: the
+/// same order, so the same blocks meet in time, on a time axis no longer than twice the number
+/// of blocks, whatever the positions (a step of a long trace keeps the trace's event indices).
+fn compress(blocks: &[Block]) -> Vec<Block> {
+    let mut positions: Vec<u32> =
+        blocks.iter().flat_map(|b| [b.start, b.end]).filter(|&p| p != Block::NEVER_FREED).collect();
+    positions.sort_unstable();
+    positions.dedup();
+    let rank = |p: u32| {
+        if p == Block::NEVER_FREED { p } else { positions.partition_point(|&q| q < p) as u32 }
+    };
+    blocks.iter().map(|b| Block { size: b.size, start: rank(b.start), end: rank(b.end) }).collect()
 }
 
 /// The smallest of four greedy packings, the blocks taken by size (ties: earlier first), by
@@ -88,10 +102,11 @@ pub fn greedy_by_size(blocks: &[Block]) -> Packing {
 pub fn pack(blocks: &[Block]) -> Packing {
     let lifetime = |b: &Block| u64::from(b.end.min(u32::MAX - 1).saturating_sub(b.start));
     let mut best = greedy_by_size(blocks);
+    let ranked = compress(blocks);
     let mut try_order = |key: &dyn Fn(&Block) -> (u64, u64)| {
         let mut order: Vec<usize> = (0..blocks.len()).collect();
         order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
-        let packing = place_in_order(blocks, &order);
+        let packing = place_in_order(&ranked, &order);
         if packing.size < best.size {
             best = packing;
         }
