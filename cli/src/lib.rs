@@ -14,7 +14,9 @@
 //! The pipeline is [`read::read_trace`] (format by content, steps from the trace, a sidecar, or
 //! [inference](steps)), [`analysis::analyse`] (lifetimes, scopes, phases, operations, live bytes),
 //! then [`replay::replay`] (the real runtime on the simulated device, with bisection for the
-//! smallest capacity) and [`report`] (tables, JSON, [SVG](svg)). `convert` is
+//! smallest capacity, and the [models of PyTorch's allocator](torch) beside it), the
+//! [breakdown] of each run's overhead at its peak, the offline [limit], and [`report`] (tables,
+//! JSON, [SVG](svg)). `convert` is
 //! [`read::read_trace`] then [`jsonl::write`](steppool_trace::jsonl::write): JSON lines with the trace's step
 //! boundaries, which `replay` reads back.
 //!

@@ -37,7 +37,7 @@
 //! so the second run reaches the same state.
 //!
 //! **PyTorch models** ([`TORCH_MODELS`]) replay the same operations through
-//! [`TorchAllocator`](crate::torch::TorchAllocator), one per device of the same capacity, with
+//! [`TorchAllocator`], one per device of the same capacity, with
 //! no step boundaries (PyTorch has none); they are compared, never recommended.
 
 use std::collections::HashMap;

@@ -96,8 +96,8 @@ fn compress(blocks: &[Block]) -> Vec<Block> {
 /// shapes of the shared PyTorch traces the best of them is 0.3–1.1 % above the lower bound where
 /// greedy by size alone is 0.3–2.6 % above; no single ordering wins on all of them.
 ///
-/// Each ordering finds the blocks alive at the same time as the one it places through a
-/// [`TimeIndex`], so its cost grows with the number of pairs of blocks alive together, not with
+/// Each ordering finds the blocks alive at the same time as the one it places through an index
+/// over time (a segment tree of lifetimes and a map of starts), so its cost grows with the number of pairs of blocks alive together, not with
 /// the square of the number of blocks: whole traces of a million allocations pack in seconds.
 pub fn pack(blocks: &[Block]) -> Packing {
     let lifetime = |b: &Block| u64::from(b.end.min(u32::MAX - 1).saturating_sub(b.start));
