@@ -487,9 +487,11 @@ pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyR
         Some(name) => {
             let _ = writeln!(w, "* recommended: {name} (least peak reserved of steppool's strategies that completed)");
         }
-        None => {
+        None if results.iter().any(|r| !is_torch(r.run.strategy)) => {
             let _ = writeln!(w, "no steppool strategy completed at this capacity: none recommended");
         }
+        // Only PyTorch models were replayed: they are compared, never recommended.
+        None => {}
     }
     if results.iter().any(|r| r.breakdown.is_some()) {
         let unattributed = results.iter().filter_map(|r| r.breakdown).any(|b| b.unattributed_bytes != 0);

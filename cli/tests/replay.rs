@@ -5,7 +5,7 @@ use std::path::Path;
 
 use steppool_cli::breakdown::Breakdown;
 use steppool_cli::limit::limit;
-use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
+use steppool_cli::replay::{ReplayOptions, Silent, recommended, replay, select};
 use steppool_cli::report::{inspect, replay_json};
 use steppool_trace::analysis::analyse;
 use steppool_trace::read::read_bytes;
@@ -74,4 +74,25 @@ fn an_allocation_larger_than_the_device_is_an_oom_result() {
     assert_eq!(json["recommended"], serde_json::Value::Null);
     assert_eq!(json["results"][0]["breakdown"], serde_json::Value::Null);
     assert_eq!(json["limit_bytes"], 64 * MIB);
+}
+
+#[test]
+fn a_pytorch_model_is_compared_but_never_recommended() {
+    // 4 KiB allocations: the caching model packs them into one 2 MiB small-pool segment, as the
+    // plain pool does; only the model ran, so nothing is recommended.
+    let trace = log(&[("allocate", 0x1000, 4096), ("allocate", 0x2000, 4096), ("free", 0x1000, 4096)]);
+    let analysis = analyse(&trace).unwrap();
+    let options = ReplayOptions::new(1 << 30);
+    let results = replay(&trace, &analysis, &select("torch-caching").unwrap(), &options, &Silent).unwrap();
+    assert_eq!(results[0].run.peak_reserved_bytes, 2 * MIB);
+    assert_eq!(recommended(&results), None);
+    let limit = limit(&analysis).unwrap();
+    let json =
+        serde_json::to_value(replay_json(&inspect(&trace, &analysis), options.capacity, &results, &limit)).unwrap();
+    assert_eq!(json["results"][0]["kind"], "torch-model");
+    assert_eq!(json["recommended"], serde_json::Value::Null);
+    assert_eq!(json["limit_bytes"], 8192);
+    // With the strategies beside it, the least steppool peak is recommended.
+    let results = replay(&trace, &analysis, &select("all").unwrap(), &options, &Silent).unwrap();
+    assert_eq!(recommended(&results), Some("default-pool"));
 }
