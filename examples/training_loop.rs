@@ -1,7 +1,9 @@
 //! A training loop, run twice on the same allocation events: once on one default pool as plain
 //! `cudaMallocAsync` users do, once with steppool's phases. It prints a line per step and a
 //! side-by-side table: peak used, peak reserved, fragmentation ratio, and whether the run fits the
-//! device capacity.
+//! device capacity; beside the two runs, the same events through the models of PyTorch's caching
+//! allocator (default and `expandable_segments:True`, as `steppool replay` runs them) and the
+//! offline limit (every allocation's lifetime known, packed by `steppool_trace::packing`).
 //!
 //! ```text
 //! cargo run --release --example training_loop -- [--steps 8] [--capacity 24GiB] [--micro-batches 4]
@@ -31,7 +33,11 @@ use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverError, Driv
 use steppool::telemetry::json::JsonLines;
 use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
 use steppool_examples::{Lifetime, StepPlan, TransformerConfig, Workload, path_for, peak_live};
+use steppool_trace::packing::{Block, is_valid, pack};
 use steppool_trace::{Event, EventKind};
+
+// The models of PyTorch's allocator are the ones `steppool replay` runs.
+use steppool_cli::torch::{TorchAllocator, TorchMode};
 
 const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
      [--seed N] [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]";
@@ -490,11 +496,24 @@ fn main() -> ExitCode {
             }
         }
     }
+    let caching = modelled(TorchMode::Caching, &setup, &plans, options.capacity);
+    let expandable = modelled(TorchMode::Expandable, &setup, &plans, options.capacity);
+    let limit = match offline_limit(&setup, &plans) {
+        Ok(limit) => limit,
+        Err(error) => {
+            eprintln!("training_loop: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let (plain, phased) = (&runs[0], &runs[1]);
+    let columns = [plain, phased, &caching, &expandable, &limit];
 
     println!();
-    println!("{:<22} {:>30} {:>20}", "", plain.name, phased.name);
-    let row = |label: &str, f: &dyn Fn(&Run) -> String| println!("{label:<22} {:>30} {:>20}", f(plain), f(phased));
+    let line = |label: &str, cells: Vec<String>| {
+        println!("{label:<22} {:>24} {:>20} {:>20} {:>20} {:>20}", cells[0], cells[1], cells[2], cells[3], cells[4])
+    };
+    line("", columns.iter().map(|r| r.name.to_owned()).collect());
+    let row = |label: &str, f: &dyn Fn(&Run) -> String| line(label, columns.iter().map(|r| f(r)).collect());
     row("peak used", &|r| Bytes(r.peak_used()).to_string());
     row("peak reserved", &|r| Bytes(r.peak_reserved()).to_string());
     row("fragmentation ratio", &|r| {
@@ -508,5 +527,98 @@ fn main() -> ExitCode {
         None if r.peak_reserved() > options.capacity => "exceeds capacity".to_owned(),
         None => format!("completed {} steps", r.steps.len()),
     });
+    println!();
+    for run in [&caching, &expandable, &limit] {
+        println!("{:<22} {}", run.name, run.about);
+    }
     ExitCode::SUCCESS
+}
+
+/// Every allocation and free of the run, in order, with the step each belongs to (0 for the
+/// setup, which the first step's numbers include).
+fn all_events<'a>(setup: &'a [Event], plans: &'a [StepPlan]) -> impl Iterator<Item = (usize, &'a Event)> {
+    let steps = plans.iter().enumerate().flat_map(|(index, plan)| plan.events.iter().map(move |e| (index, e)));
+    setup.iter().map(|e| (0, e)).chain(steps)
+}
+
+/// The run's events through a model of PyTorch's caching allocator on a device of `capacity`.
+fn modelled(mode: TorchMode, setup: &[Event], plans: &[StepPlan], capacity: u64) -> Run {
+    let (name, about) = match mode {
+        TorchMode::Caching => ("torch-caching", "model of PyTorch's native caching allocator, default settings"),
+        TorchMode::Expandable => ("torch-expandable", "model of PyTorch's caching allocator, expandable_segments:True"),
+    };
+    let mut run = Run { name, about, steps: Vec::new(), oom: None };
+    let mut model = TorchAllocator::new(mode, capacity);
+    let mut addresses: HashMap<u64, u64> = HashMap::new();
+    let (mut live, mut step) = (0u64, (0u64, 0u64));
+    for (index, event) in all_events(setup, plans) {
+        while run.steps.len() < index {
+            run.steps.push((plans[run.steps.len()].sequences.clone(), step.0, step.1));
+            step = (live, model.reserved());
+        }
+        match event.kind {
+            EventKind::Alloc => match model.alloc(event.bytes, 0) {
+                Ok(addr) => {
+                    addresses.insert(event.ptr, addr);
+                    live += event.bytes;
+                    step = (step.0.max(live), step.1.max(model.reserved()));
+                }
+                Err(oom) => {
+                    let verdict = if live + event.bytes <= capacity { "fragmentation" } else { "demand" };
+                    let why = format!(
+                        "{} bytes requested with {} reserved; verdict: {verdict}",
+                        oom.requested,
+                        Bytes(oom.reserved)
+                    );
+                    run.oom = Some((index, why));
+                    return run;
+                }
+            },
+            EventKind::Free { .. } => {
+                model.free(addresses.remove(&event.ptr).expect("the workload frees only what it allocated"));
+                live -= event.bytes;
+            }
+            _ => {}
+        }
+    }
+    while run.steps.len() < plans.len() {
+        run.steps.push((plans[run.steps.len()].sequences.clone(), step.0, step.1));
+        step = (live, model.reserved());
+    }
+    run
+}
+
+/// The offline limit: every allocation of the run (512-byte aligned, with its lifetime) packed by
+/// the best of the packer's greedy orders, checked free of overlaps, as `steppool replay` prints
+/// it. Its "peak reserved" is the packing's size, the same for every step; the table says when it
+/// exceeds the capacity.
+fn offline_limit(setup: &[Event], plans: &[StepPlan]) -> Result<Run, String> {
+    let mut blocks: Vec<Block> = Vec::new();
+    let mut open: HashMap<u64, usize> = HashMap::new();
+    let mut step_live = vec![0u64; plans.len().max(1)];
+    let mut live = 0u64;
+    for (position, (index, event)) in all_events(setup, plans).enumerate() {
+        let position = u32::try_from(position).map_err(|_| "too many events to pack".to_owned())?;
+        match event.kind {
+            EventKind::Alloc => {
+                open.insert(event.ptr, blocks.len());
+                let size = event.bytes.max(1).next_multiple_of(512);
+                blocks.push(Block { size, start: position, end: Block::NEVER_FREED });
+                live += event.bytes;
+                step_live[index] = step_live[index].max(live);
+            }
+            EventKind::Free { .. } => {
+                let block = open.remove(&event.ptr).ok_or("a free of an allocation never made")?;
+                blocks[block].end = position;
+                live -= event.bytes;
+            }
+            _ => {}
+        }
+    }
+    let packing = pack(&blocks);
+    if !is_valid(&blocks, &packing) {
+        return Err(format!("the offline packing of {} allocations overlaps", blocks.len()));
+    }
+    let steps = plans.iter().zip(step_live).map(|(plan, used)| (plan.sequences.clone(), used, packing.size)).collect();
+    Ok(Run { name: "offline limit", about: "every lifetime known in advance, packed offline", steps, oom: None })
 }

@@ -15,7 +15,9 @@
 //! The pipeline is [`read::read_trace`] (format by content, steps from the trace, a sidecar, or
 //! [inference](steps)), [`analysis::analyse`] (lifetimes, scopes, phases, operations, live bytes),
 //! then [`replay::replay`] (the real runtime on the simulated device, with bisection for the
-//! smallest capacity) and [`report`] (tables, JSON, [SVG](svg)). `convert` is
+//! smallest capacity, and the [models of PyTorch's allocator](torch) beside it), the
+//! [breakdown] of each run's overhead at its peak, the offline [limit], and [`report`] (tables,
+//! JSON, [SVG](svg)). `convert` is
 //! [`read::read_trace`] then [`jsonl::write`](steppool_trace::jsonl::write): JSON lines with the trace's step
 //! boundaries, which `replay` reads back.
 //!
@@ -35,12 +37,15 @@
 //! # Ok(()) }
 //! ```
 
+pub mod breakdown;
 pub mod error;
+pub mod limit;
 pub mod patterns;
 pub mod replay;
 pub mod report;
 pub mod svg;
 pub mod synth;
+pub mod torch;
 
 pub use error::{ReplayError, Result};
 /// The trace model, its readers, step inference and the lifetime analysis live in

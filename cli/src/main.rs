@@ -39,8 +39,9 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
     },
-    /// Replay the trace under each strategy and print peak reserved, overhead, fragmentation,
-    /// the outcome at the capacity, and the smallest capacity that completes.
+    /// Replay the trace under each strategy and each model of PyTorch's allocator and print peak
+    /// reserved, overhead (whole run and steady), the distance to the offline limit, the outcome
+    /// at the capacity, the smallest capacity that completes, and where the overhead goes.
     Replay {
         /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace.
         trace: PathBuf,
@@ -48,7 +49,8 @@ enum Command {
         /// 80 GiB.
         #[arg(long, value_name = "SIZE", value_parser = size)]
         capacity: Option<u64>,
-        /// A strategy (default-pool, phase-pools, arena, planned) or `all`.
+        /// A strategy (default-pool, phase-pools, arena, planned), a model of PyTorch's allocator
+        /// (torch-caching, torch-expandable), or `all`.
         #[arg(long, value_name = "NAME", default_value = "all")]
         strategy: String,
         /// Arena slab size; default: an eighth of each phase's peak live bytes, 2 MiB to 256 MiB.
@@ -164,12 +166,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let progress = Progress::new(analysis.ops.len() as u64);
             let results = replay::replay(&trace, &analysis, &strategies, &options, &progress)?;
             progress.bar.finish_and_clear();
-            let mut text = report::replay_table(&inspection, capacity, &results);
+            let limit = steppool_cli::limit::limit(&analysis)?;
+            let mut text = report::replay_table(&inspection, capacity, &results, &limit);
             text.push('\n');
             for def in &strategies {
-                text += &format!("{:<14} {}\n", def.name, def.summary);
+                text += &format!("{:<17} {}\n", def.name(), def.summary());
             }
-            if strategies.iter().any(|s| s.name == "arena") {
+            if strategies.iter().any(|s| s.name() == "arena") {
                 let slabs: Vec<String> = analysis
                     .phases
                     .iter()
@@ -180,12 +183,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     })
                     .collect();
                 if !slabs.is_empty() {
-                    text += &format!("{:<14} arena slabs: {}\n", "", slabs.join(", "));
+                    text += &format!("{:<17} arena slabs: {}\n", "", slabs.join(", "));
                 }
             }
             out(&text)?;
             if let Some(path) = json {
-                let document = report::replay_json(&inspection, capacity, &results);
+                let document = report::replay_json(&inspection, capacity, &results, &limit);
                 write(&path, serde_json::to_string_pretty(&document)? + "\n")?;
             }
             if let Some(path) = svg {

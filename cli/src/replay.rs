@@ -22,16 +22,36 @@
 //! device) and one known to complete (the peak reservation of a completed run, which replays
 //! identically on a device that size), and assumes, as RMM's replay benchmark does, that a
 //! larger device never fails where a smaller one completes.
+//!
+//! **Steady peak** is the same maximum taken from the second step's beginning on (the
+//! reservation it starts with included), over the live bytes' maximum over the same stretch:
+//! what a long run settles at once the first step's warm-up has shaped its pools. A trace with
+//! fewer than two steps has none.
+//!
+//! **Breakdown**: once a run completes, the replay runs again up to the peak moment defined in
+//! [`breakdown`](crate::breakdown) and reads the layout there: through
+//! [`Runtime::pool_handle`] and the simulated device's
+//! [`pool_layout`](steppool::sys::sim::Sim::pool_layout) for steppool's strategies (every pool of
+//! every phase and stream, its segments, with the live allocations at the addresses the runtime
+//! returned), and from the model's own blocks for the PyTorch models. Replays are deterministic,
+//! so the second run reaches the same state.
+//!
+//! **PyTorch models** ([`TORCH_MODELS`]) replay the same operations through
+//! [`TorchAllocator`], one per device of the same capacity, with
+//! no step boundaries (PyTorch has none); they are compared, never recommended.
 
 use std::collections::HashMap;
 
+use steppool::sys::CUmemoryPool;
 use steppool::sys::sim::{DEFAULT_GRANULE, MAX_CAPACITY, SimConfig};
 use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, Verdict, fragmentation_ratio};
 
 use steppool_trace::analysis::{Analysis, Op, PhaseFacts, ReplayPhase, location_of};
 use steppool_trace::{Location, Trace};
 
+use crate::breakdown::{Breakdown, Live, Range, Snapshot, breakdown};
 use crate::error::{ReplayError, Result};
+use crate::torch::{TorchAllocator, TorchMode};
 
 /// How a strategy lays out the trace's phases: the runtime phase spec for each replay phase.
 /// Replay phases given specs of the same name share one runtime phase.
@@ -108,13 +128,72 @@ pub fn default_slab(facts: &PhaseFacts) -> u64 {
     (facts.peak_live / 8).next_multiple_of(DEFAULT_GRANULE).clamp(DEFAULT_GRANULE, 256 << 20)
 }
 
-/// The strategies `name` selects: one by name, or `all`.
-pub fn select(name: &str) -> Result<Vec<&'static StrategyDef>> {
-    if name == "all" {
-        return Ok(STRATEGIES.iter().collect());
+/// A model of PyTorch's caching allocator the replay compares with.
+#[derive(Clone, Copy, Debug)]
+pub struct TorchDef {
+    /// Its name on the command line and in reports.
+    pub name: &'static str,
+    /// One line on what it models.
+    pub summary: &'static str,
+    /// The configuration modelled.
+    pub mode: TorchMode,
+}
+
+/// The PyTorch models, in report order, after the strategies.
+pub const TORCH_MODELS: &[TorchDef] = &[
+    TorchDef {
+        name: "torch-caching",
+        summary: "model of PyTorch's native caching allocator, default settings (2/20 MiB segments, best fit, splits)",
+        mode: TorchMode::Caching,
+    },
+    TorchDef {
+        name: "torch-expandable",
+        summary: "model of PyTorch's caching allocator with expandable_segments:True (one growing segment per stream and pool)",
+        mode: TorchMode::Expandable,
+    },
+];
+
+/// What a replay runs: one of steppool's strategies, or a PyTorch model.
+#[derive(Clone, Copy, Debug)]
+pub enum Allocator {
+    /// A steppool strategy, through the runtime on the simulated device.
+    Steppool(&'static StrategyDef),
+    /// A model of PyTorch's allocator.
+    Torch(&'static TorchDef),
+}
+
+impl Allocator {
+    /// Its name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Allocator::Steppool(def) => def.name,
+            Allocator::Torch(def) => def.name,
+        }
     }
-    STRATEGIES.iter().find(|s| s.name == name).map(|s| vec![s]).ok_or_else(|| {
-        let names: Vec<&str> = STRATEGIES.iter().map(|s| s.name).collect();
+
+    /// One line on what it does.
+    pub fn summary(&self) -> &'static str {
+        match self {
+            Allocator::Steppool(def) => def.summary,
+            Allocator::Torch(def) => def.summary,
+        }
+    }
+
+    /// Whether it is a model of PyTorch (never recommended).
+    pub fn is_torch(&self) -> bool {
+        matches!(self, Allocator::Torch(_))
+    }
+}
+
+/// What `name` selects: a strategy or a PyTorch model by name, or `all` (every strategy, then
+/// the models).
+pub fn select(name: &str) -> Result<Vec<Allocator>> {
+    let all = STRATEGIES.iter().map(Allocator::Steppool).chain(TORCH_MODELS.iter().map(Allocator::Torch));
+    if name == "all" {
+        return Ok(all.collect());
+    }
+    all.clone().find(|a| a.name() == name).map(|a| vec![a]).ok_or_else(|| {
+        let names: Vec<&str> = all.map(|a| a.name()).collect();
         ReplayError::Invalid(format!("no strategy `{name}`: choose one of {}, or all", names.join(", ")))
     })
 }
@@ -213,6 +292,14 @@ pub struct Run {
     pub device_peak_reserved: Vec<u64>,
     /// The highest sum of live bytes the replay saw.
     pub peak_live_bytes: u64,
+    /// The highest sum of reserved bytes from the second step's beginning on; `None` with fewer
+    /// than two steps.
+    pub steady_peak_reserved_bytes: Option<u64>,
+    /// The highest sum of live bytes over the same stretch.
+    pub steady_peak_live_bytes: Option<u64>,
+    /// The index in [`Analysis::ops`] of the peak moment's allocation (see
+    /// [`breakdown`](crate::breakdown)); `None` when nothing was allocated.
+    pub peak_op: Option<usize>,
     /// Live and reserved bytes over the run.
     pub timeline: Timeline,
 }
@@ -235,6 +322,8 @@ pub struct StrategyResult {
     pub min_capacity_bytes: Option<u64>,
     /// Runs the bisection took.
     pub bisection_runs: u32,
+    /// Where peak reserved − peak live goes, for a run that completed.
+    pub breakdown: Option<Breakdown>,
 }
 
 impl StrategyResult {
@@ -247,24 +336,85 @@ impl StrategyResult {
     pub fn fragmentation_ratio(&self) -> f64 {
         fragmentation_ratio(self.peak_live_bytes, self.run.peak_reserved_bytes)
     }
+
+    /// Steady peak reserved / steady peak live; `None` with fewer than two steps.
+    pub fn steady_overhead(&self) -> Option<f64> {
+        let reserved = self.run.steady_peak_reserved_bytes?;
+        let live = self.run.steady_peak_live_bytes?;
+        Some(if live == 0 { 1.0 } else { reserved as f64 / live as f64 })
+    }
 }
 
-/// Replays `analysis` of `trace` under each of `strategies`: a run at the chosen capacity, then
-/// (if asked) the bisection for the smallest capacity.
+/// The strategy a replay recommends: of steppool's strategies (never a PyTorch model) whose run
+/// completed, the one with the least whole-run peak reserved, the earlier in report order on
+/// ties; `None` when none completed.
+pub fn recommended(results: &[StrategyResult]) -> Option<&'static str> {
+    results
+        .iter()
+        .filter(|r| r.run.completed() && !is_torch(r.run.strategy))
+        .min_by_key(|r| r.run.peak_reserved_bytes)
+        .map(|r| r.run.strategy)
+}
+
+/// Whether `name` is one of the PyTorch models.
+pub fn is_torch(name: &str) -> bool {
+    TORCH_MODELS.iter().any(|m| m.name == name)
+}
+
+/// Replays `analysis` of `trace` under each of `allocators`: a run at the chosen capacity, the
+/// breakdown at its peak if it completed, then (if asked) the bisection for the smallest capacity.
 pub fn replay(
     trace: &Trace,
     analysis: &Analysis,
-    strategies: &[&'static StrategyDef],
+    allocators: &[Allocator],
     options: &ReplayOptions,
     observer: &dyn Observer,
 ) -> Result<Vec<StrategyResult>> {
-    strategies
+    allocators
         .iter()
-        .map(|def| {
-            let run = run(trace, analysis, def, options.capacity, options, observer)?;
-            let (min_capacity_bytes, bisection_runs) =
-                if options.bisect { min_capacity(trace, analysis, def, options, &run, observer)? } else { (None, 0) };
-            Ok(StrategyResult { run, peak_live_bytes: analysis.peak_live_bytes, min_capacity_bytes, bisection_runs })
+        .map(|&allocator| {
+            let run = run(trace, analysis, allocator, options.capacity, options, observer)?;
+            let breakdown = match (run.completed(), run.peak_op) {
+                (false, _) => None,
+                // Nothing allocated: nothing reserved, nothing live.
+                (true, None) => Some(Breakdown::default()),
+                (true, Some(peak_op)) => match run_probed(
+                    trace,
+                    analysis,
+                    allocator,
+                    options.capacity,
+                    options,
+                    observer,
+                    Some(peak_op),
+                )?
+                .1
+                {
+                    Some(snapshot) if snapshot.reserved == run.peak_reserved_bytes => {
+                        Some(breakdown(&snapshot, analysis.peak_live_bytes))
+                    }
+                    other => {
+                        return Err(ReplayError::Invalid(format!(
+                            "`{}` replayed again to its peak (operation {}) reserved {:?} bytes, not {}: the replay is not deterministic",
+                            allocator.name(),
+                            peak_op,
+                            other.map(|s| s.reserved),
+                            run.peak_reserved_bytes
+                        )));
+                    }
+                },
+            };
+            let (min_capacity_bytes, bisection_runs) = if options.bisect {
+                min_capacity(trace, analysis, allocator, options, &run, observer)?
+            } else {
+                (None, 0)
+            };
+            Ok(StrategyResult {
+                run,
+                peak_live_bytes: analysis.peak_live_bytes,
+                min_capacity_bytes,
+                bisection_runs,
+                breakdown,
+            })
         })
         .collect()
 }
@@ -274,7 +424,7 @@ pub fn replay(
 pub fn min_capacity(
     trace: &Trace,
     analysis: &Analysis,
-    def: &'static StrategyDef,
+    def: Allocator,
     options: &ReplayOptions,
     known: &Run,
     observer: &dyn Observer,
@@ -311,23 +461,96 @@ pub fn min_capacity(
     Ok((Some(hi * granule), runs))
 }
 
-/// Replays `analysis` under `def` on devices of `capacity` bytes, stopping at the first allocation
-/// the runtime cannot serve.
+/// Replays `analysis` under `allocator` on devices of `capacity` bytes, stopping at the first
+/// allocation it cannot serve.
 pub fn run(
+    trace: &Trace,
+    analysis: &Analysis,
+    allocator: Allocator,
+    capacity: u64,
+    options: &ReplayOptions,
+    observer: &dyn Observer,
+) -> Result<Run> {
+    run_probed(trace, analysis, allocator, capacity, options, observer, None).map(|(run, _)| run)
+}
+
+/// As [`run`]; with `probe`, the run stops after that operation and returns the layout there.
+pub fn run_probed(
+    trace: &Trace,
+    analysis: &Analysis,
+    allocator: Allocator,
+    capacity: u64,
+    options: &ReplayOptions,
+    observer: &dyn Observer,
+    probe: Option<usize>,
+) -> Result<(Run, Option<Snapshot>)> {
+    match allocator {
+        Allocator::Steppool(def) => run_steppool(trace, analysis, def, capacity, options, observer, probe),
+        Allocator::Torch(def) => Ok(run_torch(trace, analysis, def, capacity, options, observer, probe)),
+    }
+}
+
+/// The devices a replay of `analysis` needs.
+fn device_count(trace: &Trace, analysis: &Analysis) -> usize {
+    analysis
+        .streams
+        .iter()
+        .map(|&(device, _)| device as usize + 1)
+        .chain(trace.devices.iter().map(|d| d.ordinal as usize + 1))
+        .max()
+        .unwrap_or(1)
+}
+
+/// The maxima a run tracks: whole-run and steady peaks and the peak moment.
+#[derive(Debug, Default)]
+struct Peaks {
+    reserved: u64,
+    live: u64,
+    /// The peak moment's operation and the live bytes then.
+    op: Option<usize>,
+    op_live: u64,
+    /// Steps begun so far; the steady stretch starts with the second.
+    steps: u32,
+    steady: Option<(u64, u64)>,
+}
+
+impl Peaks {
+    /// After allocation `op`, with `reserved` and `live` bytes.
+    fn allocated(&mut self, op: usize, reserved: u64, live: u64) {
+        self.live = self.live.max(live);
+        if self.op.is_none() || reserved > self.reserved || (reserved == self.reserved && live > self.op_live) {
+            (self.op, self.op_live) = (Some(op), live);
+        }
+        self.reserved = self.reserved.max(reserved);
+        self.sampled(reserved, live);
+    }
+
+    /// Any other sample.
+    fn sampled(&mut self, reserved: u64, live: u64) {
+        if let Some((r, l)) = &mut self.steady {
+            *r = (*r).max(reserved);
+            *l = (*l).max(live);
+        }
+    }
+
+    fn step_begun(&mut self, reserved: u64, live: u64) {
+        self.steps += 1;
+        if self.steps == 2 {
+            self.steady = Some((reserved, live));
+        }
+    }
+}
+
+fn run_steppool(
     trace: &Trace,
     analysis: &Analysis,
     def: &'static StrategyDef,
     capacity: u64,
     options: &ReplayOptions,
     observer: &dyn Observer,
-) -> Result<Run> {
-    let device_count = analysis
-        .streams
-        .iter()
-        .map(|&(device, _)| device as usize + 1)
-        .chain(trace.devices.iter().map(|d| d.ordinal as usize + 1))
-        .max()
-        .unwrap_or(1);
+    probe: Option<usize>,
+) -> Result<(Run, Option<Snapshot>)> {
+    let device_count = device_count(trace, analysis);
     let config = SimConfig { capacities: vec![capacity; device_count], ..SimConfig::with_capacity(capacity) };
     config.validate().map_err(|e| ReplayError::Invalid(format!("capacity {capacity} bytes: {e}")))?;
     let at = |event: usize, source: Error| ReplayError::Runtime {
@@ -376,9 +599,14 @@ pub fn run(
         .map_err(|e| at(0, e))?;
     let mut reserved = vec![0u64; device_count];
     let mut device_peak_reserved = vec![0u64; device_count];
-    let (mut total_reserved, mut peak_reserved) = (0u64, 0u64);
-    let (mut live, mut peak_live) = (0u64, 0u64);
+    let mut total_reserved = 0u64;
+    let mut live = 0u64;
+    let mut peaks = Peaks::default();
     let mut pointers = vec![0u64; analysis.allocations.len()];
+    let mut alive = vec![false; analysis.allocations.len()];
+    // Allocations the step's end releases before the trace frees them: no longer in the layout.
+    let mut released_by_boundary: Vec<u32> = Vec::new();
+    let mut snapshot = None;
     let mut timeline = Timeline::new(trace.events.len(), options.timeline_points);
     let mut failure = None;
 
@@ -407,7 +635,13 @@ pub fn run(
                 let result =
                     unsafe { runtime.raw().alloc(phase, allocation.bytes, &streams[usize::from(allocation.stream)]) };
                 match result {
-                    Ok(ptr) => pointers[id as usize] = ptr,
+                    Ok(ptr) => {
+                        pointers[id as usize] = ptr;
+                        alive[id as usize] = true;
+                        if allocation.released_at_boundary && !persistent[usize::from(allocation.phase)] {
+                            released_by_boundary.push(id);
+                        }
+                    }
                     Err(error @ (Error::OutOfMemory(_) | Error::ExceedsDevice { .. })) => {
                         let verdict = error.oom_report().map_or(Verdict::Demand, |report| report.verdict);
                         failure = Some(Failure {
@@ -423,15 +657,23 @@ pub fn run(
                     Err(other) => return Err(at(event, other)),
                 }
                 live += allocation.bytes;
-                peak_live = peak_live.max(live);
                 let device = allocation.device as usize;
                 sample(device, &mut reserved, &mut device_peak_reserved, &mut total_reserved, event)?;
-                peak_reserved = peak_reserved.max(total_reserved);
+                peaks.allocated(done, total_reserved, live);
                 timeline.record(event, live, total_reserved);
+                if probe == Some(done) {
+                    snapshot = Some(
+                        steppool_snapshot(&runtime, &streams, analysis, &pointers, &alive, id, total_reserved)
+                            .map_err(|e| at(event, e))?,
+                    );
+                    break;
+                }
             }
             Op::Free(id) => {
                 let allocation = &analysis.allocations[id as usize];
                 live -= allocation.bytes;
+                alive[id as usize] = false;
+                peaks.sampled(total_reserved, live);
                 if !allocation.released_at_boundary || persistent[usize::from(allocation.phase)] {
                     // SAFETY: as for the allocation: nothing uses simulated memory.
                     unsafe { runtime.raw().free(pointers[id as usize]) }.map_err(|e| at(event, e))?;
@@ -440,6 +682,7 @@ pub fn run(
             }
             Op::BeginStep => {
                 runtime.raw().begin_step().map_err(|e| at(event, e))?;
+                peaks.step_begun(total_reserved, live);
             }
             Op::BeginMicro => {
                 runtime.raw().begin_micro_step().map_err(|e| at(event, e))?;
@@ -462,21 +705,207 @@ pub fn run(
                     }
                 };
                 ended.map_err(|e| at(event, e))?;
+                if op == Op::EndStep {
+                    released_by_boundary.drain(..).for_each(|id| alive[id as usize] = false);
+                }
                 for device in 0..device_count {
                     sample(device, &mut reserved, &mut device_peak_reserved, &mut total_reserved, event)?;
                 }
+                peaks.sampled(total_reserved, live);
                 timeline.record(event.min(trace.events.len().saturating_sub(1)), live, total_reserved);
             }
         }
     }
     observer.advance((analysis.ops.len() % REPORT_EVERY) as u64);
-    Ok(Run {
+    let run = Run {
         strategy: def.name,
         capacity,
         failure,
-        peak_reserved_bytes: peak_reserved,
+        peak_reserved_bytes: peaks.reserved,
         device_peak_reserved,
-        peak_live_bytes: peak_live,
+        peak_live_bytes: peaks.live,
+        steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
+        steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
+        peak_op: peaks.op,
         timeline,
-    })
+    };
+    Ok((run, snapshot))
+}
+
+/// The layout of every pool of `runtime` (every phase on every stream) with the live allocations,
+/// after allocation `last` brought the reservation to `reserved`.
+fn steppool_snapshot(
+    runtime: &Runtime,
+    streams: &[steppool::Stream],
+    analysis: &Analysis,
+    pointers: &[u64],
+    alive: &[bool],
+    last: u32,
+    reserved: u64,
+) -> steppool::Result<Snapshot> {
+    let sim = runtime.driver().sim().expect("a replay runs on the simulated device");
+    let granule = sim.config().granule;
+    let mut pools: HashMap<CUmemoryPool, usize> = HashMap::new();
+    let mut ranges = Vec::new();
+    for (phase, _) in runtime.phases() {
+        for stream in streams {
+            let Some(handle) = runtime.pool_handle(phase, stream)? else { continue };
+            if pools.contains_key(&handle) {
+                continue;
+            }
+            let pool = pools.len();
+            pools.insert(handle, pool);
+            let Some(layout) = sim.pool_layout(handle) else { continue };
+            ranges.extend(layout.segments.iter().map(|&(base, size)| Range {
+                device: layout.device as u32,
+                base,
+                size,
+                granule,
+                pool,
+            }));
+        }
+    }
+    let live = analysis
+        .allocations
+        .iter()
+        .enumerate()
+        .filter(|&(id, _)| alive[id])
+        .map(|(id, a)| Live {
+            device: a.device,
+            addr: pointers[id],
+            footprint: a.bytes.max(1).next_multiple_of(crate::limit::ALIGNMENT),
+            requested: a.bytes,
+        })
+        .collect();
+    let peak = &analysis.allocations[last as usize];
+    Ok(Snapshot { reserved, ranges, live, peak_allocation: (peak.device, pointers[last as usize]) })
+}
+
+/// Replays `analysis` through models of PyTorch's allocator, one per device.
+fn run_torch(
+    trace: &Trace,
+    analysis: &Analysis,
+    def: &'static TorchDef,
+    capacity: u64,
+    options: &ReplayOptions,
+    observer: &dyn Observer,
+    probe: Option<usize>,
+) -> (Run, Option<Snapshot>) {
+    let device_count = device_count(trace, analysis);
+    let mut models: Vec<TorchAllocator> = (0..device_count).map(|_| TorchAllocator::new(def.mode, capacity)).collect();
+    let mut device_peak_reserved = vec![0u64; device_count];
+    let mut device_live = vec![0u64; device_count];
+    let mut live = 0u64;
+    let mut peaks = Peaks::default();
+    let mut pointers = vec![0u64; analysis.allocations.len()];
+    let mut alive = vec![false; analysis.allocations.len()];
+    let mut timeline = Timeline::new(trace.events.len(), options.timeline_points);
+    let (mut failure, mut snapshot) = (None, None);
+    let total = |models: &[TorchAllocator]| models.iter().map(TorchAllocator::reserved).sum::<u64>();
+    observer.start(def.name, capacity, analysis.ops.len() as u64);
+    for (done, &(event, op)) in analysis.ops.iter().enumerate() {
+        match op {
+            Op::Alloc(id) => {
+                let allocation = &analysis.allocations[id as usize];
+                let device = allocation.device as usize;
+                match models[device].alloc(allocation.bytes, allocation.stream) {
+                    Ok(ptr) => {
+                        pointers[id as usize] = ptr;
+                        alive[id as usize] = true;
+                    }
+                    Err(oom) => {
+                        let fits = device_live[device] + allocation.bytes <= capacity;
+                        let verdict = if fits { Verdict::Fragmentation } else { Verdict::Demand };
+                        failure = Some(Failure {
+                            event,
+                            location: location_of(trace, event),
+                            requested: allocation.bytes,
+                            phase: String::new(),
+                            verdict,
+                            message: format!(
+                                "{}: {} bytes requested with {} reserved and {} live on a device of {capacity}",
+                                def.name, oom.requested, oom.reserved, device_live[device]
+                            ),
+                        });
+                        break;
+                    }
+                }
+                live += allocation.bytes;
+                device_live[device] += allocation.bytes;
+                device_peak_reserved[device] = device_peak_reserved[device].max(models[device].reserved());
+                let reserved = total(&models);
+                peaks.allocated(done, reserved, live);
+                timeline.record(event, live, reserved);
+                if probe == Some(done) {
+                    snapshot = Some(torch_snapshot(&models, analysis, &pointers, &alive, id, reserved));
+                    break;
+                }
+            }
+            Op::Free(id) => {
+                let allocation = &analysis.allocations[id as usize];
+                models[allocation.device as usize].free(pointers[id as usize]);
+                alive[id as usize] = false;
+                live -= allocation.bytes;
+                device_live[allocation.device as usize] -= allocation.bytes;
+                peaks.sampled(total(&models), live);
+                timeline.record(event, live, total(&models));
+            }
+            Op::BeginStep => peaks.step_begun(total(&models), live),
+            Op::EndStep | Op::BeginMicro | Op::EndMicro => {}
+        }
+    }
+    observer.advance(analysis.ops.len() as u64);
+    let run = Run {
+        strategy: def.name,
+        capacity,
+        failure,
+        peak_reserved_bytes: peaks.reserved,
+        device_peak_reserved,
+        peak_live_bytes: peaks.live,
+        steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
+        steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
+        peak_op: peaks.op,
+        timeline,
+    };
+    (run, snapshot)
+}
+
+/// The models' reserved ranges, each stream's small and large pool apart, with the live blocks.
+fn torch_snapshot(
+    models: &[TorchAllocator],
+    analysis: &Analysis,
+    pointers: &[u64],
+    alive: &[bool],
+    last: u32,
+    reserved: u64,
+) -> Snapshot {
+    let mut pools: HashMap<(usize, (u16, bool)), usize> = HashMap::new();
+    let mut ranges = Vec::new();
+    for (device, model) in models.iter().enumerate() {
+        for range in model.reserved_ranges() {
+            let next = pools.len();
+            let pool = *pools.entry((device, range.pool)).or_insert(next);
+            ranges.push(Range {
+                device: device as u32,
+                base: range.base,
+                size: range.size,
+                granule: range.granule,
+                pool,
+            });
+        }
+    }
+    let live = analysis
+        .allocations
+        .iter()
+        .enumerate()
+        .filter(|&(id, _)| alive[id])
+        .map(|(id, a)| Live {
+            device: a.device,
+            addr: pointers[id],
+            footprint: models[a.device as usize].block_size(pointers[id]).unwrap_or(a.bytes),
+            requested: a.bytes,
+        })
+        .collect();
+    let peak = &analysis.allocations[last as usize];
+    Snapshot { reserved, ranges, live, peak_allocation: (peak.device, pointers[last as usize]) }
 }

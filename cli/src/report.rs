@@ -11,7 +11,9 @@ use steppool_sys::sim::DEFAULT_GRANULE;
 use steppool_trace::analysis::Analysis;
 use steppool_trace::{EventKind, StepSource, Trace};
 
-use crate::replay::StrategyResult;
+use crate::breakdown::Breakdown;
+use crate::limit::Limit;
+use crate::replay::{StrategyResult, is_torch, recommended};
 
 /// One bucket of the size histogram: allocations of more than `above_bytes` and at most
 /// `up_to_bytes`.
@@ -285,17 +287,29 @@ fn abbreviate(items: &[String]) -> String {
     }
 }
 
-/// One strategy in `steppool replay --json`.
+/// One strategy (or PyTorch model) in `steppool replay --json`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ResultJson {
     /// The strategy.
     pub strategy: &'static str,
+    /// `steppool` for the runtime's strategies, `torch-model` for the models of PyTorch's
+    /// allocator.
+    pub kind: &'static str,
     /// Peak reserved bytes at the chosen capacity (up to the failure, if one happened).
     pub peak_reserved_bytes: u64,
     /// Peak reserved / peak live.
     pub overhead: f64,
     /// `1 - peak live / peak reserved`.
     pub fragmentation_ratio: f64,
+    /// Peak reserved from the second step's beginning on; null with fewer than two steps.
+    pub steady_peak_reserved_bytes: Option<u64>,
+    /// Steady peak reserved / peak live over the same steps; null with fewer than two steps.
+    pub steady_overhead: Option<f64>,
+    /// Peak reserved − the offline limit (`limit_bytes`).
+    pub limit_distance_bytes: i64,
+    /// Where peak reserved − peak live goes (see the breakdown's definitions); null for a run
+    /// that did not complete.
+    pub breakdown: Option<Breakdown>,
     /// Whether the replay completed at the chosen capacity.
     pub completed: bool,
     /// The smallest capacity per device that completes (to the 2 MiB granule); null when none
@@ -314,7 +328,7 @@ pub struct FailureJson {
     pub location: String,
     /// Bytes requested.
     pub requested_bytes: u64,
-    /// The runtime phase.
+    /// The runtime phase (empty for the PyTorch models).
     pub phase: String,
     /// `fragmentation` or `demand`.
     pub verdict: String,
@@ -335,12 +349,23 @@ pub struct ReplayJson {
     pub steps: u64,
     /// Where the steps came from.
     pub step_source: String,
-    /// One entry per strategy.
+    /// The recommended strategy: of steppool's strategies that completed, the one with the least
+    /// peak reserved (the earlier on ties); never a PyTorch model; null when none completed.
+    pub recommended: Option<&'static str>,
+    /// The offline limit: the whole trace packed per device (512-byte aligned sizes) by the best
+    /// of several greedy orders, checked free of overlaps.
+    pub limit_bytes: u64,
+    /// The peak of 512-byte aligned live bytes per device, summed: no packing is below it.
+    pub limit_lower_bound_bytes: u64,
+    /// Persistent allocations packed apart plus one region reused by every step; null without
+    /// steps.
+    pub per_step_limit_bytes: Option<u64>,
+    /// One entry per strategy, then per PyTorch model.
     pub results: Vec<ResultJson>,
 }
 
 /// The JSON of a replay.
-pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyResult]) -> ReplayJson {
+pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyResult], limit: &Limit) -> ReplayJson {
     ReplayJson {
         trace: inspection.trace.clone(),
         events: inspection.events,
@@ -348,13 +373,22 @@ pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyRe
         capacity_bytes: capacity,
         steps: inspection.steps,
         step_source: inspection.step_source.clone(),
+        recommended: recommended(results),
+        limit_bytes: limit.bytes,
+        limit_lower_bound_bytes: limit.lower_bound_bytes,
+        per_step_limit_bytes: limit.per_step_bytes,
         results: results
             .iter()
             .map(|r| ResultJson {
                 strategy: r.run.strategy,
+                kind: if is_torch(r.run.strategy) { "torch-model" } else { "steppool" },
                 peak_reserved_bytes: r.run.peak_reserved_bytes,
                 overhead: r.overhead(),
                 fragmentation_ratio: r.fragmentation_ratio(),
+                steady_peak_reserved_bytes: r.run.steady_peak_reserved_bytes,
+                steady_overhead: r.steady_overhead(),
+                limit_distance_bytes: r.run.peak_reserved_bytes as i64 - limit.bytes as i64,
+                breakdown: r.breakdown,
                 completed: r.run.completed(),
                 min_capacity_bytes: r.min_capacity_bytes,
                 failure: r.run.failure.as_ref().map(|f| FailureJson {
@@ -369,8 +403,18 @@ pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyRe
     }
 }
 
-/// The replay table.
-pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyResult]) -> String {
+/// A signed byte count: `+1.5 MiB`, `-512 B`.
+fn signed(bytes: i64) -> String {
+    let sign = match bytes.signum() {
+        -1 => "-",
+        0 => "",
+        _ => "+",
+    };
+    format!("{sign}{}", Bytes(bytes.unsigned_abs()))
+}
+
+/// The replay tables: the results, then the breakdown of each completed run.
+pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyResult], limit: &Limit) -> String {
     let mut out = String::new();
     let w = &mut out;
     let micro =
@@ -388,11 +432,20 @@ pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyR
         Bytes(capacity),
         Bytes(DEFAULT_GRANULE)
     );
+    let per_step = limit.per_step_bytes.map_or_else(String::new, |b| format!("; per-step limit {}", Bytes(b)));
+    let _ = writeln!(
+        w,
+        "offline limit: {} ({} bytes; lower bound {}){per_step}",
+        Bytes(limit.bytes),
+        limit.bytes,
+        Bytes(limit.lower_bound_bytes)
+    );
+    let best = recommended(results);
     let at = format!("at {}", Bytes(capacity));
     let _ = writeln!(
         w,
-        "\n{:<14} {:>14} {:>9} {:>14} {:>24} {:>16}",
-        "strategy", "peak reserved", "overhead", "fragmentation", at, "smallest device"
+        "\n  {:<17} {:>13} {:>9} {:>9} {:>22} {:>24} {:>15}",
+        "strategy", "peak reserved", "overhead", "steady", "vs limit", at, "smallest device"
     );
     for r in results {
         let outcome = match &r.run.failure {
@@ -405,20 +458,69 @@ pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyR
             (None, _) => "none".to_owned(),
         };
         // A run that stopped short did not reach the trace's peak: its ratios would mislead.
-        let (overhead, fragmentation) = match r.run.failure {
-            None => (format!("{:.3}×", r.overhead()), format!("{:.1} %", r.fragmentation_ratio() * 100.0)),
-            Some(_) => ("-".to_owned(), "-".to_owned()),
+        let (overhead, steady, distance) = match r.run.failure {
+            None => {
+                let over = r.run.peak_reserved_bytes as i64 - limit.bytes as i64;
+                let percent = if limit.bytes == 0 { 0.0 } else { over as f64 * 100.0 / limit.bytes as f64 };
+                (
+                    format!("{:.3}×", r.overhead()),
+                    r.steady_overhead().map_or_else(|| "-".to_owned(), |s| format!("{s:.3}×")),
+                    format!("{} ({percent:+.1} %)", signed(over)),
+                )
+            }
+            Some(_) => ("-".to_owned(), "-".to_owned(), "-".to_owned()),
         };
+        let mark = if best == Some(r.run.strategy) { "*" } else { " " };
         let _ = writeln!(
             w,
-            "{:<14} {:>14} {:>9} {:>15} {:>24} {:>16}",
+            "{mark} {:<17} {:>13} {:>9} {:>9} {:>22} {:>24} {:>15}",
             r.run.strategy,
             Bytes(r.run.peak_reserved_bytes).to_string(),
             overhead,
-            fragmentation,
+            steady,
+            distance,
             outcome,
             smallest
         );
+    }
+    match best {
+        Some(name) => {
+            let _ = writeln!(w, "* recommended: {name} (least peak reserved of steppool's strategies that completed)");
+        }
+        None if results.iter().any(|r| !is_torch(r.run.strategy)) => {
+            let _ = writeln!(w, "no steppool strategy completed at this capacity: none recommended");
+        }
+        // Only PyTorch models were replayed: they are compared, never recommended.
+        None => {}
+    }
+    if results.iter().any(|r| r.breakdown.is_some()) {
+        let unattributed = results.iter().filter_map(|r| r.breakdown).any(|b| b.unattributed_bytes != 0);
+        let _ = writeln!(w, "\npeak reserved − peak live, at the reserved peak");
+        let _ = write!(
+            w,
+            "  {:<17} {:>12} {:>12} {:>14} {:>12} {:>12} {:>12}",
+            "strategy", "= total", "rounding", "granule tails", "segregation", "holes", "peak shift"
+        );
+        let _ = writeln!(w, "{}", if unattributed { format!(" {:>13}", "unattributed") } else { String::new() });
+        for r in results {
+            let Some(b) = r.breakdown else { continue };
+            let _ = write!(
+                w,
+                "  {:<17} {:>12} {:>12} {:>14} {:>12} {:>12} {:>12}",
+                r.run.strategy,
+                signed(b.total()),
+                Bytes(b.rounding_bytes).to_string(),
+                Bytes(b.granule_tail_bytes).to_string(),
+                Bytes(b.segregation_bytes).to_string(),
+                Bytes(b.hole_bytes).to_string(),
+                signed(b.peak_shift_bytes)
+            );
+            let _ = writeln!(
+                w,
+                "{}",
+                if unattributed { format!(" {:>13}", signed(b.unattributed_bytes)) } else { String::new() }
+            );
+        }
     }
     if !inspection.warnings.is_empty() {
         let _ = writeln!(w, "\nwarnings");

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use proptest::prelude::*;
-use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, run};
+use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
 use steppool_cli::synth::{Shape, training_trace};
 use steppool_trace::TraceError;
 use steppool_trace::analysis::analyse;
@@ -72,12 +72,15 @@ fn exercise(bytes: &[u8]) -> Outcome {
     }
     let mut options = ReplayOptions::new(1 << 30);
     options.timeline_points = 16;
-    for def in STRATEGIES {
-        // Out-of-memory is a result; any other runtime refusal would be a replay bug.
-        match run(&trace, &analysis, def, options.capacity, &options, &Silent) {
-            Ok(_) => {}
-            Err(error) => panic!("{}: {error}", def.name),
-        }
+    options.bisect = false;
+    // Out-of-memory is a result; any other refusal (by the runtime, or a breakdown whose second
+    // run differs) would be a replay bug. Every strategy and model, each with its breakdown.
+    match replay(&trace, &analysis, &select("all").unwrap(), &options, &Silent) {
+        Ok(_) => {}
+        Err(error) => panic!("{error}"),
+    }
+    if let Err(error) = steppool_cli::limit::limit(&analysis) {
+        panic!("{error}");
     }
     Outcome::Replayed
 }

@@ -72,7 +72,7 @@ fn a_recorded_trace_replays_under_every_strategy() {
     let trace = read_trace(&path).unwrap();
     let analysis = analyse(&trace).unwrap();
     let results = replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(1 << 30), &Silent).unwrap();
-    assert_eq!(results.len(), 4);
+    assert_eq!(results.len(), select("all").unwrap().len());
     for result in &results {
         assert!(result.run.completed(), "{}", result.run.strategy);
         assert_eq!(result.run.peak_live_bytes, analysis.peak_live_bytes);

@@ -3,7 +3,9 @@
 
 use std::path::Path;
 
-use steppool_cli::replay::{ReplayOptions, Silent, replay, select};
+use steppool_cli::breakdown::Breakdown;
+use steppool_cli::limit::limit;
+use steppool_cli::replay::{ReplayOptions, Silent, recommended, replay, select};
 use steppool_cli::report::{inspect, replay_json};
 use steppool_trace::analysis::analyse;
 use steppool_trace::read::read_bytes;
@@ -42,22 +44,55 @@ fn reservations_are_whole_granules_and_the_smallest_device_is_exact() {
     assert!((result.fragmentation_ratio() - 1.0 / 6.0).abs() < 1e-12);
     // 6 MiB is needed: 4 MiB is below the live bytes, and no device reserves half a granule.
     assert_eq!(result.min_capacity_bytes, Some(6 * MIB));
+    // The overhead is the free end of the first segment's second granule, beside the 3 MiB.
+    let breakdown = result.breakdown.unwrap();
+    assert_eq!(breakdown, Breakdown { granule_tail_bytes: MIB, ..Breakdown::default() });
+    assert_eq!(result.run.steady_peak_reserved_bytes, None, "no steps, no steady peak");
 }
 
 #[test]
 fn an_allocation_larger_than_the_device_is_an_oom_result() {
     let trace = log(&[("allocate", 0x1000, 3 * MIB), ("free", 0x1000, 3 * MIB), ("allocate", 0x2000, 64 * MIB)]);
     let analysis = analyse(&trace).unwrap();
-    let options = ReplayOptions::new(16 * MIB);
+    let options = ReplayOptions::new(32 * MIB);
     let results = replay(&trace, &analysis, &select("all").unwrap(), &options, &Silent).unwrap();
     for result in &results {
-        let failure = result.run.failure.as_ref().expect("64 MiB does not fit 16 MiB");
+        let failure = result.run.failure.as_ref().expect("64 MiB does not fit 32 MiB");
         assert_eq!((failure.event, failure.requested), (2, 64 * MIB));
         assert_eq!(failure.location.to_string(), "line 4");
-        assert_eq!(result.min_capacity_bytes, Some(64 * MIB), "{}", result.run.strategy);
+        // PyTorch's expandable segments map 20 MiB pages: 64 MiB takes 80 MiB.
+        let need = if result.run.strategy == "torch-expandable" { 80 * MIB } else { 64 * MIB };
+        assert_eq!(result.min_capacity_bytes, Some(need), "{}", result.run.strategy);
     }
-    let json = serde_json::to_value(replay_json(&inspect(&trace, &analysis), options.capacity, &results)).unwrap();
+    let limit = limit(&analysis).unwrap();
+    let json =
+        serde_json::to_value(replay_json(&inspect(&trace, &analysis), options.capacity, &results, &limit)).unwrap();
     assert_eq!(json["results"][0]["completed"], false);
     assert_eq!(json["results"][0]["failure"]["location"], "line 4");
     assert_eq!(json["results"][0]["min_capacity_bytes"], 64 * MIB);
+    // Nothing completed: nothing is recommended, and no breakdown is given.
+    assert_eq!(json["recommended"], serde_json::Value::Null);
+    assert_eq!(json["results"][0]["breakdown"], serde_json::Value::Null);
+    assert_eq!(json["limit_bytes"], 64 * MIB);
+}
+
+#[test]
+fn a_pytorch_model_is_compared_but_never_recommended() {
+    // 4 KiB allocations: the caching model packs them into one 2 MiB small-pool segment, as the
+    // plain pool does; only the model ran, so nothing is recommended.
+    let trace = log(&[("allocate", 0x1000, 4096), ("allocate", 0x2000, 4096), ("free", 0x1000, 4096)]);
+    let analysis = analyse(&trace).unwrap();
+    let options = ReplayOptions::new(1 << 30);
+    let results = replay(&trace, &analysis, &select("torch-caching").unwrap(), &options, &Silent).unwrap();
+    assert_eq!(results[0].run.peak_reserved_bytes, 2 * MIB);
+    assert_eq!(recommended(&results), None);
+    let limit = limit(&analysis).unwrap();
+    let json =
+        serde_json::to_value(replay_json(&inspect(&trace, &analysis), options.capacity, &results, &limit)).unwrap();
+    assert_eq!(json["results"][0]["kind"], "torch-model");
+    assert_eq!(json["recommended"], serde_json::Value::Null);
+    assert_eq!(json["limit_bytes"], 8192);
+    // With the strategies beside it, the least steppool peak is recommended.
+    let results = replay(&trace, &analysis, &select("all").unwrap(), &options, &Silent).unwrap();
+    assert_eq!(recommended(&results), Some("default-pool"));
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, replay, select};
+use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, TORCH_MODELS, replay, select};
 use steppool_trace::analysis::analyse;
 use steppool_trace::{EventKind, Location, StepSource, Trace, read, steps};
 
@@ -82,9 +82,21 @@ fn every_shared_trace_replays_under_every_strategy() {
         let analysis = analyse(&trace).unwrap();
         let results =
             replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(80 << 30), &Silent).unwrap();
-        assert_eq!(results.len(), STRATEGIES.len());
+        assert_eq!(results.len(), STRATEGIES.len() + TORCH_MODELS.len());
         for result in &results {
             let run = &result.run;
+            // The breakdown's parts sum exactly to peak reserved − peak live.
+            let breakdown = result.breakdown.expect("a completed run has a breakdown");
+            assert_eq!(
+                breakdown.total(),
+                run.peak_reserved_bytes as i64 - analysis.peak_live_bytes as i64,
+                "{name} {}: {breakdown:?}",
+                run.strategy
+            );
+            assert_eq!(breakdown.unattributed_bytes, 0, "{name} {}: every reservation is in a pool", run.strategy);
+            assert!(breakdown.peak_shift_bytes <= 0);
+            let steady = run.steady_peak_reserved_bytes.expect("the shared traces have steps");
+            assert!(steady <= run.peak_reserved_bytes && run.steady_peak_live_bytes.unwrap() <= run.peak_live_bytes);
             assert!(run.completed(), "{name} {}: {:?}", run.strategy, run.failure);
             assert_eq!(run.peak_live_bytes, analysis.peak_live_bytes, "{name} {}", run.strategy);
             assert!(run.peak_reserved_bytes >= analysis.peak_live_bytes, "{name} {}", run.strategy);
@@ -92,7 +104,7 @@ fn every_shared_trace_replays_under_every_strategy() {
             let min = result.min_capacity_bytes.unwrap();
             assert!(min >= analysis.peak_live_bytes && min <= run.peak_reserved_bytes, "{name} {}", run.strategy);
             // The smallest capacity completes and one granule less does not.
-            let def = STRATEGIES.iter().find(|s| s.name == run.strategy).unwrap();
+            let def = select(run.strategy).unwrap()[0];
             let options = ReplayOptions::new(min);
             let at_min = steppool_cli::replay::run(&trace, &analysis, def, min, &options, &Silent).unwrap();
             assert!(at_min.completed(), "{name} {} at {min}", run.strategy);
@@ -125,28 +137,53 @@ fn the_binary_prints_the_table_and_writes_json_and_svg() {
         ]);
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(output.status.success(), "{name}: {}", String::from_utf8_lossy(&output.stderr));
-        for strategy in STRATEGIES {
-            assert!(stdout.contains(strategy.name), "{stdout}");
+        for strategy in select("all").unwrap() {
+            assert!(stdout.contains(strategy.name()), "{stdout}");
         }
         assert!(stdout.contains("at 80 GiB") && stdout.contains("completed"), "{stdout}");
+        assert!(stdout.contains("offline limit") && stdout.contains("* recommended: "), "{stdout}");
 
         let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let peak = peak_live_from_csv(&trace);
         assert_eq!(document["peak_live_bytes"], peak);
         assert_eq!(document["events"], if name == "vit_static_train" { 16182 } else { 32331 });
         let results = document["results"].as_array().unwrap();
-        assert_eq!(results.len(), STRATEGIES.len());
+        assert_eq!(results.len(), STRATEGIES.len() + TORCH_MODELS.len());
+        let limit = document["limit_bytes"].as_u64().unwrap();
+        assert!(limit >= peak && limit >= document["limit_lower_bound_bytes"].as_u64().unwrap());
+        // The recommended strategy is steppool's least peak reserved.
+        let recommended = document["recommended"].as_str().unwrap();
+        let least = results
+            .iter()
+            .filter(|r| r["kind"] == "steppool")
+            .min_by_key(|r| r["peak_reserved_bytes"].as_u64().unwrap())
+            .unwrap();
+        assert_eq!(least["strategy"], recommended);
         for result in results {
             for key in [
                 "strategy",
                 "peak_reserved_bytes",
                 "overhead",
                 "fragmentation_ratio",
+                "steady_peak_reserved_bytes",
+                "steady_overhead",
+                "limit_distance_bytes",
+                "breakdown",
                 "completed",
                 "min_capacity_bytes",
             ] {
                 assert!(result.get(key).is_some(), "{key} missing in {result}");
             }
+            let b = &result["breakdown"];
+            let parts: i64 = ["rounding_bytes", "granule_tail_bytes", "segregation_bytes", "hole_bytes"]
+                .iter()
+                .map(|k| b[k].as_i64().unwrap())
+                .sum::<i64>()
+                + b["unattributed_bytes"].as_i64().unwrap()
+                + b["peak_shift_bytes"].as_i64().unwrap();
+            let reserved = result["peak_reserved_bytes"].as_u64().unwrap();
+            assert_eq!(parts, reserved as i64 - peak as i64, "{result}");
+            assert_eq!(result["limit_distance_bytes"].as_i64().unwrap(), reserved as i64 - limit as i64);
             let reserved = result["peak_reserved_bytes"].as_u64().unwrap();
             let overhead = result["overhead"].as_f64().unwrap();
             assert!((overhead - reserved as f64 / peak as f64).abs() < 1e-9);
@@ -158,7 +195,7 @@ fn the_binary_prints_the_table_and_writes_json_and_svg() {
         }
         let picture = std::fs::read_to_string(&svg).unwrap();
         assert!(picture.starts_with("<svg") && picture.trim_end().ends_with("</svg>"));
-        assert_eq!(picture.matches("<polyline").count(), STRATEGIES.len());
+        assert_eq!(picture.matches("<polyline").count(), STRATEGIES.len() + TORCH_MODELS.len());
     }
 }
 
