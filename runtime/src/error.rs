@@ -1,7 +1,7 @@
 //! Errors of the runtime, and the out-of-memory report that explains an OOM.
 
 use std::fmt;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use steppool_sys::bytes::Bytes;
 use steppool_sys::{CUdeviceptr, DriverError, LoadError};
@@ -222,6 +222,12 @@ impl Error {
         }
     }
 
+    /// Whether the driver's context is lost ([`DriverError::is_sticky`]): every later call fails
+    /// too, and memory can no longer be given back.
+    pub fn is_sticky(&self) -> bool {
+        matches!(self, Error::Driver(error) if error.is_sticky())
+    }
+
     /// The report of an out-of-memory error.
     pub fn oom_report(&self) -> Option<&OomReport> {
         match self {
@@ -361,24 +367,55 @@ impl fmt::Display for OomReport {
 }
 
 /// Errors raised where they cannot be returned (in `Drop`), kept for
-/// [`Runtime::take_errors`](crate::Runtime::take_errors).
+/// [`Runtime::take_errors`](crate::Runtime::take_errors), and the first sticky driver error
+/// ([`Error::is_sticky`]), after which the runtime refuses every operation with it instead of
+/// touching memory of a lost context.
 #[derive(Debug, Default)]
-pub(crate) struct ErrorSink(Mutex<Vec<Error>>);
+pub(crate) struct ErrorSink {
+    errors: Mutex<Vec<Error>>,
+    sticky: OnceLock<DriverError>,
+}
 
 impl ErrorSink {
     /// Keeps `error` for later.
     pub(crate) fn record(&self, error: Error) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).push(error);
+        self.observe(&error);
+        self.errors.lock().unwrap_or_else(PoisonError::into_inner).push(error);
     }
 
     /// How many are kept.
     pub(crate) fn len(&self) -> usize {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.errors.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 
     /// Every error kept, oldest first; the sink is empty after.
     pub(crate) fn take(&self) -> Vec<Error> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(&mut *self.errors.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Remembers `error` if it is the first sticky one.
+    pub(crate) fn observe(&self, error: &Error) {
+        if let Error::Driver(driver) = error
+            && driver.is_sticky()
+        {
+            let _ = self.sticky.set(driver.clone());
+        }
+    }
+
+    /// Passes `result` through, remembering a sticky error in it.
+    pub(crate) fn watch<T>(&self, result: Result<T>) -> Result<T> {
+        if let Err(error) = &result {
+            self.observe(error);
+        }
+        result
+    }
+
+    /// The sticky error, once one was seen: every operation returns it.
+    pub(crate) fn check(&self) -> Result<()> {
+        match self.sticky.get() {
+            Some(error) => Err(Error::Driver(error.clone())),
+            None => Ok(()),
+        }
     }
 }
 

@@ -97,6 +97,18 @@ impl RuntimeInner {
         slots: &PoolSlots,
         caller: Caller,
     ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
+        self.errors.check()?;
+        self.errors.watch(self.allocate_checked(phase, bytes, stream, slots, caller))
+    }
+
+    fn allocate_checked(
+        &self,
+        phase: Phase,
+        bytes: u64,
+        stream: &Arc<StreamCore>,
+        slots: &PoolSlots,
+        caller: Caller,
+    ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
         let pool = self.pool(stream, slots, phase)?;
         let spec = pool.spec();
         let allowed = matches!(
@@ -224,6 +236,11 @@ impl RuntimeInner {
     // ----- boundaries ------------------------------------------------------------------------
 
     pub(crate) fn begin_step(&self, guarded: bool) -> Result<u64> {
+        self.errors.check()?;
+        self.errors.watch(self.begin_step_checked(guarded))
+    }
+
+    fn begin_step_checked(&self, guarded: bool) -> Result<u64> {
         let mut steps = self.control.lock();
         steps.check_begin()?;
         for pool in self.registry.pools() {
@@ -236,6 +253,7 @@ impl RuntimeInner {
     }
 
     pub(crate) fn begin_micro_step(&self, guarded: bool) -> Result<(u64, u32)> {
+        self.errors.check()?;
         let mut steps = self.control.lock();
         let (step, micro) = steps.begin_micro(&self.control, guarded)?;
         self.hub.recorder.record(EventKind::MicroBegin { step, micro });
@@ -245,6 +263,11 @@ impl RuntimeInner {
     /// Ends the active micro-step. `guarded` says whether a [`MicroStep`](crate::MicroStep) guard
     /// asks; the raw API may not end a guard's micro-step.
     pub(crate) fn end_micro_step(&self, guarded: bool) -> Result<MicroStepReport> {
+        self.errors.check()?;
+        self.errors.watch(self.end_micro_step_checked(guarded))
+    }
+
+    fn end_micro_step_checked(&self, guarded: bool) -> Result<MicroStepReport> {
         let mut steps = self.control.lock();
         let (step, micro) = steps.end_micro(&self.control, guarded)?;
         let started = Instant::now();
@@ -263,6 +286,11 @@ impl RuntimeInner {
 
     /// Ends the active step, and its micro-step if one is still active.
     pub(crate) fn end_step(&self, guarded: bool) -> Result<StepReport> {
+        self.errors.check()?;
+        self.errors.watch(self.end_step_checked(guarded))
+    }
+
+    fn end_step_checked(&self, guarded: bool) -> Result<StepReport> {
         let mut steps = self.control.lock();
         let mut step = steps.end(&self.control, guarded)?;
         let started = Instant::now();

@@ -221,6 +221,10 @@ impl PhasePool {
 
     /// Frees a buffer's allocation; an error goes to the runtime's sink (called from `Drop`).
     pub(crate) fn free_or_record(&self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) {
+        // A lost context's memory is not touched again (the sticky error is already kept).
+        if self.errors.check().is_err() {
+            return;
+        }
         if let Err(error) = self.lock().free(ptr, bytes, uses) {
             self.errors.record(error);
         }
@@ -300,7 +304,21 @@ impl PoolGuard<'_> {
     fn free_inner(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>], release: bool) -> Result<()> {
         let pool = self.pool;
         for other in uses {
-            pool.stream.wait_for(other)?;
+            if let Err(error) = pool.stream.wait_for(other) {
+                // The free cannot be ordered after `other`'s work. It is still a free: the
+                // caller no longer has the memory, and it is given back once `other` is done.
+                if !error.is_sticky() {
+                    let state = self.state.deref_mut();
+                    if state.allocator.reclaims_live() {
+                        // The scope's end reclaims it, after waiting for `other`.
+                        state.cross_uses.push(other.clone());
+                    } else {
+                        state.source.keep_for_retry(ptr, bytes);
+                    }
+                    self.count_free(bytes, release);
+                }
+                return Err(error);
+            }
         }
         // The block's free is recorded before the strategy gives its segment back (a `Direct`
         // strategy's allocation is its own segment): a history never has a live block outside
@@ -309,18 +327,34 @@ impl PoolGuard<'_> {
             let (step, thread) = (pool.recorder.step(), thread_number());
             pool.recorder.record(EventKind::Free { pool: pool.id(), ptr, bytes, step, thread, release });
         }
-        let PoolState { allocator, source, counters, totals, .. } = self.state.deref_mut();
-        allocator.free(source, ptr, bytes)?;
-        counters.used -= bytes;
-        counters.frees += 1;
-        totals.used -= bytes;
+        let PoolState { allocator, source, .. } = self.state.deref_mut();
+        match allocator.free(source, ptr, bytes) {
+            Ok(()) => {
+                self.count_free(bytes, release);
+                Ok(())
+            }
+            // The source owes a free the driver refused (see `DeviceSource::free`): as freed
+            // for the pool, and reported.
+            Err(error @ Error::Driver(_)) if !error.is_sticky() => {
+                self.count_free(bytes, release);
+                Err(error)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Counts `bytes` freed (by a boundary's release when `release`).
+    fn count_free(&mut self, bytes: u64, release: bool) {
+        let state = self.state.deref_mut();
+        state.counters.used -= bytes;
+        state.counters.frees += 1;
+        state.totals.used -= bytes;
         if !release {
-            totals.frees += 1;
+            state.totals.frees += 1;
         }
-        if pool.entry.spec.budget.is_some() {
-            pool.entry.live.fetch_sub(bytes, Ordering::Relaxed);
+        if self.pool.entry.spec.budget.is_some() {
+            self.pool.entry.live.fetch_sub(bytes, Ordering::Relaxed);
         }
-        Ok(())
     }
 
     /// Keeps a raw allocation for the boundary of its scope.

@@ -52,6 +52,17 @@ impl RawApi<'_> {
     ///
     /// No work enqueued after this call, on any stream, uses the memory.
     pub unsafe fn free(&self, ptr: CUdeviceptr) -> Result<()> {
+        self.inner.errors.check()?;
+        // SAFETY: the caller's contract, forwarded.
+        self.inner.errors.watch(unsafe { self.free_checked(ptr) })
+    }
+
+    /// [`RawApi::free`] on a usable context.
+    ///
+    /// # Safety
+    ///
+    /// As for [`RawApi::free`].
+    unsafe fn free_checked(&self, ptr: CUdeviceptr) -> Result<()> {
         // Find the pool without holding the table's entry, then do everything under the pool's
         // lock: take the allocation out, unregister it, free it. Until the free, the address
         // cannot serve anyone else, so the entry removed is this allocation's.

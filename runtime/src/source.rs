@@ -77,6 +77,11 @@ pub(crate) struct DeviceSource {
     recorder: Arc<Recorder>,
     /// The pool this source serves, for the history.
     id: PoolId,
+    /// Frees that did not happen and that the source now owns: the driver refused them with an
+    /// error that leaves the context usable, or they could not be ordered after the streams that
+    /// used the memory. Given back after a device-wide synchronization, at the next trim and at
+    /// destroy.
+    pending: Vec<(CUdeviceptr, u64)>,
 }
 
 impl fmt::Debug for DeviceSource {
@@ -111,7 +116,7 @@ impl DeviceSource {
         } else {
             Backing::Synchronous(Fallback::default())
         };
-        let mut source = Self { stream, backing, recorder, id };
+        let mut source = Self { stream, backing, recorder, id, pending: Vec::new() };
         source.grant_access(peers)?;
         Ok(source)
     }
@@ -177,6 +182,7 @@ impl DeviceSource {
     /// host has observed its frees complete; after a device synchronization (`wait`), all of
     /// that. Returns the bytes given back.
     pub(crate) fn trim(&mut self, keep: u64, wait: bool) -> Result<u64> {
+        self.retry_pending()?;
         match &mut self.backing {
             Backing::CudaPool(pool) => {
                 let pool = pool.raw();
@@ -201,6 +207,7 @@ impl DeviceSource {
     /// The pool is going away (nothing allocates from it any more): destroys the CUDA pool, or
     /// waits for the fallback's deferred frees and makes them.
     pub(crate) fn destroy(&mut self) -> Result<()> {
+        self.retry_pending()?;
         match self.backing {
             Backing::CudaPool(pool) => {
                 // SAFETY: nothing allocates from the pool any more; allocations still outstanding
@@ -211,6 +218,46 @@ impl DeviceSource {
             }
             Backing::Synchronous(_) => self.reclaim(true).map(drop),
         }
+    }
+
+    /// Takes over the free of `ptr` (of this source), which could not be made in stream order:
+    /// it is made after a device-wide synchronization, at the next trim or at destroy.
+    pub(crate) fn keep_for_retry(&mut self, ptr: CUdeviceptr, bytes: u64) {
+        self.pending.push((ptr, bytes));
+    }
+
+    /// Makes the frees the source owes, once the device is idle; those the driver refuses again
+    /// stay owed.
+    fn retry_pending(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let device = &self.stream.device;
+        device.make_current()?;
+        // Every stream that used the memory is done with it.
+        device.driver.context_synchronize()?;
+        while let Some(&(ptr, bytes)) = self.pending.last() {
+            match &mut self.backing {
+                Backing::CudaPool(_) => {
+                    // On the legacy stream of the (current) context rather than the pool's
+                    // stream, which may be what failed; the device is idle, so any order will do.
+                    // SAFETY: no work uses `ptr`; it was allocated from this source and its free
+                    // never happened.
+                    unsafe { device.driver.mem_free_async(ptr, std::ptr::null_mut()) }?;
+                }
+                Backing::Synchronous(fallback) => {
+                    // SAFETY: as above.
+                    unsafe { device.driver.mem_free(ptr) }?;
+                    fallback.reserved -= bytes;
+                }
+            }
+            self.pending.pop();
+            if self.recorder.is_on() {
+                let pool_reserved = self.reserved_or_zero();
+                self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes, pool_reserved });
+            }
+        }
+        Ok(())
     }
 
     fn reserved_or_zero(&self) -> u64 {
@@ -288,10 +335,18 @@ impl Source for DeviceSource {
         let device = &self.stream.device;
         match &mut self.backing {
             Backing::CudaPool(_) => {
-                self.stream.prepare()?;
-                // SAFETY: `ptr` was allocated from this source and is freed once; the strategy
-                // enqueues nothing after this that uses it.
-                unsafe { device.driver.mem_free_async(ptr, self.stream.raw()) }?;
+                let freed = self.stream.prepare().and_then(|()| {
+                    // SAFETY: `ptr` was allocated from this source and is freed once; the
+                    // strategy enqueues nothing after this that uses it.
+                    Ok(unsafe { device.driver.mem_free_async(ptr, self.stream.raw()) }?)
+                });
+                if let Err(error) = freed {
+                    // Unless the context is lost, the free is owed, not forgotten.
+                    if !error.is_sticky() {
+                        self.pending.push((ptr, bytes));
+                    }
+                    return Err(error);
+                }
             }
             Backing::Synchronous(fallback) => {
                 device.make_current()?;

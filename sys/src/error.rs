@@ -104,6 +104,27 @@ impl DriverError {
     pub fn is_out_of_memory(&self) -> bool {
         self.code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
     }
+
+    /// Whether the error leaves the context unusable, so that every later call fails too: the
+    /// sticky errors of a faulting kernel (illegal address or instruction, misaligned address,
+    /// invalid address space or program counter, hardware stack error, launch failure, an
+    /// uncorrectable ECC error), and a driver shutting down (`CUDA_ERROR_DEINITIALIZED`).
+    pub fn is_sticky(&self) -> bool {
+        self.code().is_some_and(|code| {
+            [
+                CUresult::CUDA_ERROR_DEINITIALIZED,
+                CUresult::CUDA_ERROR_ECC_UNCORRECTABLE,
+                CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+                CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR,
+                CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+                CUresult::CUDA_ERROR_MISALIGNED_ADDRESS,
+                CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE,
+                CUresult::CUDA_ERROR_INVALID_PC,
+                CUresult::CUDA_ERROR_LAUNCH_FAILED,
+            ]
+            .contains(&code)
+        })
+    }
 }
 
 /// Why no driver could be opened.
