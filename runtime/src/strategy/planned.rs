@@ -1,15 +1,17 @@
 //! The `Planned` strategy: a scope's allocation sequence is recorded, packed offline into one
 //! slab, and later scopes with the same signature are served at the planned offsets.
 //!
-//! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from the
-//! phase's CUDA pool while its allocations and frees are recorded; at its end the recording is
+//! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from
+//! fallback chunks (best fit, `chunks.rs`) taken from the phase's CUDA pool while its allocations
+//! and frees are recorded; at its end the recording is
 //! packed ([`plan`](super::plan)) and the slab, sized for the largest plan kept, is taken from the
 //! pool. A later scope whose first sizes (or the user's key, [`Runtime::set_plan_key`](crate::Runtime::set_plan_key)) match a
 //! plan gets allocation *i* at planned offset *i* — an index lookup. Anything else while a plan
 //! serves (a size that does not match, an extra allocation, a planned range still held by an
-//! allocation freed late) is a deviation, served from the pool, and the plan is refreshed at the
-//! scope's end. A scope of a new shape (no plan has its first sizes) is served best-fit from the
-//! slab's free space, then from the pool, and recorded for its own plan.
+//! allocation freed late) is a deviation, served from the fallback chunks, and the plan is
+//! refreshed at the scope's end. A scope of a new shape (no plan has its first sizes) is served
+//! best-fit from the slab's free space, then from the fallback chunks, and recorded for its own
+//! plan.
 //!
 //! # Why a hand-out never overlaps a live allocation
 //!
@@ -21,18 +23,25 @@
 //! — is moved to the late list as the cursor passes its planned free, and so are the live entries
 //! of a plan the scope switched away from; *i* is handed out only if it overlaps nothing on the
 //! late list. A scope of a new shape serves from ranges of the slab that no live allocation
-//! holds. Deviations come from the pool, which never hands out memory inside the slab it lent.
-//! At the scope's end every slab range is reclaimed (leaked buffers too) and leaked deviations are
-//! given back; the boundary has ordered the pool's stream after every stream that used them.
+//! holds. Deviations come from the fallback chunks, allocations of the pool apart from the slab.
+//! At the scope's end every slab range and every chunk is reclaimed (leaked buffers too); the
+//! boundary has ordered the pool's stream after every stream that used them.
+//!
+//! # Giving back what a scope outside the plan took
+//!
+//! The fallback chunks go back to the pool at the scope's end, and the stream is synchronized so
+//! that the trim returns them to the device before the slab for the new plan is taken: a
+//! recording step's memory never sits idle beside the slab that replaces it. Only a scope the
+//! slab did not serve in full (a recording, a new shape, a deviation) pays that wait.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError};
 
 use steppool_sys::CUdeviceptr;
 use steppool_trace::packing::{self as plan, Block};
 
 use super::Allocator;
+use super::chunks::{Chunks, GRANULE, PointerMap};
 use crate::error::{Error, Result};
 use crate::phase::ALIGNMENT;
 use crate::phase::PhaseEntry;
@@ -46,28 +55,6 @@ const LOOKAHEAD: usize = 16;
 /// Scopes with more allocations than this are not planned: packing is quadratic in the worst
 /// case (about 50 ms for 4096 allocations with four orderings on one core).
 pub(crate) const MAX_PLANNED_ALLOCATIONS: usize = 1 << 15;
-
-/// Hashes device pointers: they are 512-byte aligned, so the low bits carry nothing.
-#[derive(Default)]
-struct PointerHasher(u64);
-
-impl Hasher for PointerHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = (value >> 9).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-type PointerMap<V> = HashMap<CUdeviceptr, V, BuildHasherDefault<PointerHasher>>;
 
 /// A packed scope.
 #[derive(Debug)]
@@ -118,6 +105,9 @@ struct SlabAllocation {
 }
 
 const FOREIGN: u32 = u32::MAX;
+
+/// The largest fallback chunk: a scope far larger than its slab takes several.
+const MAX_FALLBACK_CHUNK: u64 = 256 << 20;
 
 /// The free ranges of the slab while a scope without a plan is served from it: best fit, by
 /// offset (to merge neighbours) and by size.
@@ -222,10 +212,11 @@ pub(crate) struct Planned {
     /// A scope without a plan is served from the slab's free ranges (and the pool past them).
     online: Option<FreeRanges>,
     slab_live: PointerMap<SlabAllocation>,
-    /// Live allocations from the pool: `(index in the scope, bytes)`.
-    pooled: PointerMap<(u32, u64)>,
-    pooled_bytes: u64,
-    pooled_peak: u64,
+    /// Live allocations from the fallback chunks: their index in the scope.
+    pooled: PointerMap<u32>,
+    /// What the slab does not serve (a scope without a plan past the slab's free space, a
+    /// deviation): best fit in chunks taken from the pool, given back at the scope's end.
+    fallback: Chunks,
     deviated: bool,
     /// The slab could not be had in this scope: do not ask again until its end.
     slab_refused: bool,
@@ -257,8 +248,7 @@ impl Planned {
             online: None,
             slab_live: PointerMap::default(),
             pooled: PointerMap::default(),
-            pooled_bytes: 0,
-            pooled_peak: 0,
+            fallback: Chunks::default(),
             deviated: false,
             slab_refused: false,
             counters: Counters::default(),
@@ -407,7 +397,7 @@ impl Planned {
     }
 
     /// Serves the scope's next allocation: at its planned offset, else from the pool.
-    fn serve(&mut self, source: &mut dyn Source, bytes: u64, size: u64) -> Result<CUdeviceptr> {
+    fn serve(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
         if self.slab.is_none_or(|slab| slab.size < self.plan.map_or(0, |p| self.plans[p].bytes)) {
             self.ensure_slab(source)?;
         }
@@ -432,18 +422,21 @@ impl Planned {
                 Ok(ptr)
             }
             None => {
-                let ptr = self.allocate_from_pool(source, bytes, size)?;
+                let ptr = self.allocate_from_pool(source, size)?;
                 self.counters.unplanned += 1;
                 Ok(ptr)
             }
         }
     }
 
-    fn allocate_from_pool(&mut self, source: &mut dyn Source, bytes: u64, size: u64) -> Result<CUdeviceptr> {
-        let ptr = source.alloc(bytes)?;
-        self.pooled.insert(ptr, (self.allocations, bytes));
-        self.pooled_bytes += size;
-        self.pooled_peak = self.pooled_peak.max(self.pooled_bytes);
+    /// Serves an allocation the slab does not from the fallback chunks. A chunk is an eighth of
+    /// what the pool holds for the scope (the slab and the chunks), at least a granule, so a
+    /// scope that outgrows the slab takes few chunks and leaves little unused at their ends.
+    fn allocate_from_pool(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
+        let held = self.slab.map_or(0, |slab| slab.size) + self.fallback.held();
+        let chunk = (held / 8).clamp(GRANULE, MAX_FALLBACK_CHUNK);
+        let ptr = self.fallback.alloc(source, size, chunk)?;
+        self.pooled.insert(ptr, self.allocations);
         Ok(ptr)
     }
 
@@ -514,8 +507,6 @@ impl Planned {
         self.late.clear();
         self.online = None;
         self.slab_live.clear();
-        self.pooled_bytes = 0;
-        self.pooled_peak = 0;
         self.deviated = false;
         self.slab_refused = false;
     }
@@ -534,7 +525,7 @@ impl Allocator for Planned {
                 self.follow_signature(n);
             }
         }
-        match self.serve(source, bytes, size) {
+        match self.serve(source, size) {
             Ok(ptr) => {
                 self.events.push(Event::Alloc(size));
                 self.allocations += 1;
@@ -568,9 +559,8 @@ impl Allocator for Planned {
             return Ok(());
         }
         match self.pooled.remove(&ptr) {
-            Some((index, _)) => {
-                source.free(ptr, bytes)?;
-                self.pooled_bytes -= bytes.next_multiple_of(ALIGNMENT);
+            Some(index) => {
+                self.fallback.free(ptr);
                 self.events.push(Event::Free(index));
                 Ok(())
             }
@@ -587,10 +577,13 @@ impl Allocator for Planned {
     /// when `keep` is smaller than it (the trim policy asks for the memory back; the next scope
     /// that has a plan takes it again).
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
-        let mut outcome = Ok(());
-        for (ptr, (_, bytes)) in self.pooled.drain() {
-            outcome = outcome.and(source.free(ptr, bytes));
-        }
+        self.pooled.clear();
+        self.fallback.reclaim();
+        // The fallback chunks go back whole: the scope that needed them is over, and the pool
+        // must not hold them idle while the slab (or another phase) takes its own peak.
+        let outcome = self.fallback.release_empty(source, 0);
+        let chunks_released = *outcome.as_ref().unwrap_or(&0) > 0;
+        let mut outcome = outcome.map(drop);
         if self.allocations > 0 {
             if let Some(index) = self.plan {
                 let unserved = self.plans[index].sizes.len().saturating_sub(self.cursor) as u64;
@@ -614,12 +607,18 @@ impl Allocator for Planned {
             if unfit || released {
                 self.slab = None;
                 outcome = outcome.and(source.free(slab.base, slab.size));
-                if unfit && !released {
+                if unfit && !released && !chunks_released {
                     // Replaced below: wait for the free so the trim gives the old slab back
                     // before the new one is taken.
                     outcome = outcome.and(source.synchronize());
                 }
             }
+        }
+        if chunks_released {
+            // Wait for the chunks' frees (and the slab's), so that the trim gives them back
+            // rather than keeping them idle beside the slab: only after a scope the slab did
+            // not serve in full (a recording, a new shape, a deviation).
+            outcome = outcome.and(source.synchronize());
         }
         if !released {
             outcome = outcome.and(self.ensure_slab(source));
@@ -628,9 +627,10 @@ impl Allocator for Planned {
         outcome
     }
 
-    /// The slab (what the plans need) plus the peak of pool allocations.
+    /// The slab: what the plans need. The fallback chunks are given back at the reset, so
+    /// the pool keeps nothing for them.
     fn touched(&self) -> Option<u64> {
-        Some(self.slab.map_or(0, |slab| slab.size) + self.pooled_peak)
+        Some(self.slab.map_or(0, |slab| slab.size) + self.fallback.held())
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
@@ -646,27 +646,30 @@ impl Allocator for Planned {
             space.largest_free = space.largest_free.max(gap);
             top = top.max(offset + size);
         }
+        let chunks = self.fallback.free_space();
+        space.total_free += chunks.total_free;
+        space.largest_free = space.largest_free.max(chunks.largest_free);
         Some(space)
     }
 
     /// Gives the slab back when nothing lives in it: the scope takes it again (at its planned
     /// size) when it next serves from a plan.
+    /// Fallback chunks with nothing handed out go back too.
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
+        let chunks = self.fallback.release_empty(source, 0)?;
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
-            return Ok(0);
+            return Ok(chunks);
         }
-        let Some(slab) = self.slab else { return Ok(0) };
+        let Some(slab) = self.slab else { return Ok(chunks) };
         source.free(slab.base, slab.size)?;
         self.slab = None;
         self.slab_refused = false;
-        Ok(slab.size)
+        Ok(chunks + slab.size)
     }
 
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
-        let mut outcome = Ok(());
-        for (ptr, (_, bytes)) in self.pooled.drain() {
-            outcome = outcome.and(source.free(ptr, bytes));
-        }
+        self.pooled.clear();
+        let mut outcome = self.fallback.release_all(source);
         if let Some(slab) = self.slab.take() {
             outcome = outcome.and(source.free(slab.base, slab.size));
         }
@@ -784,6 +787,23 @@ mod tests {
         assert_eq!(source.held(), planned.slab.map_or(0, |slab| slab.size), "only the slab is held");
         planned.release_all(&mut source).unwrap();
         assert_eq!(source.held(), 0);
+    }
+
+    #[test]
+    fn the_recording_is_served_from_chunks_given_back_before_the_slab_is_taken() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        planned.begin_step();
+        let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 1 << 20).unwrap()).collect();
+        assert_eq!(source.allocs, 2, "one 2 MiB chunk holds the first two, a second the next two");
+        assert_eq!(ptrs[1] - ptrs[0], 1 << 20, "end to end in a chunk");
+        for ptr in ptrs {
+            planned.free(&mut source, ptr, 1 << 20).unwrap();
+        }
+        let syncs = source.syncs;
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert_eq!(source.held(), 4 << 20, "the chunks went back: only the slab for the plan is held");
+        assert_eq!(source.syncs, syncs + 1, "the stream is waited for so the trim returns the chunks first");
+        assert_eq!(planned.touched(), Some(4 << 20), "the pool keeps nothing for the chunks");
     }
 
     #[test]
