@@ -106,6 +106,9 @@ struct SlabAllocation {
 
 const FOREIGN: u32 = u32::MAX;
 
+/// How many scopes a plan keeps the slab at its size after it last served.
+const RECENT_SCOPES: u64 = 4;
+
 /// The largest fallback chunk: a scope far larger than its slab takes several.
 const MAX_FALLBACK_CHUNK: u64 = 256 << 20;
 
@@ -367,9 +370,21 @@ impl Planned {
         Some(offset)
     }
 
-    /// Makes sure a slab for the largest plan is held, when nothing lives in it.
-    fn ensure_slab(&mut self, source: &mut dyn Source) -> Result<()> {
-        let desired = self.plans.iter().map(|plan| plan.bytes).max().unwrap_or(0);
+    /// What the slab should hold at a scope's end: the largest plan that served or was recorded
+    /// in the last [`RECENT_SCOPES`] scopes. A plan that has not served for longer (the first
+    /// step's, before the optimizer state existed; a shape that stopped coming) no longer keeps
+    /// the slab at its size.
+    fn desired_slab(&self) -> u64 {
+        self.plans
+            .iter()
+            .filter(|plan| self.clock - plan.last_used < RECENT_SCOPES)
+            .map(|plan| plan.bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Makes sure a slab of at least `desired` bytes is held, when nothing lives in it.
+    fn ensure_slab(&mut self, source: &mut dyn Source, desired: u64) -> Result<()> {
         if self.slab_refused || desired == 0 || !self.slab_live.is_empty() || !self.late.is_empty() {
             return Ok(());
         }
@@ -379,9 +394,9 @@ impl Planned {
             }
             self.slab = None;
             source.free(slab.base, slab.size)?;
-            // A larger shape replaces the slab: wait for the old one's free, so the trim below
+            // A larger plan replaces the slab: wait for the old one's free, so the trim below
             // gives it back and the new slab takes its place rather than adding to it. Rare:
-            // only when a new largest plan appears.
+            // only when a plan larger than the recent ones serves.
             source.synchronize()?;
         }
         // Idle memory goes back first (as far as its frees were seen complete), so the slab can
@@ -398,8 +413,11 @@ impl Planned {
 
     /// Serves the scope's next allocation: at its planned offset, else from the pool.
     fn serve(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
-        if self.slab.is_none_or(|slab| slab.size < self.plan.map_or(0, |p| self.plans[p].bytes)) {
-            self.ensure_slab(source)?;
+        // A plan larger than the slab (one that has not served recently) grows it.
+        let need = self.plan.map_or(0, |p| self.plans[p].bytes);
+        if need > 0 && self.slab.is_none_or(|slab| slab.size < need) {
+            let desired = need.max(self.desired_slab());
+            self.ensure_slab(source, desired)?;
         }
         if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
             self.go_online(slab);
@@ -599,30 +617,30 @@ impl Allocator for Planned {
             }
         }
         self.close_scope();
-        let desired = self.plans.iter().map(|plan| plan.bytes).max().unwrap_or(0);
-        let mut released = false;
+        self.slab_refused = false;
+        let desired = self.desired_slab();
+        let mut slab_released = false;
+        let mut kept = true;
         if let Some(slab) = self.slab {
             let unfit = slab.size < desired || slab.size > desired + desired / 8;
-            released = slab.size > keep;
-            if unfit || released {
+            kept = slab.size <= keep;
+            if unfit || !kept {
+                // Smaller or larger than the recent plans need, or larger than the trim policy
+                // keeps.
                 self.slab = None;
+                slab_released = true;
                 outcome = outcome.and(source.free(slab.base, slab.size));
-                if unfit && !released && !chunks_released {
-                    // Replaced below: wait for the free so the trim gives the old slab back
-                    // before the new one is taken.
-                    outcome = outcome.and(source.synchronize());
-                }
             }
         }
-        if chunks_released {
-            // Wait for the chunks' frees (and the slab's), so that the trim gives them back
-            // rather than keeping them idle beside the slab: only after a scope the slab did
-            // not serve in full (a recording, a new shape, a deviation).
+        if chunks_released || slab_released {
+            // Wait for the frees, so that the trim gives the memory back rather than keeping it
+            // idle while the slab (or another phase) takes its own peak: only after a scope the
+            // slab did not serve in full (a recording, a new shape, a deviation) or a resize.
             outcome = outcome.and(source.synchronize());
         }
-        if !released {
-            outcome = outcome.and(self.ensure_slab(source));
-            self.slab_refused = false;
+        if kept {
+            // Taken now, so the next scope finds it (and a new shape has its free space).
+            outcome = outcome.and(self.ensure_slab(source, desired));
         }
         outcome
     }
@@ -743,7 +761,7 @@ mod tests {
         assert_eq!((stats.planned, stats.unplanned, stats.plans.len()), (0, 3, 1));
         let plan = &stats.plans[0];
         assert_eq!((plan.bytes, plan.lower_bound), (12288, 12288), "packed at the peak of live bytes");
-        assert_eq!(source.held(), 12288, "the slab is taken at the end of the recorded scope");
+        assert_eq!(source.held(), 12288, "the recording's memory went back, the slab is taken");
         let allocs = source.allocs;
         let ptrs = scope(&mut planned, &mut source);
         assert_eq!(source.allocs, allocs, "a planned scope takes nothing from the source");
@@ -801,9 +819,34 @@ mod tests {
         }
         let syncs = source.syncs;
         planned.reset(&mut source, u64::MAX).unwrap();
-        assert_eq!(source.held(), 4 << 20, "the chunks went back: only the slab for the plan is held");
-        assert_eq!(source.syncs, syncs + 1, "the stream is waited for so the trim returns the chunks first");
+        assert_eq!(source.held(), 4 << 20, "the chunks went back; the slab, the recording's peak, is held");
+        assert_eq!(source.syncs, syncs + 1, "the stream is waited for so the trim returns the chunks");
+        assert_eq!(source.trims.last(), Some(&0), "what is idle goes back before the slab is taken");
         assert_eq!(planned.touched(), Some(4 << 20), "the pool keeps nothing for the chunks");
+    }
+
+    #[test]
+    fn a_plan_that_stopped_serving_no_longer_sizes_the_slab() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        // A large first scope (its own first sizes), then smaller ones of another shape.
+        let mut run = |planned: &mut Planned, sizes: &[u64]| {
+            planned.begin_step();
+            let ptrs: Vec<_> = sizes.iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
+            for (&ptr, &size) in ptrs.iter().zip(sizes) {
+                planned.free(&mut source, ptr, size).unwrap();
+            }
+            planned.reset(&mut source, u64::MAX).unwrap();
+            planned.slab.map_or(0, |slab| slab.size)
+        };
+        let (large, small) = ([8u64 << 20, 8 << 20], [1u64 << 20, 2 << 20]);
+        assert_eq!(run(&mut planned, &large), 16 << 20, "recorded");
+        for _ in 0..3 {
+            assert_eq!(run(&mut planned, &small), 16 << 20, "kept while the large plan is recent");
+        }
+        assert_eq!(run(&mut planned, &small), 3 << 20, "then the small plan sizes it");
+        assert_eq!(run(&mut planned, &large), 16 << 20, "the large plan grows it again when it serves");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned), (2, 0), "served from its plan after the growth");
     }
 
     #[test]
