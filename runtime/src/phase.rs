@@ -43,14 +43,16 @@ pub enum Strategy {
     },
     /// Offsets planned from a recording, for phases whose scopes repeat (step- or
     /// micro-step-scoped). A scope of a new shape is recorded (served best-fit from the slab's
-    /// free space, else from the CUDA pool); at its end its allocations are packed into one slab
-    /// (greedy by size), so that allocations alive at the same time never overlap. Later scopes
-    /// of that shape get allocation *i* at its planned offset; a deviation (another size, an
-    /// extra allocation, a planned range still held) is served from the pool and refreshes the
-    /// plan at the scope's end. Plans are keyed by the scope's first `signature_len` sizes, or by
+    /// free space, else from chunks taken from the CUDA pool and given back at its end); at its
+    /// end its allocations are packed into one slab (greedy by size), so that allocations alive
+    /// at the same time never overlap. Later scopes of that shape get allocation *i* at its
+    /// planned offset when it is no larger than planned; a deviation (a larger size, an extra
+    /// allocation, a planned range still held) is served from the chunks and refreshes the plan
+    /// at the scope's end. Plans are keyed by the scope's first `signature_len` sizes, or by
     /// a key the user sets ([`Runtime::set_plan_key`](crate::Runtime::set_plan_key)); at most
-    /// `max_plans` are kept (least recently used goes), and one slab sized for the largest
-    /// serves them all. [`PoolStats::plan`](crate::PoolStats::plan) reports hit rate,
+    /// `max_plans` are kept (least recently used goes). A scope of a new shape whose sizes fit
+    /// a larger shape's plan slot by slot is served from it. One slab serves every plan, sized for
+    /// the plan of the last scope; it grows when a larger plan serves. [`PoolStats::plan`](crate::PoolStats::plan) reports hit rate,
     /// deviations, the slab, and each plan's size over its lower bound.
     Planned {
         /// How many plans (shapes) are kept, 1 to 1024.

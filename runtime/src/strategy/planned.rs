@@ -3,15 +3,24 @@
 //!
 //! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from
 //! fallback chunks (best fit, `chunks.rs`) taken from the phase's CUDA pool while its allocations
-//! and frees are recorded; at its end the recording is
-//! packed ([`plan`](super::plan)) and the slab, sized for the largest plan kept, is taken from the
-//! pool. A later scope whose first sizes (or the user's key, [`Runtime::set_plan_key`](crate::Runtime::set_plan_key)) match a
-//! plan gets allocation *i* at planned offset *i* — an index lookup. Anything else while a plan
-//! serves (a size that does not match, an extra allocation, a planned range still held by an
-//! allocation freed late) is a deviation, served from the fallback chunks, and the plan is
-//! refreshed at the scope's end. A scope of a new shape (no plan has its first sizes) is served
-//! best-fit from the slab's free space, then from the fallback chunks, and recorded for its own
-//! plan.
+//! and frees are recorded; at its end the recording is packed ([`plan`](super::plan)), the chunks
+//! go back to the device, and the slab is taken from the pool. A later scope whose first sizes
+//! (or the user's key, [`Runtime::set_plan_key`](crate::Runtime::set_plan_key)) match a plan gets
+//! allocation *i* at planned offset *i* — an index lookup — when it is no larger than entry *i*.
+//! Anything else while a plan serves (a larger size, an extra allocation, a planned range still
+//! held by an allocation freed late) is a deviation, served from the fallback chunks, and the plan
+//! is refreshed at the scope's end.
+//!
+//! A scope of a new shape (no plan has its first sizes) borrows the smallest plan whose first
+//! sizes are each at least its own (a shorter sequence after a longer one: every slot fits), and
+//! records its own plan at its end. When no plan covers it, it is served best-fit from the slab's
+//! free space, then from the fallback chunks, and recorded.
+//!
+//! The slab follows the plan of the scope that just ended (the borrowing scope's own plan, not the
+//! one it borrowed): it shrinks at the scope's end when larger than that plan needs by an eighth,
+//! and grows, after a stream wait that lets the trim give the old one back, when a larger plan
+//! serves again. So a first step run before the optimizer state existed, or a long sequence, does
+//! not keep the slab at its size while smaller scopes follow.
 //!
 //! # Why a hand-out never overlaps a live allocation
 //!
@@ -106,8 +115,10 @@ struct SlabAllocation {
 
 const FOREIGN: u32 = u32::MAX;
 
-/// How many scopes a plan keeps the slab at its size after it last served.
-const RECENT_SCOPES: u64 = 4;
+/// How many scopes a plan keeps the slab at its size after it last served: the slab follows the
+/// plan of the scope that just ended, and grows again (after a stream wait) when a larger plan
+/// serves.
+const RECENT_SCOPES: u64 = 1;
 
 /// The largest fallback chunk: a scope far larger than its slab takes several.
 const MAX_FALLBACK_CHUNK: u64 = 256 << 20;
@@ -303,13 +314,24 @@ impl Planned {
             return;
         }
         let sizes = &self.first_sizes;
-        let candidate = self
+        let exact = self
             .plans
             .iter()
             .enumerate()
             .filter(|(_, plan)| matches!(&plan.key, PlanKey::Sizes(key) if key.len() > n && key[..=n] == sizes[..=n]))
             .max_by_key(|(_, plan)| plan.last_used)
             .map(|(index, _)| index);
+        // No plan of this shape: the smallest plan whose first sizes are each at least the
+        // scope's, sized to the slots' largest seen sizes, serves it (a shorter sequence after
+        // the longest one was seen), so the scope is not served online.
+        let dominates =
+            |plan: &Plan| plan.sizes.len() > n && plan.sizes[..=n].iter().zip(&sizes[..=n]).all(|(p, s)| p >= s);
+        let candidate = exact.or_else(|| {
+            if self.plan.is_some_and(|p| dominates(&self.plans[p])) {
+                return self.plan;
+            }
+            (0..self.plans.len()).filter(|&p| dominates(&self.plans[p])).min_by_key(|&p| self.plans[p].bytes)
+        });
         if candidate != self.plan {
             self.select(candidate, n);
         }
@@ -330,7 +352,9 @@ impl Planned {
         let index = self.plan?;
         let plan = &self.plans[index];
         let mut entry = self.cursor;
-        if plan.sizes.get(entry) != Some(&size) {
+        // An allocation no larger than its entry is served at the entry's offset: the range is
+        // the entry's, whatever part of it the allocation uses.
+        if plan.sizes.get(entry).is_none_or(|&planned| planned < size) {
             // Allocations the scope skipped: the entry further on with this size, if near.
             let end = plan.sizes.len().min(entry + 1 + LOOKAHEAD);
             let Some(found) = (entry + 1..end).find(|&e| plan.sizes[e] == size) else {
@@ -612,7 +636,18 @@ impl Allocator for Planned {
             if self.deviated {
                 self.counters.deviated_scopes += 1;
             }
-            if self.plan.is_none() || self.deviated {
+            // A scope another shape's plan served (one whose first sizes dominate its own)
+            // records its own plan too, so the slab can shrink to it once the larger shape stops
+            // coming.
+            let borrowed = self.user_key.is_none()
+                && self
+                    .plan
+                    .is_some_and(|p| !matches!(&self.plans[p].key, PlanKey::Sizes(key) if *key == self.first_sizes));
+            if borrowed && let Some(index) = self.plan {
+                // Its own plan, not the borrowed one, sizes the slab from now on.
+                self.plans[index].last_used = self.plans[index].last_used.min(self.clock - 1);
+            }
+            if self.plan.is_none() || self.deviated || borrowed {
                 self.replan();
             }
         }
@@ -840,13 +875,14 @@ mod tests {
         };
         let (large, small) = ([8u64 << 20, 8 << 20], [1u64 << 20, 2 << 20]);
         assert_eq!(run(&mut planned, &large), 16 << 20, "recorded");
-        for _ in 0..3 {
-            assert_eq!(run(&mut planned, &small), 16 << 20, "kept while the large plan is recent");
-        }
-        assert_eq!(run(&mut planned, &small), 3 << 20, "then the small plan sizes it");
+        assert_eq!(run(&mut planned, &small), 3 << 20, "served from the large plan, then sized by its own");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.plans.len()), (2, 0, 2), "borrowed, and recorded");
+        assert_eq!(run(&mut planned, &small), 3 << 20);
         assert_eq!(run(&mut planned, &large), 16 << 20, "the large plan grows it again when it serves");
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned), (2, 0), "served from its plan after the growth");
+        assert_eq!(run(&mut planned, &small), 3 << 20);
     }
 
     #[test]
