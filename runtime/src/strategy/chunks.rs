@@ -179,11 +179,21 @@ impl Chunks {
     /// to fit: 16 MiB of every 64 MiB chunk for 24 MiB requests.)
     fn grow(&mut self, source: &mut dyn Source, size: u64, chunk_bytes: u64) -> Result<()> {
         let wanted = (size * (chunk_bytes / size).max(1)).next_multiple_of(GRANULE);
-        let (base, len) = match source.alloc(wanted) {
-            Ok(base) => (base, wanted),
-            Err(Error::Driver(error)) if error.is_out_of_memory() && wanted > size => (source.alloc(size)?, size),
-            Err(error) => return Err(error),
-        };
+        let is_oom = |result: &Result<CUdeviceptr>| matches!(result, Err(Error::Driver(e)) if e.is_out_of_memory());
+        let mut attempt = source.alloc(wanted);
+        let mut len = wanted;
+        if is_oom(&attempt) && wanted > size {
+            attempt = source.alloc(size);
+            len = size;
+        }
+        if is_oom(&attempt) && self.release_empty(source, 0)? > 0 {
+            // Empty chunks went back; after a wait the device sees them idle and can release
+            // them for this request: the strategy's own cache is not what it runs out over.
+            source.synchronize()?;
+            attempt = source.alloc(size);
+            len = size;
+        }
+        let base = attempt?;
         self.chunks.insert(base, len);
         self.ranges.add_region(base, len, Vec::new());
         self.held += len;
@@ -335,6 +345,18 @@ mod tests {
         chunks.alloc(&mut source, MIB, 16 * MIB).unwrap();
         assert_eq!(chunks.held(), MIB, "16 MiB refused: the request alone");
         assert!(chunks.alloc(&mut source, 4 * MIB, 16 * MIB).is_err(), "more than the device");
+    }
+
+    #[test]
+    fn empty_chunks_go_back_before_a_request_fails() {
+        let (mut source, mut chunks) = (FakeSource::new(8 * MIB), Chunks::default());
+        let a = chunks.alloc(&mut source, 3 * MIB, 2 * MIB).unwrap();
+        chunks.free(a);
+        let syncs = source.syncs;
+        chunks.alloc(&mut source, 6 * MIB, 2 * MIB).unwrap();
+        assert_eq!((source.held(), chunks.held()), (6 * MIB, 6 * MIB), "the empty 4 MiB chunk made room");
+        assert_eq!(source.syncs, syncs + 1);
+        assert!(chunks.alloc(&mut source, 4 * MIB, 2 * MIB).is_err(), "nothing empty left to give back");
     }
 
     #[test]
