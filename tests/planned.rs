@@ -801,7 +801,8 @@ fn run_program(program: &[Op], layout: Layout, settled_from: u32) -> Reserved {
         }
         Layout::Planned => (
             rt.declare_phase(
-                PhaseSpec::new("persistent", Scope::Persistent).strategy(Allocation::Chunked { chunk_bytes: 16 * MIB }),
+                PhaseSpec::new("persistent", Scope::Persistent)
+                    .strategy(Allocation::Chunked { chunk_bytes: persistent_chunk(program) }),
             )
             .unwrap(),
             planned_phase(&rt, "step", Scope::Step, Allocation::PLANNED),
@@ -855,6 +856,14 @@ fn run_program(program: &[Op], layout: Layout, settled_from: u32) -> Reserved {
         }
     }
     Reserved { whole, steady, settled }
+}
+
+/// The chunk `steppool replay` gives a persistent phase: a sixteenth of its bytes, rounded up to
+/// the 2 MiB granule, between 2 MiB and 64 MiB (`replay::default_chunk`).
+fn persistent_chunk(program: &[Op]) -> u64 {
+    let bytes: u64 =
+        program.iter().map(|op| if let Op::Alloc { bytes, persistent: true, .. } = op { *bytes } else { 0 }).sum();
+    (bytes / 16).next_multiple_of(2 * MIB).clamp(2 * MIB, 64 * MIB)
 }
 
 /// The limit: the offline packing of the whole program with perfect foresight.
@@ -982,7 +991,7 @@ fn gradient_accumulation_is_planned_as_one_step_with_its_micro_steps() {
         }
         program.ops.push(Op::EndStep);
     }
-    check_against_limit("accumulation", &program, 1, 1.03);
+    check_against_limit("accumulation", &program, 1, 1.08);
 }
 
 #[test]
@@ -1055,4 +1064,37 @@ fn generated_variable_length_traces_stay_near_the_limit() {
         let settled_from = lengths.iter().position(|&length| length == longest).unwrap() as u32 + 1;
         check_against_limit(&format!("variable lengths, seed {seed}"), &program, settled_from, 1.08);
     }
+}
+
+/// A trace's allocations as a program: scopes from the trace's lifetimes, as `steppool replay`
+/// infers them (persistent when made outside a step or never freed in it).
+fn trace_program(name: &str) -> Program {
+    let trace = read_trace(name);
+    let analysis = steppool_trace::analysis::analyse(&trace).unwrap();
+    assert_eq!(analysis.streams.len(), 1, "{name}: one stream");
+    let mut program = Program::default();
+    for &(_, op) in &analysis.ops {
+        use steppool_trace::analysis::Op as TraceOp;
+        program.ops.push(match op {
+            TraceOp::Alloc(id) => {
+                let allocation = &analysis.allocations[id as usize];
+                let persistent = allocation.scope == Scope::Persistent;
+                Op::Alloc { id: id as usize, bytes: allocation.bytes, persistent }
+            }
+            TraceOp::Free(id) => Op::Free(id as usize),
+            TraceOp::BeginStep => Op::BeginStep,
+            TraceOp::EndStep => Op::EndStep,
+            TraceOp::BeginMicro => Op::BeginMicro,
+            TraceOp::EndMicro => Op::EndMicro,
+        });
+    }
+    program
+}
+
+#[test]
+fn the_shared_training_traces_stay_near_the_limit_from_the_second_step() {
+    // ViT, static shapes: within 3 % of the limit plus a granule from the second step on.
+    check_against_limit("vit_static_train", &trace_program("vit_static_train"), 1, 1.03);
+    // T5, variable lengths: step 4 is a new, largest shape served online; within 8 %.
+    check_against_limit("t5_varlen_train", &trace_program("t5_varlen_train"), 1, 1.08);
 }
