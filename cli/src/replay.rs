@@ -87,7 +87,7 @@ pub const STRATEGIES: &[StrategyDef] = &[
     },
     StrategyDef {
         name: "planned",
-        summary: "phase pools, with step and micro-step phases served from slabs packed offline from their first scope",
+        summary: "persistent allocations packed in chunks; every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
         layout: planned,
     },
 ];
@@ -112,12 +112,22 @@ fn arena(phase: &ReplayPhase, facts: &PhaseFacts, options: &ReplayOptions) -> Ph
     }
 }
 
-fn planned(phase: &ReplayPhase, _: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
-    let spec = PhaseSpec::new(phase.name.clone(), phase.scope);
+fn planned(phase: &ReplayPhase, facts: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
     match phase.scope {
-        Scope::Persistent => spec,
-        Scope::Step | Scope::MicroStep => spec.strategy(Strategy::PLANNED),
+        // Long-lived allocations of every persistent phase share one pool, packed in chunks.
+        Scope::Persistent => PhaseSpec::new("persistent", Scope::Persistent)
+            .strategy(Strategy::Chunked { chunk_bytes: default_chunk(facts) }),
+        // One plan for the whole step: every step- and micro-step-scoped allocation (each freed
+        // within its micro-step, which the trace does) in one lifetime-aware packing.
+        Scope::Step | Scope::MicroStep => PhaseSpec::new("step", Scope::Step).strategy(Strategy::PLANNED),
     }
+}
+
+/// The chunk of a persistent phase when planned: a sixteenth of its peak of live bytes, rounded
+/// up to the 2 MiB granule, between 2 MiB and 64 MiB. The unused end of the last chunk is then
+/// at most a sixteenth of the phase, and large phases are not taken in one piece.
+pub fn default_chunk(facts: &PhaseFacts) -> u64 {
+    (facts.peak_live / 16).next_multiple_of(DEFAULT_GRANULE).clamp(DEFAULT_GRANULE, 64 << 20)
 }
 
 /// The arena slab for a phase when none is given: an eighth of the phase's peak of live bytes,

@@ -30,16 +30,29 @@ pub enum Strategy {
         /// Size of each slab in bytes.
         slab_bytes: u64,
     },
+    /// Best fit inside chunks of about `chunk_bytes` taken from the phase's CUDA pool (as many
+    /// requests of the size that opens a chunk as fit, at least one, rounded up to the pool's
+    /// 2 MiB granule), for long-lived allocations (weights, optimizer state).
+    /// The pool reserves each request rounded up to its granule, so a run of 2.25 MiB tensors
+    /// costs 4 MiB apiece unless smaller ones fill the tails; in chunks they lie end to end.
+    /// Frees are reused at once; a chunk goes back only when nothing in it is handed out (at a
+    /// boundary, by the trim policy, or when memory is short).
+    Chunked {
+        /// The size of a chunk in bytes, before it is fitted to the request that opens it.
+        chunk_bytes: u64,
+    },
     /// Offsets planned from a recording, for phases whose scopes repeat (step- or
     /// micro-step-scoped). A scope of a new shape is recorded (served best-fit from the slab's
-    /// free space, else from the CUDA pool); at its end its allocations are packed into one slab
-    /// (greedy by size), so that allocations alive at the same time never overlap. Later scopes
-    /// of that shape get allocation *i* at its planned offset; a deviation (another size, an
-    /// extra allocation, a planned range still held) is served from the pool and refreshes the
-    /// plan at the scope's end. Plans are keyed by the scope's first `signature_len` sizes, or by
+    /// free space, else from chunks taken from the CUDA pool and given back at its end); at its
+    /// end its allocations are packed into one slab (greedy by size), so that allocations alive
+    /// at the same time never overlap. Later scopes of that shape get allocation *i* at its
+    /// planned offset when it is no larger than planned; a deviation (a larger size, an extra
+    /// allocation, a planned range still held) is served from the chunks and refreshes the plan
+    /// at the scope's end. Plans are keyed by the scope's first `signature_len` sizes, or by
     /// a key the user sets ([`Runtime::set_plan_key`](crate::Runtime::set_plan_key)); at most
-    /// `max_plans` are kept (least recently used goes), and one slab sized for the largest
-    /// serves them all. [`PoolStats::plan`](crate::PoolStats::plan) reports hit rate,
+    /// `max_plans` are kept (least recently used goes). A scope of a new shape whose sizes fit
+    /// a larger shape's plan slot by slot is served from it. One slab serves every plan, sized for
+    /// the plan of the last scope; it grows when a larger plan serves. [`PoolStats::plan`](crate::PoolStats::plan) reports hit rate,
     /// deviations, the slab, and each plan's size over its lower bound.
     Planned {
         /// How many plans (shapes) are kept, 1 to 1024.
@@ -56,11 +69,12 @@ impl Strategy {
     /// Planned slabs keeping 8 plans, selected by the first 4 sizes of a scope.
     pub const PLANNED: Strategy = Strategy::Planned { max_plans: 8, signature_len: 4 };
 
-    /// `direct`, `arena` or `planned`.
+    /// `direct`, `arena`, `chunked` or `planned`.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Direct => "direct",
             Strategy::Arena { .. } => "arena",
+            Strategy::Chunked { .. } => "chunked",
             Strategy::Planned { .. } => "planned",
         }
     }
@@ -154,7 +168,7 @@ impl PhaseSpec {
         self
     }
 
-    /// Checks what a runtime relies on: a name, arena slabs of 512 bytes to 64 TiB, and planned
+    /// Checks what a runtime relies on: a name, arena slabs and chunks of 512 bytes to 64 TiB, and planned
     /// phases that are step- or micro-step-scoped, with 1 to 1024 plans selected by 1 to 64 sizes.
     pub fn validate(&self) -> Result<(), InvalidPhaseSpec> {
         let invalid = |reason: String| Err(InvalidPhaseSpec { phase: self.name.clone(), reason });
@@ -165,6 +179,11 @@ impl PhaseSpec {
             && !(MIN_SLAB..=MAX_SLAB).contains(&slab_bytes)
         {
             return invalid(format!("arena slabs of {slab_bytes} bytes: use 512 bytes to 64 TiB"));
+        }
+        if let Strategy::Chunked { chunk_bytes } = self.strategy
+            && !(MIN_SLAB..=MAX_SLAB).contains(&chunk_bytes)
+        {
+            return invalid(format!("chunks of {chunk_bytes} bytes: use 512 bytes to 64 TiB"));
         }
         if let Strategy::Planned { max_plans, signature_len } = self.strategy {
             if self.scope == Scope::Persistent {

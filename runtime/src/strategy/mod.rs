@@ -7,10 +7,14 @@
 //!
 //! - [`Direct`]: every allocation and free goes to the source (the phase's CUDA pool).
 //! - [`Arena`]: bump allocation in slabs; memory comes back in stack order or at the reset.
+//! - [`Chunked`]: best fit in chunks taken from the pool, for long-lived allocations (see
+//!   `chunks.rs`, which the planned strategy's unplanned allocations use too).
 //! - [`Planned`]: the scope's sequence is recorded and packed; later scopes are served at the
 //!   planned offsets of one slab (see `planned.rs`; the packing is `steppool_trace::packing`).
 
 mod arena;
+mod chunked;
+mod chunks;
 mod direct;
 mod planned;
 
@@ -20,6 +24,7 @@ use std::sync::Arc;
 use steppool_sys::CUdeviceptr;
 
 pub(crate) use arena::Arena;
+pub(crate) use chunked::Chunked;
 pub(crate) use direct::Direct;
 pub(crate) use planned::Planned;
 
@@ -82,6 +87,7 @@ pub(crate) fn allocator(entry: &Arc<PhaseEntry>) -> Box<dyn Allocator> {
     match entry.spec.strategy {
         Strategy::Direct => Box::new(Direct),
         Strategy::Arena { slab_bytes } => Box::new(Arena::new(slab_bytes)),
+        Strategy::Chunked { chunk_bytes } => Box::new(Chunked::new(chunk_bytes)),
         Strategy::Planned { max_plans, signature_len } => {
             Box::new(Planned::new(entry.clone(), max_plans, signature_len))
         }

@@ -1,15 +1,26 @@
 //! The `Planned` strategy: a scope's allocation sequence is recorded, packed offline into one
 //! slab, and later scopes with the same signature are served at the planned offsets.
 //!
-//! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from the
-//! phase's CUDA pool while its allocations and frees are recorded; at its end the recording is
-//! packed ([`plan`](super::plan)) and the slab, sized for the largest plan kept, is taken from the
-//! pool. A later scope whose first sizes (or the user's key, [`Runtime::set_plan_key`](crate::Runtime::set_plan_key)) match a
-//! plan gets allocation *i* at planned offset *i* — an index lookup. Anything else while a plan
-//! serves (a size that does not match, an extra allocation, a planned range still held by an
-//! allocation freed late) is a deviation, served from the pool, and the plan is refreshed at the
-//! scope's end. A scope of a new shape (no plan has its first sizes) is served best-fit from the
-//! slab's free space, then from the pool, and recorded for its own plan.
+//! Training steps repeat. The first scope (step or micro-step) of a phase pool is served from
+//! fallback chunks (best fit, `chunks.rs`) taken from the phase's CUDA pool while its allocations
+//! and frees are recorded; at its end the recording is packed ([`plan`](super::plan)), the chunks
+//! go back to the device, and the slab is taken from the pool. A later scope whose first sizes
+//! (or the user's key, [`Runtime::set_plan_key`](crate::Runtime::set_plan_key)) match a plan gets
+//! allocation *i* at planned offset *i* — an index lookup — when it is no larger than entry *i*.
+//! Anything else while a plan serves (a larger size, an extra allocation, a planned range still
+//! held by an allocation freed late) is a deviation, served from the fallback chunks, and the plan
+//! is refreshed at the scope's end.
+//!
+//! A scope of a new shape (no plan has its first sizes) borrows the smallest plan whose first
+//! sizes are each at least its own (a shorter sequence after a longer one: every slot fits), and
+//! records its own plan at its end. When no plan covers it, it is served best-fit from the slab's
+//! free space, then from the fallback chunks, and recorded.
+//!
+//! The slab follows the plan of the scope that just ended (the borrowing scope's own plan, not the
+//! one it borrowed): it shrinks at the scope's end when larger than that plan needs by an eighth,
+//! and grows, after a stream wait that lets the trim give the old one back, when a larger plan
+//! serves again. So a first step run before the optimizer state existed, or a long sequence, does
+//! not keep the slab at its size while smaller scopes follow.
 //!
 //! # Why a hand-out never overlaps a live allocation
 //!
@@ -21,18 +32,25 @@
 //! — is moved to the late list as the cursor passes its planned free, and so are the live entries
 //! of a plan the scope switched away from; *i* is handed out only if it overlaps nothing on the
 //! late list. A scope of a new shape serves from ranges of the slab that no live allocation
-//! holds. Deviations come from the pool, which never hands out memory inside the slab it lent.
-//! At the scope's end every slab range is reclaimed (leaked buffers too) and leaked deviations are
-//! given back; the boundary has ordered the pool's stream after every stream that used them.
+//! holds. Deviations come from the fallback chunks, allocations of the pool apart from the slab.
+//! At the scope's end every slab range and every chunk is reclaimed (leaked buffers too); the
+//! boundary has ordered the pool's stream after every stream that used them.
+//!
+//! # Giving back what a scope outside the plan took
+//!
+//! The fallback chunks go back to the pool at the scope's end, and the stream is synchronized so
+//! that the trim returns them to the device before the slab for the new plan is taken: a
+//! recording step's memory never sits idle beside the slab that replaces it. Only a scope the
+//! slab did not serve in full (a recording, a new shape, a deviation) pays that wait.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError};
 
 use steppool_sys::CUdeviceptr;
 use steppool_trace::packing::{self as plan, Block};
 
 use super::Allocator;
+use super::chunks::{Chunks, GRANULE, PointerMap};
 use crate::error::{Error, Result};
 use crate::phase::ALIGNMENT;
 use crate::phase::PhaseEntry;
@@ -46,28 +64,6 @@ const LOOKAHEAD: usize = 16;
 /// Scopes with more allocations than this are not planned: packing is quadratic in the worst
 /// case (about 50 ms for 4096 allocations with four orderings on one core).
 pub(crate) const MAX_PLANNED_ALLOCATIONS: usize = 1 << 15;
-
-/// Hashes device pointers: they are 512-byte aligned, so the low bits carry nothing.
-#[derive(Default)]
-struct PointerHasher(u64);
-
-impl Hasher for PointerHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = (value >> 9).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-type PointerMap<V> = HashMap<CUdeviceptr, V, BuildHasherDefault<PointerHasher>>;
 
 /// A packed scope.
 #[derive(Debug)]
@@ -118,6 +114,14 @@ struct SlabAllocation {
 }
 
 const FOREIGN: u32 = u32::MAX;
+
+/// How many scopes a plan keeps the slab at its size after it last served: the slab follows the
+/// plan of the scope that just ended, and grows again (after a stream wait) when a larger plan
+/// serves.
+const RECENT_SCOPES: u64 = 1;
+
+/// The largest fallback chunk: a scope far larger than its slab takes several.
+const MAX_FALLBACK_CHUNK: u64 = 256 << 20;
 
 /// The free ranges of the slab while a scope without a plan is served from it: best fit, by
 /// offset (to merge neighbours) and by size.
@@ -222,10 +226,11 @@ pub(crate) struct Planned {
     /// A scope without a plan is served from the slab's free ranges (and the pool past them).
     online: Option<FreeRanges>,
     slab_live: PointerMap<SlabAllocation>,
-    /// Live allocations from the pool: `(index in the scope, bytes)`.
-    pooled: PointerMap<(u32, u64)>,
-    pooled_bytes: u64,
-    pooled_peak: u64,
+    /// Live allocations from the fallback chunks: their index in the scope.
+    pooled: PointerMap<u32>,
+    /// What the slab does not serve (a scope without a plan past the slab's free space, a
+    /// deviation): best fit in chunks taken from the pool, given back at the scope's end.
+    fallback: Chunks,
     deviated: bool,
     /// The slab could not be had in this scope: do not ask again until its end.
     slab_refused: bool,
@@ -257,8 +262,7 @@ impl Planned {
             online: None,
             slab_live: PointerMap::default(),
             pooled: PointerMap::default(),
-            pooled_bytes: 0,
-            pooled_peak: 0,
+            fallback: Chunks::default(),
             deviated: false,
             slab_refused: false,
             counters: Counters::default(),
@@ -310,13 +314,24 @@ impl Planned {
             return;
         }
         let sizes = &self.first_sizes;
-        let candidate = self
+        let exact = self
             .plans
             .iter()
             .enumerate()
             .filter(|(_, plan)| matches!(&plan.key, PlanKey::Sizes(key) if key.len() > n && key[..=n] == sizes[..=n]))
             .max_by_key(|(_, plan)| plan.last_used)
             .map(|(index, _)| index);
+        // No plan of this shape: the smallest plan whose first sizes are each at least the
+        // scope's, sized to the slots' largest seen sizes, serves it (a shorter sequence after
+        // the longest one was seen), so the scope is not served online.
+        let dominates =
+            |plan: &Plan| plan.sizes.len() > n && plan.sizes[..=n].iter().zip(&sizes[..=n]).all(|(p, s)| p >= s);
+        let candidate = exact.or_else(|| {
+            if self.plan.is_some_and(|p| dominates(&self.plans[p])) {
+                return self.plan;
+            }
+            (0..self.plans.len()).filter(|&p| dominates(&self.plans[p])).min_by_key(|&p| self.plans[p].bytes)
+        });
         if candidate != self.plan {
             self.select(candidate, n);
         }
@@ -337,7 +352,9 @@ impl Planned {
         let index = self.plan?;
         let plan = &self.plans[index];
         let mut entry = self.cursor;
-        if plan.sizes.get(entry) != Some(&size) {
+        // An allocation no larger than its entry is served at the entry's offset: the range is
+        // the entry's, whatever part of it the allocation uses.
+        if plan.sizes.get(entry).is_none_or(|&planned| planned < size) {
             // Allocations the scope skipped: the entry further on with this size, if near.
             let end = plan.sizes.len().min(entry + 1 + LOOKAHEAD);
             let Some(found) = (entry + 1..end).find(|&e| plan.sizes[e] == size) else {
@@ -377,9 +394,21 @@ impl Planned {
         Some(offset)
     }
 
-    /// Makes sure a slab for the largest plan is held, when nothing lives in it.
-    fn ensure_slab(&mut self, source: &mut dyn Source) -> Result<()> {
-        let desired = self.plans.iter().map(|plan| plan.bytes).max().unwrap_or(0);
+    /// What the slab should hold at a scope's end: the largest plan that served or was recorded
+    /// in the last [`RECENT_SCOPES`] scopes. A plan that has not served for longer (the first
+    /// step's, before the optimizer state existed; a shape that stopped coming) no longer keeps
+    /// the slab at its size.
+    fn desired_slab(&self) -> u64 {
+        self.plans
+            .iter()
+            .filter(|plan| self.clock - plan.last_used < RECENT_SCOPES)
+            .map(|plan| plan.bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Makes sure a slab of at least `desired` bytes is held, when nothing lives in it.
+    fn ensure_slab(&mut self, source: &mut dyn Source, desired: u64) -> Result<()> {
         if self.slab_refused || desired == 0 || !self.slab_live.is_empty() || !self.late.is_empty() {
             return Ok(());
         }
@@ -389,9 +418,9 @@ impl Planned {
             }
             self.slab = None;
             source.free(slab.base, slab.size)?;
-            // A larger shape replaces the slab: wait for the old one's free, so the trim below
+            // A larger plan replaces the slab: wait for the old one's free, so the trim below
             // gives it back and the new slab takes its place rather than adding to it. Rare:
-            // only when a new largest plan appears.
+            // only when a plan larger than the recent ones serves.
             source.synchronize()?;
         }
         // Idle memory goes back first (as far as its frees were seen complete), so the slab can
@@ -407,9 +436,12 @@ impl Planned {
     }
 
     /// Serves the scope's next allocation: at its planned offset, else from the pool.
-    fn serve(&mut self, source: &mut dyn Source, bytes: u64, size: u64) -> Result<CUdeviceptr> {
-        if self.slab.is_none_or(|slab| slab.size < self.plan.map_or(0, |p| self.plans[p].bytes)) {
-            self.ensure_slab(source)?;
+    fn serve(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
+        // A plan larger than the slab (one that has not served recently) grows it.
+        let need = self.plan.map_or(0, |p| self.plans[p].bytes);
+        if need > 0 && self.slab.is_none_or(|slab| slab.size < need) {
+            let desired = need.max(self.desired_slab());
+            self.ensure_slab(source, desired)?;
         }
         if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
             self.go_online(slab);
@@ -432,18 +464,21 @@ impl Planned {
                 Ok(ptr)
             }
             None => {
-                let ptr = self.allocate_from_pool(source, bytes, size)?;
+                let ptr = self.allocate_from_pool(source, size)?;
                 self.counters.unplanned += 1;
                 Ok(ptr)
             }
         }
     }
 
-    fn allocate_from_pool(&mut self, source: &mut dyn Source, bytes: u64, size: u64) -> Result<CUdeviceptr> {
-        let ptr = source.alloc(bytes)?;
-        self.pooled.insert(ptr, (self.allocations, bytes));
-        self.pooled_bytes += size;
-        self.pooled_peak = self.pooled_peak.max(self.pooled_bytes);
+    /// Serves an allocation the slab does not from the fallback chunks. A chunk is an eighth of
+    /// what the pool holds for the scope (the slab and the chunks), at least a granule, so a
+    /// scope that outgrows the slab takes few chunks and leaves little unused at their ends.
+    fn allocate_from_pool(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
+        let held = self.slab.map_or(0, |slab| slab.size) + self.fallback.held();
+        let chunk = (held / 8).clamp(GRANULE, MAX_FALLBACK_CHUNK);
+        let ptr = self.fallback.alloc(source, size, chunk)?;
+        self.pooled.insert(ptr, self.allocations);
         Ok(ptr)
     }
 
@@ -514,8 +549,6 @@ impl Planned {
         self.late.clear();
         self.online = None;
         self.slab_live.clear();
-        self.pooled_bytes = 0;
-        self.pooled_peak = 0;
         self.deviated = false;
         self.slab_refused = false;
     }
@@ -534,7 +567,7 @@ impl Allocator for Planned {
                 self.follow_signature(n);
             }
         }
-        match self.serve(source, bytes, size) {
+        match self.serve(source, size) {
             Ok(ptr) => {
                 self.events.push(Event::Alloc(size));
                 self.allocations += 1;
@@ -568,9 +601,8 @@ impl Allocator for Planned {
             return Ok(());
         }
         match self.pooled.remove(&ptr) {
-            Some((index, _)) => {
-                source.free(ptr, bytes)?;
-                self.pooled_bytes -= bytes.next_multiple_of(ALIGNMENT);
+            Some(index) => {
+                self.fallback.free(ptr);
                 self.events.push(Event::Free(index));
                 Ok(())
             }
@@ -587,10 +619,13 @@ impl Allocator for Planned {
     /// when `keep` is smaller than it (the trim policy asks for the memory back; the next scope
     /// that has a plan takes it again).
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
-        let mut outcome = Ok(());
-        for (ptr, (_, bytes)) in self.pooled.drain() {
-            outcome = outcome.and(source.free(ptr, bytes));
-        }
+        self.pooled.clear();
+        self.fallback.reclaim();
+        // The fallback chunks go back whole: the scope that needed them is over, and the pool
+        // must not hold them idle while the slab (or another phase) takes its own peak.
+        let outcome = self.fallback.release_empty(source, 0);
+        let chunks_released = *outcome.as_ref().unwrap_or(&0) > 0;
+        let mut outcome = outcome.map(drop);
         if self.allocations > 0 {
             if let Some(index) = self.plan {
                 let unserved = self.plans[index].sizes.len().saturating_sub(self.cursor) as u64;
@@ -601,36 +636,54 @@ impl Allocator for Planned {
             if self.deviated {
                 self.counters.deviated_scopes += 1;
             }
-            if self.plan.is_none() || self.deviated {
+            // A scope another shape's plan served (one whose first sizes dominate its own)
+            // records its own plan too, so the slab can shrink to it once the larger shape stops
+            // coming.
+            let borrowed = self.user_key.is_none()
+                && self
+                    .plan
+                    .is_some_and(|p| !matches!(&self.plans[p].key, PlanKey::Sizes(key) if *key == self.first_sizes));
+            if borrowed && let Some(index) = self.plan {
+                // Its own plan, not the borrowed one, sizes the slab from now on.
+                self.plans[index].last_used = self.plans[index].last_used.min(self.clock - 1);
+            }
+            if self.plan.is_none() || self.deviated || borrowed {
                 self.replan();
             }
         }
         self.close_scope();
-        let desired = self.plans.iter().map(|plan| plan.bytes).max().unwrap_or(0);
-        let mut released = false;
+        self.slab_refused = false;
+        let desired = self.desired_slab();
+        let mut slab_released = false;
+        let mut kept = true;
         if let Some(slab) = self.slab {
             let unfit = slab.size < desired || slab.size > desired + desired / 8;
-            released = slab.size > keep;
-            if unfit || released {
+            kept = slab.size <= keep;
+            if unfit || !kept {
+                // Smaller or larger than the recent plans need, or larger than the trim policy
+                // keeps.
                 self.slab = None;
+                slab_released = true;
                 outcome = outcome.and(source.free(slab.base, slab.size));
-                if unfit && !released {
-                    // Replaced below: wait for the free so the trim gives the old slab back
-                    // before the new one is taken.
-                    outcome = outcome.and(source.synchronize());
-                }
             }
         }
-        if !released {
-            outcome = outcome.and(self.ensure_slab(source));
-            self.slab_refused = false;
+        if chunks_released || slab_released {
+            // Wait for the frees, so that the trim gives the memory back rather than keeping it
+            // idle while the slab (or another phase) takes its own peak: only after a scope the
+            // slab did not serve in full (a recording, a new shape, a deviation) or a resize.
+            outcome = outcome.and(source.synchronize());
+        }
+        if kept {
+            // Taken now, so the next scope finds it (and a new shape has its free space).
+            outcome = outcome.and(self.ensure_slab(source, desired));
         }
         outcome
     }
 
-    /// The slab (what the plans need) plus the peak of pool allocations.
+    /// The slab: what the plans need. The fallback chunks are given back at the reset, so
+    /// the pool keeps nothing for them.
     fn touched(&self) -> Option<u64> {
-        Some(self.slab.map_or(0, |slab| slab.size) + self.pooled_peak)
+        Some(self.slab.map_or(0, |slab| slab.size) + self.fallback.held())
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
@@ -646,27 +699,30 @@ impl Allocator for Planned {
             space.largest_free = space.largest_free.max(gap);
             top = top.max(offset + size);
         }
+        let chunks = self.fallback.free_space();
+        space.total_free += chunks.total_free;
+        space.largest_free = space.largest_free.max(chunks.largest_free);
         Some(space)
     }
 
     /// Gives the slab back when nothing lives in it: the scope takes it again (at its planned
     /// size) when it next serves from a plan.
+    /// Fallback chunks with nothing handed out go back too.
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
+        let chunks = self.fallback.release_empty(source, 0)?;
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
-            return Ok(0);
+            return Ok(chunks);
         }
-        let Some(slab) = self.slab else { return Ok(0) };
+        let Some(slab) = self.slab else { return Ok(chunks) };
         source.free(slab.base, slab.size)?;
         self.slab = None;
         self.slab_refused = false;
-        Ok(slab.size)
+        Ok(chunks + slab.size)
     }
 
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
-        let mut outcome = Ok(());
-        for (ptr, (_, bytes)) in self.pooled.drain() {
-            outcome = outcome.and(source.free(ptr, bytes));
-        }
+        self.pooled.clear();
+        let mut outcome = self.fallback.release_all(source);
         if let Some(slab) = self.slab.take() {
             outcome = outcome.and(source.free(slab.base, slab.size));
         }
@@ -740,7 +796,7 @@ mod tests {
         assert_eq!((stats.planned, stats.unplanned, stats.plans.len()), (0, 3, 1));
         let plan = &stats.plans[0];
         assert_eq!((plan.bytes, plan.lower_bound), (12288, 12288), "packed at the peak of live bytes");
-        assert_eq!(source.held(), 12288, "the slab is taken at the end of the recorded scope");
+        assert_eq!(source.held(), 12288, "the recording's memory went back, the slab is taken");
         let allocs = source.allocs;
         let ptrs = scope(&mut planned, &mut source);
         assert_eq!(source.allocs, allocs, "a planned scope takes nothing from the source");
@@ -784,6 +840,49 @@ mod tests {
         assert_eq!(source.held(), planned.slab.map_or(0, |slab| slab.size), "only the slab is held");
         planned.release_all(&mut source).unwrap();
         assert_eq!(source.held(), 0);
+    }
+
+    #[test]
+    fn the_recording_is_served_from_chunks_given_back_before_the_slab_is_taken() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        planned.begin_step();
+        let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 1 << 20).unwrap()).collect();
+        assert_eq!(source.allocs, 2, "one 2 MiB chunk holds the first two, a second the next two");
+        assert_eq!(ptrs[1] - ptrs[0], 1 << 20, "end to end in a chunk");
+        for ptr in ptrs {
+            planned.free(&mut source, ptr, 1 << 20).unwrap();
+        }
+        let syncs = source.syncs;
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert_eq!(source.held(), 4 << 20, "the chunks went back; the slab, the recording's peak, is held");
+        assert_eq!(source.syncs, syncs + 1, "the stream is waited for so the trim returns the chunks");
+        assert_eq!(source.trims.last(), Some(&0), "what is idle goes back before the slab is taken");
+        assert_eq!(planned.touched(), Some(4 << 20), "the pool keeps nothing for the chunks");
+    }
+
+    #[test]
+    fn a_plan_that_stopped_serving_no_longer_sizes_the_slab() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        // A large first scope (its own first sizes), then smaller ones of another shape.
+        let mut run = |planned: &mut Planned, sizes: &[u64]| {
+            planned.begin_step();
+            let ptrs: Vec<_> = sizes.iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
+            for (&ptr, &size) in ptrs.iter().zip(sizes) {
+                planned.free(&mut source, ptr, size).unwrap();
+            }
+            planned.reset(&mut source, u64::MAX).unwrap();
+            planned.slab.map_or(0, |slab| slab.size)
+        };
+        let (large, small) = ([8u64 << 20, 8 << 20], [1u64 << 20, 2 << 20]);
+        assert_eq!(run(&mut planned, &large), 16 << 20, "recorded");
+        assert_eq!(run(&mut planned, &small), 3 << 20, "served from the large plan, then sized by its own");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.plans.len()), (2, 0, 2), "borrowed, and recorded");
+        assert_eq!(run(&mut planned, &small), 3 << 20);
+        assert_eq!(run(&mut planned, &large), 16 << 20, "the large plan grows it again when it serves");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned), (2, 0), "served from its plan after the growth");
+        assert_eq!(run(&mut planned, &small), 3 << 20);
     }
 
     #[test]

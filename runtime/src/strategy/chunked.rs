@@ -1,0 +1,115 @@
+//! The `Chunked` strategy: best-fit sub-allocation in chunks taken from the phase's pool, for
+//! long-lived allocations (weights, optimizer state) that the pool's per-request granule would
+//! leave tails after.
+
+use steppool_sys::CUdeviceptr;
+
+use super::Allocator;
+use super::chunks::Chunks;
+use crate::error::Result;
+use crate::phase::ALIGNMENT;
+use crate::report::FreeSpace;
+use crate::source::Source;
+
+/// Serves every allocation best-fit from chunks of about `chunk_bytes`; frees go back to the
+/// chunks' free ranges and are reused at once (in the pool's stream order, as the pool's own
+/// reuse is). A chunk goes back to the pool only when nothing in it is handed out: at a reset
+/// beyond what the trim policy keeps, or when memory is short.
+#[derive(Debug)]
+pub(crate) struct Chunked {
+    chunk_bytes: u64,
+    chunks: Chunks,
+}
+
+impl Chunked {
+    /// Chunks of about `chunk_bytes` ([`PhaseSpec::validate`] keeps it between 512 bytes and
+    /// 64 TiB), each fitted to the request that opens it and rounded up to the 2 MiB granule.
+    ///
+    /// [`PhaseSpec::validate`]: crate::PhaseSpec::validate
+    pub(crate) fn new(chunk_bytes: u64) -> Self {
+        Self { chunk_bytes, chunks: Chunks::default() }
+    }
+}
+
+impl Allocator for Chunked {
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
+        self.chunks.alloc(source, bytes.next_multiple_of(ALIGNMENT), self.chunk_bytes)
+    }
+
+    fn free(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        if self.chunks.free(ptr).is_none() {
+            debug_assert!(false, "free of {ptr:#x}, which this strategy did not hand out");
+            return source.free(ptr, bytes);
+        }
+        Ok(())
+    }
+
+    /// Takes back what the scope left handed out, and gives back empty chunks beyond `keep`.
+    fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
+        self.chunks.reclaim();
+        let released = self.chunks.release_empty(source, keep);
+        self.chunks.start_scope();
+        released.map(drop)
+    }
+
+    fn touched(&self) -> Option<u64> {
+        Some(self.chunks.peak_held())
+    }
+
+    fn free_space(&self) -> Option<FreeSpace> {
+        Some(self.chunks.free_space())
+    }
+
+    /// Gives back every chunk with nothing handed out.
+    fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
+        self.chunks.release_empty(source, 0)
+    }
+
+    fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
+        self.chunks.release_all(source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::fake::FakeSource;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn long_lived_allocations_share_chunks_and_frees_are_reused() {
+        let (mut source, mut chunked) = (FakeSource::new(256 * MIB), Chunked::new(16 * MIB));
+        // A layer's weights: 2.25 MiB and three of 0.5625 MiB, six layers (20.25 MiB).
+        let mut ptrs = Vec::new();
+        for _ in 0..6 {
+            ptrs.push(chunked.allocate(&mut source, 9 * MIB / 4).unwrap());
+            for _ in 0..3 {
+                ptrs.push(chunked.allocate(&mut source, 9 * MIB / 16).unwrap());
+            }
+        }
+        assert_eq!(source.held(), 32 * MIB, "two 16 MiB chunks, where the pool would reserve 6 × 4 MiB");
+        let space = chunked.free_space().unwrap();
+        assert_eq!(space.total_free, 32 * MIB - 6 * (9 * MIB / 4 + 3 * 9 * MIB / 16));
+        chunked.free(&mut source, ptrs[4], 9 * MIB / 4).unwrap();
+        assert_eq!(chunked.allocate(&mut source, 2 * MIB).unwrap(), ptrs[4], "the freed range, best fit");
+        assert_eq!(source.allocs, 2);
+    }
+
+    #[test]
+    fn a_reset_reclaims_and_keeps_what_the_policy_asks() {
+        let (mut source, mut chunked) = (FakeSource::new(256 * MIB), Chunked::new(4 * MIB));
+        for _ in 0..3 {
+            chunked.allocate(&mut source, 3 * MIB).unwrap();
+        }
+        assert_eq!(chunked.touched(), Some(12 * MIB));
+        assert!(chunked.reclaims_live());
+        chunked.reset(&mut source, 8 * MIB).unwrap();
+        assert_eq!(source.held(), 8 * MIB, "a leaked hand-out is taken back, one chunk given back");
+        assert_eq!(chunked.touched(), Some(8 * MIB), "the next scope's peak starts from what is held");
+        assert_eq!(chunked.release_unused(&mut source).unwrap(), 8 * MIB);
+        chunked.allocate(&mut source, MIB).unwrap();
+        chunked.release_all(&mut source).unwrap();
+        assert_eq!(source.held(), 0);
+    }
+}

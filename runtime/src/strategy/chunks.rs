@@ -1,0 +1,378 @@
+//! Best-fit sub-allocation inside chunks taken from a [`Source`]: the free ranges of memory a
+//! strategy holds, and the chunks it grows by.
+//!
+//! The CUDA pool reserves a segment of each request rounded up to its granule (2 MiB), so a run
+//! of 2.25 MiB weights reserves 4 MiB apiece unless smaller requests happen to fill the tails.
+//! Taking memory in larger chunks and placing requests best-fit inside them packs such runs
+//! end to end: what is left unused is the end of the last chunk and the gaps frees leave, not
+//! a tail per request. [`FreeRanges`] are the free pieces, by address and by size, never merged
+//! across a region's start (two chunks adjacent in the address space are still two allocations
+//! of the source, and no hand-out may span them). [`Chunks`] is the sub-allocator the
+//! [`Chunked`](super::Chunked) strategy is and the [`Planned`](super::Planned) strategy serves
+//! its unplanned allocations from.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use steppool_sys::CUdeviceptr;
+
+use crate::error::{Error, Result};
+use crate::report::FreeSpace;
+use crate::source::Source;
+
+/// The reservation granule of CUDA pools on current GPUs: a chunk of a multiple of it fills the
+/// segment the pool reserves for it.
+pub(crate) const GRANULE: u64 = 2 << 20;
+
+/// Hashes device pointers: they are 512-byte aligned, so the low bits carry nothing.
+#[derive(Default)]
+pub(crate) struct PointerHasher(u64);
+
+impl Hasher for PointerHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (value >> 9).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// A map keyed by device pointers.
+pub(crate) type PointerMap<V> = HashMap<CUdeviceptr, V, BuildHasherDefault<PointerHasher>>;
+
+/// Free address ranges inside regions (a slab, chunks): best fit by size, the lowest address on
+/// ties; a freed range merges with its free neighbours in the same region.
+#[derive(Debug, Default)]
+pub(crate) struct FreeRanges {
+    by_addr: BTreeMap<u64, u64>,
+    by_size: BTreeSet<(u64, u64)>,
+    /// The start of every region: ranges never merge across one.
+    starts: BTreeSet<u64>,
+}
+
+impl FreeRanges {
+    /// Adds a region whose free ranges are those of `[base, base + len)` around `live`
+    /// (`(address, size)` pairs inside it).
+    pub(crate) fn add_region(&mut self, base: u64, len: u64, mut live: Vec<(u64, u64)>) {
+        self.starts.insert(base);
+        live.sort_unstable();
+        let mut top = base;
+        for (at, size) in live.into_iter().chain(std::iter::once((base + len, 0))) {
+            if at > top {
+                self.insert(top, at - top);
+            }
+            top = top.max(at + size);
+        }
+    }
+
+    /// Removes a region that is free in full; false (and nothing changes) if part is handed out.
+    pub(crate) fn remove_region(&mut self, base: u64, len: u64) -> bool {
+        if self.by_addr.get(&base) != Some(&len) {
+            return false;
+        }
+        self.remove(base, len);
+        self.starts.remove(&base);
+        true
+    }
+
+    /// Whether the region at `base` of `len` bytes is free in full.
+    pub(crate) fn is_free(&self, base: u64, len: u64) -> bool {
+        self.by_addr.get(&base) == Some(&len)
+    }
+
+    fn insert(&mut self, at: u64, len: u64) {
+        self.by_addr.insert(at, len);
+        self.by_size.insert((len, at));
+    }
+
+    fn remove(&mut self, at: u64, len: u64) {
+        self.by_addr.remove(&at);
+        self.by_size.remove(&(len, at));
+    }
+
+    /// The start of the smallest free range that holds `size` (the lowest on ties), taken.
+    pub(crate) fn take(&mut self, size: u64) -> Option<u64> {
+        let &(len, at) = self.by_size.range((size, 0)..).next()?;
+        self.remove(at, len);
+        if len > size {
+            self.insert(at + size, len - size);
+        }
+        Some(at)
+    }
+
+    /// Returns a range, merged with its free neighbours in its region.
+    pub(crate) fn give(&mut self, mut at: u64, mut len: u64) {
+        if !self.starts.contains(&at)
+            && let Some((&below, &below_len)) = self.by_addr.range(..at).next_back()
+            && below + below_len == at
+        {
+            self.remove(below, below_len);
+            at = below;
+            len += below_len;
+        }
+        let end = at + len;
+        if !self.starts.contains(&end)
+            && let Some(&above_len) = self.by_addr.get(&end)
+        {
+            self.remove(end, above_len);
+            len += above_len;
+        }
+        self.insert(at, len);
+    }
+
+    /// The free space: its total and its largest piece.
+    pub(crate) fn free_space(&self) -> FreeSpace {
+        FreeSpace {
+            largest_free: self.by_size.last().map_or(0, |&(len, _)| len),
+            total_free: self.by_addr.values().sum(),
+        }
+    }
+
+    /// Forgets every range and region.
+    pub(crate) fn clear(&mut self) {
+        self.by_addr.clear();
+        self.by_size.clear();
+        self.starts.clear();
+    }
+}
+
+/// Best-fit sub-allocation in chunks taken from a source: a request goes to the smallest free
+/// range that holds it, else to a new chunk of about the chunk size, a whole number of requests
+/// of its size rounded up to the [`GRANULE`] (the request alone when that much is refused).
+#[derive(Debug, Default)]
+pub(crate) struct Chunks {
+    ranges: FreeRanges,
+    /// Chunks held: base → size.
+    chunks: BTreeMap<CUdeviceptr, u64>,
+    /// Live hand-outs: address → aligned size.
+    live: PointerMap<u64>,
+    held: u64,
+    /// The most held at once since [`Chunks::start_scope`].
+    peak_held: u64,
+}
+
+impl Chunks {
+    /// `size` bytes (aligned), from a free range or a new chunk of at least `chunk_bytes`.
+    pub(crate) fn alloc(&mut self, source: &mut dyn Source, size: u64, chunk_bytes: u64) -> Result<CUdeviceptr> {
+        let ptr = match self.ranges.take(size) {
+            Some(ptr) => ptr,
+            None => {
+                self.grow(source, size, chunk_bytes)?;
+                self.ranges.take(size).expect("a new chunk holds the request")
+            }
+        };
+        self.live.insert(ptr, size);
+        Ok(ptr)
+    }
+
+    /// Takes a chunk for a request of `size`: as many requests of that size as `chunk_bytes`
+    /// holds (at least one), rounded up to the granule, so a chunk's unused end is less than a
+    /// granule and open to smaller requests; the request alone if the device refuses that.
+    /// (A fixed chunk size would leave a tail per chunk as large as a request that just failed
+    /// to fit: 16 MiB of every 64 MiB chunk for 24 MiB requests.)
+    fn grow(&mut self, source: &mut dyn Source, size: u64, chunk_bytes: u64) -> Result<()> {
+        let wanted = (size * (chunk_bytes / size).max(1)).next_multiple_of(GRANULE);
+        let is_oom = |result: &Result<CUdeviceptr>| matches!(result, Err(Error::Driver(e)) if e.is_out_of_memory());
+        let mut attempt = source.alloc(wanted);
+        let mut len = wanted;
+        if is_oom(&attempt) && wanted > size {
+            attempt = source.alloc(size);
+            len = size;
+        }
+        if is_oom(&attempt) && self.release_empty(source, 0)? > 0 {
+            // Empty chunks went back; after a wait the device sees them idle and can release
+            // them for this request: the strategy's own cache is not what it runs out over.
+            source.synchronize()?;
+            attempt = source.alloc(size);
+            len = size;
+        }
+        let base = attempt?;
+        self.chunks.insert(base, len);
+        self.ranges.add_region(base, len, Vec::new());
+        self.held += len;
+        self.peak_held = self.peak_held.max(self.held);
+        Ok(())
+    }
+
+    /// Gives back a hand-out; its aligned size, or `None` if it is not one of these chunks'.
+    pub(crate) fn free(&mut self, ptr: CUdeviceptr) -> Option<u64> {
+        let size = self.live.remove(&ptr)?;
+        self.ranges.give(ptr, size);
+        Some(size)
+    }
+
+    /// Whether `ptr` is a live hand-out of these chunks.
+    #[cfg(test)]
+    pub(crate) fn contains(&self, ptr: CUdeviceptr) -> bool {
+        self.live.contains_key(&ptr)
+    }
+
+    /// Takes back every hand-out still live (the scope ended; leaked buffers too).
+    pub(crate) fn reclaim(&mut self) {
+        if self.live.is_empty() {
+            return;
+        }
+        self.live.clear();
+        self.ranges.clear();
+        for (&base, &len) in &self.chunks {
+            self.ranges.add_region(base, len, Vec::new());
+        }
+    }
+
+    /// Gives back chunks with nothing handed out, largest first, while more than `keep` bytes
+    /// are held. Returns the bytes given back.
+    pub(crate) fn release_empty(&mut self, source: &mut dyn Source, keep: u64) -> Result<u64> {
+        let mut empty: Vec<(u64, CUdeviceptr)> = self
+            .chunks
+            .iter()
+            .filter(|&(&base, &len)| self.ranges.is_free(base, len))
+            .map(|(&base, &len)| (len, base))
+            .collect();
+        empty.sort_unstable_by(|a, b| b.cmp(a));
+        let mut released = 0;
+        for (len, base) in empty {
+            if self.held <= keep {
+                break;
+            }
+            if self.held - len < keep {
+                continue;
+            }
+            self.ranges.remove_region(base, len);
+            self.chunks.remove(&base);
+            self.held -= len;
+            released += len;
+            source.free(base, len)?;
+        }
+        Ok(released)
+    }
+
+    /// Gives every chunk back (the pool is going away); the hand-outs are forgotten.
+    pub(crate) fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
+        let mut outcome = Ok(());
+        for (base, len) in std::mem::take(&mut self.chunks) {
+            outcome = outcome.and(source.free(base, len));
+        }
+        self.live.clear();
+        self.ranges.clear();
+        self.held = 0;
+        outcome
+    }
+
+    /// A scope begins: the peak of held bytes starts over from what is held.
+    pub(crate) fn start_scope(&mut self) {
+        self.peak_held = self.held;
+    }
+
+    /// Bytes held in chunks.
+    pub(crate) fn held(&self) -> u64 {
+        self.held
+    }
+
+    /// The most held at once since the scope began.
+    pub(crate) fn peak_held(&self) -> u64 {
+        self.peak_held
+    }
+
+    /// The free space inside the chunks.
+    pub(crate) fn free_space(&self) -> FreeSpace {
+        self.ranges.free_space()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::fake::FakeSource;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn ranges_are_best_fit_and_merge_only_inside_a_region() {
+        let mut ranges = FreeRanges::default();
+        ranges.add_region(0, 100, vec![(10, 10), (50, 20)]);
+        ranges.add_region(100, 50, Vec::new());
+        assert_eq!(ranges.free_space(), FreeSpace { largest_free: 50, total_free: 120 });
+        assert_eq!(ranges.take(10), Some(0), "the smallest range that holds it");
+        assert_eq!(ranges.take(30), Some(20));
+        // [70, 100) and [100, 150) are adjacent but in two regions: no range spans them.
+        assert_eq!(ranges.take(60), None);
+        ranges.give(0, 10);
+        ranges.give(20, 30);
+        assert!(!ranges.is_free(0, 100), "[10, 20) and [50, 70) are still handed out");
+        ranges.give(10, 10);
+        ranges.give(50, 20);
+        assert!(ranges.is_free(0, 100) && ranges.is_free(100, 50), "merged back, each in its region");
+        assert!(ranges.remove_region(100, 50));
+        assert_eq!(ranges.free_space().total_free, 100);
+    }
+
+    #[test]
+    fn requests_are_packed_end_to_end_in_chunks() {
+        let (mut source, mut chunks) = (FakeSource::new(64 * MIB), Chunks::default());
+        // Eight requests of 2.25 MiB: the pool would reserve 4 MiB apiece (32 MiB); 18 MiB
+        // chunks hold them all.
+        let size = 9 * MIB / 4;
+        let ptrs: Vec<_> = (0..8).map(|_| chunks.alloc(&mut source, size, 18 * MIB).unwrap()).collect();
+        assert_eq!((source.allocs, chunks.held()), (1, 18 * MIB));
+        assert_eq!(chunks.free_space().total_free, 0);
+        for pair in ptrs.windows(2) {
+            assert_eq!(pair[1] - pair[0], size, "end to end");
+        }
+        assert_eq!(chunks.free(ptrs[3]), Some(size));
+        assert_eq!(chunks.alloc(&mut source, size, 18 * MIB).unwrap(), ptrs[3], "a freed range is reused");
+        assert_eq!(chunks.free(12345), None, "not a hand-out");
+    }
+
+    #[test]
+    fn a_chunk_holds_whole_requests_of_the_size_that_opens_it() {
+        let (mut source, mut chunks) = (FakeSource::new(1 << 30), Chunks::default());
+        for _ in 0..4 {
+            chunks.alloc(&mut source, 24 * MIB, 64 * MIB).unwrap();
+        }
+        assert_eq!((source.allocs, chunks.held()), (2, 96 * MIB), "two chunks of two, no tails");
+    }
+
+    #[test]
+    fn a_chunk_the_device_refuses_shrinks_to_the_request() {
+        let (mut source, mut chunks) = (FakeSource::new(3 * MIB), Chunks::default());
+        chunks.alloc(&mut source, MIB, 16 * MIB).unwrap();
+        assert_eq!(chunks.held(), MIB, "16 MiB refused: the request alone");
+        assert!(chunks.alloc(&mut source, 4 * MIB, 16 * MIB).is_err(), "more than the device");
+    }
+
+    #[test]
+    fn empty_chunks_go_back_before_a_request_fails() {
+        let (mut source, mut chunks) = (FakeSource::new(8 * MIB), Chunks::default());
+        let a = chunks.alloc(&mut source, 3 * MIB, 2 * MIB).unwrap();
+        chunks.free(a);
+        let syncs = source.syncs;
+        chunks.alloc(&mut source, 6 * MIB, 2 * MIB).unwrap();
+        assert_eq!((source.held(), chunks.held()), (6 * MIB, 6 * MIB), "the empty 4 MiB chunk made room");
+        assert_eq!(source.syncs, syncs + 1);
+        assert!(chunks.alloc(&mut source, 4 * MIB, 2 * MIB).is_err(), "nothing empty left to give back");
+    }
+
+    #[test]
+    fn empty_chunks_go_back_down_to_what_is_kept() {
+        let (mut source, mut chunks) = (FakeSource::new(64 * MIB), Chunks::default());
+        let a = chunks.alloc(&mut source, 3 * MIB, 2 * MIB).unwrap();
+        let b = chunks.alloc(&mut source, 5 * MIB, 2 * MIB).unwrap();
+        let c = chunks.alloc(&mut source, 2 * MIB, 2 * MIB).unwrap();
+        assert_eq!(chunks.held(), 4 * MIB + 6 * MIB + 2 * MIB);
+        chunks.free(b);
+        assert_eq!(chunks.release_empty(&mut source, 0).unwrap(), 6 * MIB, "only the emptied chunk");
+        assert_eq!(source.held(), 6 * MIB);
+        chunks.reclaim();
+        assert!(!chunks.contains(a) && !chunks.contains(c), "the scope's hand-outs are taken back");
+        assert_eq!(chunks.release_empty(&mut source, 4 * MIB).unwrap(), 2 * MIB, "keeps 4 MiB");
+        chunks.release_all(&mut source).unwrap();
+        assert_eq!(source.held(), 0);
+    }
+}
