@@ -545,8 +545,9 @@ impl Drop for PhasePool {
         usage.alloc_nanos = state.timing.estimate_nanos();
         let PoolState { allocator, source, raw, .. } = state;
         let mut outcome = Ok(());
+        // Through the strategy: a raw pointer is the source's own allocation only for `Direct`.
         for (ptr, allocation) in raw.drain() {
-            outcome = outcome.and(crate::source::Source::free(source, ptr, allocation.bytes));
+            outcome = outcome.and(allocator.free(source, ptr, allocation.bytes));
         }
         outcome = outcome.and(allocator.release_all(source));
         outcome = outcome.and(source.destroy());

@@ -14,7 +14,7 @@ use steppool_sys::handle::{EventHandle, PoolHandle};
 use steppool_sys::{CUdevice, CUdeviceptr, CUevent_flags, CUmemPool_attribute, CUmemoryPool, PoolProps};
 
 use crate::device_core::read_write;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::report::PoolId;
 use crate::stream_core::StreamCore;
 use crate::telemetry::{EventKind, Recorder};
@@ -207,17 +207,20 @@ impl DeviceSource {
     /// The pool is going away (nothing allocates from it any more): destroys the CUDA pool, or
     /// waits for the fallback's deferred frees and makes them.
     pub(crate) fn destroy(&mut self) -> Result<()> {
-        self.retry_pending()?;
-        match self.backing {
+        // The pool goes whether or not the owed frees succeed: the driver releases a destroyed
+        // pool's memory once its last allocation is freed.
+        let retried = self.retry_pending();
+        let destroyed = match self.backing {
             Backing::CudaPool(pool) => {
                 // SAFETY: nothing allocates from the pool any more; allocations still outstanding
                 // keep their memory until freed, as cuMemPoolDestroy documents.
-                unsafe { self.stream.device.driver.mem_pool_destroy(pool.raw()) }?;
-                self.backing = Backing::Synchronous(Fallback::default());
-                Ok(())
+                unsafe { self.stream.device.driver.mem_pool_destroy(pool.raw()) }
+                    .map_err(Error::from)
+                    .map(|()| self.backing = Backing::Synchronous(Fallback::default()))
             }
             Backing::Synchronous(_) => self.reclaim(true).map(drop),
-        }
+        };
+        retried.and(destroyed)
     }
 
     /// Takes over the free of `ptr` (of this source), which could not be made in stream order:
