@@ -4,9 +4,10 @@
 //! ```text
 //! DIR/run.sh            runs it all: ./run.sh [--smoke] [--out DIR]
 //! DIR/bin/              device-probe, steppool-bench-report
-//! DIR/tests/            the conformance tests (the same bodies CI runs on the simulated device)
+//! DIR/tests/            the device tests: conformance, runtime, cudarc (the same bodies CI runs on
+//!                       the simulated device)
 //! DIR/benches/          the criterion benchmarks
-//! DIR/examples/         training_loop
+//! DIR/examples/         training_loop, cudarc_trainer
 //! DIR/peers/            the Python peer harness
 //! DIR/traces/           the recorded traces the fragmentation benchmark replays
 //! ```
@@ -44,7 +45,19 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
     copy_all(&benches, &dir.join("benches"))?;
     let tests = executables(
         &root,
-        &["test", "--release", "--no-run", "-p", "steppool-tests", "--test", "conformance"],
+        &[
+            "test",
+            "--release",
+            "--no-run",
+            "-p",
+            "steppool-tests",
+            "--test",
+            "conformance",
+            "--test",
+            "runtime",
+            "--test",
+            "cudarc",
+        ],
         "test",
     )?;
     copy_all(&tests, &dir.join("tests"))?;
@@ -208,13 +221,14 @@ step "device"
 "$here/bin/device-probe" 2>&1 | tee "$work/device.log" || status=1
 nvidia-smi 2>/dev/null | tee -a "$work/device.log" || true
 
-step "conformance tests"
+step "device tests"
 for test in "$here"/tests/*; do
     "$test" 2>&1 | tee -a "$work/tests.log" || status=1
 done
 
-step "example"
+step "examples"
 "$here/examples/training_loop" --steps 8 2>&1 | tee "$work/example.log" || status=1
+"$here/examples/cudarc_trainer" 2>&1 | tee -a "$work/example.log" || status=1
 
 step "benchmarks ($mode)"
 for bench in "$here"/benches/*; do
