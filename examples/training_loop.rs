@@ -9,6 +9,7 @@
 //! cargo run --release --example training_loop -- [--steps 8] [--capacity 24GiB] [--micro-batches 4]
 //!     [--layers 16] [--hidden 1536] [--seed 7]
 //!     [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]
+//!     [--metrics-addr ADDR]
 //! ```
 //!
 //! `--reports` prints each step's report. The telemetry flags write each run's step reports and warnings as JSON lines, its counters as
@@ -16,6 +17,8 @@
 //! timeline and a steppool trace (for `steppool replay`); each file gets the run's name before
 //! its extension (`--svg t.svg` writes `t-plain.svg` and `t-steppool.svg`). Both runs go through
 //! steppool's runtime: the plain one as a single pool, so the same telemetry watches it.
+//! `--metrics-addr ADDR` serves each run's counters as Prometheus text at `http://ADDR/metrics`
+//! while it runs.
 //!
 //! Without a GPU (or with `STEPPOOL_DEVICE=sim`) each run gets a fresh simulated device of
 //! `--capacity`, so an out-of-memory is a real one. On a GPU both runs use it in turn, every
@@ -40,7 +43,8 @@ use steppool_trace::{Event, EventKind};
 use steppool_cli::torch::{TorchAllocator, TorchMode};
 
 const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
-     [--seed N] [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]";
+     [--seed N] [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE] \
+     [--metrics-addr ADDR]";
 
 struct Options {
     steps: u32,
@@ -50,7 +54,15 @@ struct Options {
 }
 
 fn parse_options() -> Result<Options, String> {
-    let outputs = Outputs { jsonl: None, prometheus: None, snapshot: None, svg: None, trace: None, reports: false };
+    let outputs = Outputs {
+        jsonl: None,
+        prometheus: None,
+        snapshot: None,
+        svg: None,
+        trace: None,
+        metrics_addr: None,
+        reports: false,
+    };
     let mut options = Options { steps: 8, capacity: 24 << 30, model: TransformerConfig::default(), outputs };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -75,6 +87,7 @@ fn parse_options() -> Result<Options, String> {
             "--snapshot" => options.outputs.snapshot = Some(value),
             "--svg" => options.outputs.svg = Some(value),
             "--trace" => options.outputs.trace = Some(value),
+            "--metrics-addr" => options.outputs.metrics_addr = Some(value),
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
     }
@@ -184,6 +197,8 @@ struct Outputs {
     snapshot: Option<String>,
     svg: Option<String>,
     trace: Option<String>,
+    /// Where to serve each run's metrics while it runs (`GET /metrics`).
+    metrics_addr: Option<String>,
     /// Print each step's report.
     reports: bool,
 }
@@ -231,6 +246,14 @@ fn run(
         builder = builder.record_history(4 << 20);
     }
     let runtime = builder.build()?;
+    let _metrics = match &outputs.metrics_addr {
+        Some(addr) => {
+            let server = runtime.telemetry().serve_metrics(addr.as_str())?;
+            println!("  serving this run's metrics at http://{}/metrics", server.addr());
+            Some(server)
+        }
+        None => None,
+    };
     runtime.telemetry().on_warning(move |warning| println!("  warning [{}] ({short}) {warning}", warning.rule()));
     let mut jsonl = Outputs::create(&outputs.jsonl, short)?.map(|(path, file)| (path, JsonLines::new(file)));
 
