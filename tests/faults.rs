@@ -284,3 +284,120 @@ fn the_fault_test_meets_faults_and_survives_them() {
     assert!(seen.faults >= 20, "faults were injected: {seen:?}");
     assert!(seen.driver_errors >= 5, "the runtime returned driver errors and went on: {seen:?}");
 }
+
+#[test]
+fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Mutex, RwLock};
+
+    // Four threads, each on its own stream, allocate and free raw memory in persistent and
+    // step-scoped phases, concurrently with each other, while the main thread ends and begins
+    // steps between them, with 2 % of driver calls failing. Every range handed out is checked
+    // against every live one. A thread's call and its bookkeeping run under a shared lock that a
+    // step end takes exclusively: a thread never frees a pointer a step end released (the
+    // raw API's contract), and the released ranges leave the set with the release.
+    for seed in [1u64, 2, 3] {
+        let driver = Driver::simulated(SimConfig::with_capacity(CAPACITY)).unwrap();
+        let sim = driver.sim().expect("a simulated driver");
+        let rt = Runtime::with_driver(driver.clone()).unwrap();
+        let phases = declare(&rt);
+        let device = rt.device(0).unwrap();
+        let streams: Vec<_> = (0..4).map(|_| device.create_stream().unwrap()).collect();
+        // Live ranges by start: (end, phase index, allocation id).
+        let live: RwLock<Mutex<BTreeMap<u64, (u64, usize, u64)>>> = RwLock::default();
+        let ids = AtomicU64::new(0);
+        let done = AtomicBool::new(false);
+        let errors = Mutex::new(Vec::<Error>::new());
+        rt.raw().begin_step().unwrap();
+        sim.set_faults(Some(FaultPlan::random(seed, 0.02)));
+        let mut boundaries = 0;
+        std::thread::scope(|scope| {
+            for (thread, stream) in streams.iter().enumerate() {
+                let (rt, live, ids, done, errors, phases) = (&rt, &live, &ids, &done, &errors, &phases);
+                scope.spawn(move || {
+                    let mut rng = seed ^ (thread as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                    let mut mine: Vec<(u64, u64)> = Vec::new();
+                    while !done.load(Ordering::Acquire) {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        let shared = live.read().unwrap();
+                        if rng % 5 < 3 || mine.is_empty() {
+                            let phase = [0, 2, 3][(rng % 3) as usize];
+                            let bytes = 1 + rng % (8 * MIB);
+                            // SAFETY: nothing runs on the device.
+                            match unsafe { rt.raw().alloc(phases.ids[phase], bytes, stream) } {
+                                Ok(ptr) => {
+                                    let mut set = shared.lock().unwrap();
+                                    if let Some((&start, &(end, other, _))) = set.range(..=ptr).next_back() {
+                                        assert!(
+                                            end <= ptr,
+                                            "{ptr:#x} (phase {phase}) inside live {start:#x}..{end:#x} (phase {other})"
+                                        );
+                                    }
+                                    if let Some((&start, _)) = set.range(ptr..).next() {
+                                        assert!(ptr + bytes <= start, "{ptr:#x}+{bytes} over live {start:#x}");
+                                    }
+                                    let id = ids.fetch_add(1, Ordering::Relaxed);
+                                    set.insert(ptr, (ptr + bytes, phase, id));
+                                    mine.push((ptr, id));
+                                }
+                                Err(error) => errors.lock().unwrap().push(error),
+                            }
+                        } else {
+                            let (ptr, id) = mine.swap_remove((rng as usize / 7) % mine.len());
+                            // Still this allocation, or a step end released it.
+                            let ours = shared.lock().unwrap().get(&ptr).is_some_and(|&(.., owner)| owner == id);
+                            if !ours {
+                                continue;
+                            }
+                            // Out of the set before the free: once freed, the range may be
+                            // handed out again.
+                            shared.lock().unwrap().remove(&ptr);
+                            // SAFETY: nothing uses the memory.
+                            if let Err(error) = unsafe { rt.raw().free(ptr) } {
+                                errors.lock().unwrap().push(error);
+                            }
+                        }
+                    }
+                });
+            }
+            for _ in 0..200 {
+                std::thread::yield_now();
+                let exclusive = live.write().unwrap();
+                // SAFETY: nothing uses the released pointers.
+                let ended = unsafe { rt.raw().end_step() };
+                exclusive.lock().unwrap().retain(|_, &mut (_, phase, _)| phases.scopes[phase] == Scope::Persistent);
+                if let Err(error) = ended {
+                    errors.lock().unwrap().push(error);
+                }
+                boundaries += 1;
+                while let Err(error) = rt.raw().begin_step() {
+                    check_typed(&error).unwrap();
+                }
+                drop(exclusive);
+            }
+            done.store(true, Ordering::Release);
+        });
+        let errors = errors.into_inner().unwrap();
+        for error in &errors {
+            check_typed(error).unwrap();
+        }
+        assert!(errors.iter().any(|e| matches!(e, Error::Driver(_))), "seed {seed}: faults reached the threads");
+        assert_eq!(boundaries, 200);
+        sim.set_faults(None);
+        // SAFETY: nothing uses the released pointers.
+        let _ = unsafe { rt.raw().end_step() };
+        drop(streams);
+        drop(device);
+        drop(rt);
+        let ordinal = driver.device(0).unwrap();
+        let ctx = driver.primary_context_retain(ordinal).unwrap();
+        // SAFETY: the context was just retained.
+        unsafe { driver.context_set_current(ctx) }.unwrap();
+        let (free, total) = driver.mem_get_info().unwrap();
+        // SAFETY: balances the retain above.
+        unsafe { driver.primary_context_release(ordinal) }.unwrap();
+        assert_eq!(total - free, 0, "seed {seed}: bytes still reserved after the runtime was dropped");
+    }
+}

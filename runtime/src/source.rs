@@ -25,7 +25,9 @@ pub(crate) trait Source {
     fn alloc(&mut self, bytes: u64) -> Result<CUdeviceptr>;
 
     /// Gives back `bytes` at `ptr` (from [`Source::alloc`]) once the stream's work enqueued so far
-    /// is done.
+    /// is done. Whatever it returns, the memory is no longer the caller's: a free the driver
+    /// refused is owed by the source, which makes it later (see [`DeviceSource`]), so a strategy
+    /// forgets the memory before calling this and never uses it again.
     fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()>;
 
     /// Gives back to the device what the source holds without live data beyond `keep` bytes, as

@@ -162,9 +162,9 @@ impl Allocator for Arena {
         while index < self.oversize.len() {
             let slab = self.oversize[index].0;
             if held - slab.size >= keep {
-                source.free(slab.base, slab.size)?;
                 self.oversize.remove(index);
                 held -= slab.size;
+                source.free(slab.base, slab.size)?;
             } else {
                 self.oversize[index].1 = false;
                 index += 1;
@@ -174,9 +174,9 @@ impl Allocator for Arena {
             if held - last.size < keep {
                 break;
             }
-            source.free(last.base, last.size)?;
             self.slabs.pop();
             held -= last.size;
+            source.free(last.base, last.size)?;
         }
         Ok(())
     }
@@ -216,10 +216,9 @@ impl Allocator for Arena {
         let mut released = 0;
         let keep = if self.current == 0 && self.offset == 0 { 0 } else { self.current + 1 };
         while self.slabs.len() > keep {
-            let slab = self.slabs[self.slabs.len() - 1];
-            source.free(slab.base, slab.size)?;
-            self.slabs.pop();
+            let Some(slab) = self.slabs.pop() else { break };
             released += slab.size;
+            source.free(slab.base, slab.size)?;
         }
         let mut index = 0;
         while index < self.oversize.len() {
@@ -227,22 +226,23 @@ impl Allocator for Arena {
             if used {
                 index += 1;
             } else {
-                source.free(slab.base, slab.size)?;
                 self.oversize.swap_remove(index);
                 released += slab.size;
+                source.free(slab.base, slab.size)?;
             }
         }
         Ok(released)
     }
 
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
+        let mut outcome = Ok(());
         for slab in self.slabs.drain(..).chain(self.oversize.drain(..).map(|(slab, _)| slab)) {
-            source.free(slab.base, slab.size)?;
+            outcome = outcome.and(source.free(slab.base, slab.size));
         }
         self.extents.clear();
         self.current = 0;
         self.offset = 0;
-        Ok(())
+        outcome
     }
 }
 

@@ -713,10 +713,9 @@ impl Allocator for Planned {
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
             return Ok(chunks);
         }
-        let Some(slab) = self.slab else { return Ok(chunks) };
-        source.free(slab.base, slab.size)?;
-        self.slab = None;
+        let Some(slab) = self.slab.take() else { return Ok(chunks) };
         self.slab_refused = false;
+        source.free(slab.base, slab.size)?;
         Ok(chunks + slab.size)
     }
 
