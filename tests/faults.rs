@@ -285,6 +285,9 @@ fn the_fault_test_meets_faults_and_survives_them() {
     assert!(seen.driver_errors >= 5, "the runtime returned driver errors and went on: {seen:?}");
 }
 
+/// Live ranges by start: (end, phase index, allocation id).
+type Ranges = BTreeMap<u64, (u64, usize, u64)>;
+
 #[test]
 fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -303,8 +306,7 @@ fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
         let phases = declare(&rt);
         let device = rt.device(0).unwrap();
         let streams: Vec<_> = (0..4).map(|_| device.create_stream().unwrap()).collect();
-        // Live ranges by start: (end, phase index, allocation id).
-        let live: RwLock<Mutex<BTreeMap<u64, (u64, usize, u64)>>> = RwLock::default();
+        let live: RwLock<Mutex<Ranges>> = RwLock::default();
         let ids = AtomicU64::new(0);
         let done = AtomicBool::new(false);
         let errors = Mutex::new(Vec::<Error>::new());
