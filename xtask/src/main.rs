@@ -8,10 +8,12 @@
 //!   `benches/results/<date>-<device>.{json,md}` and SVG plots.
 //! - `gpu-bundle DIR`: build the release binaries, peer harness and run script a GPU host without
 //!   a Rust toolchain needs, into `DIR` (at most 64 MiB).
+//! - `soak [ARGS]`: the runtime's long run under driver faults on the simulated device.
 
 mod bench;
 mod bundle;
 mod codegen;
+mod soak;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -22,7 +24,9 @@ usage: cargo xtask <command>
 commands:
   codegen [--check]   regenerate sys/src/bindings.rs from cuda.h (--check: fail if it is stale)
   bench [--smoke]     run the benchmarks and peers; write benches/results/<date>-<device>.{json,md,svg}
-  gpu-bundle DIR      build binaries, peer harness and run.sh for a GPU host into DIR (<= 64 MiB)";
+  gpu-bundle DIR      build binaries, peer harness and run.sh for a GPU host into DIR (<= 64 MiB)
+  soak [ARGS]         8 threads x 10^6 steps under driver faults on the simulated device (ARGS: --threads N,
+                      --steps N, --faults PLAN); prints operations/s, peak memory and leaks";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -33,6 +37,7 @@ fn main() -> ExitCode {
         ["bench"] => bench::run(false),
         ["bench", "--smoke"] => bench::run(true),
         ["gpu-bundle", dir] => bundle::run(Path::new(dir)),
+        ["soak", rest @ ..] => soak::run(rest),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())
