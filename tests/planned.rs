@@ -226,7 +226,9 @@ fn a_deviation_is_served_from_the_pool_and_refreshes_the_plan() {
     let (during, after) = deviating(&rt);
     assert_eq!((during.planned, during.deviations), (4, 1), "the extra allocation came from the pool");
     assert_eq!((after.deviated_scopes, after.replans), (1, 1));
-    assert_eq!(after.missing, 15, "the rest of the plan was never asked for");
+    // The extra allocation is larger than the fifth entry and its grown range is taken: that
+    // entry deviates, and the 14 after it were never asked for.
+    assert_eq!(after.missing, 14, "the rest of the plan was never asked for");
     assert_eq!(after.plans.len(), 1, "the same signature: the plan was refreshed, not added");
     // The refreshed plan is the deviating step's: served from the next time it repeats.
     let (during, after) = deviating(&rt);
