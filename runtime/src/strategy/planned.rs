@@ -47,8 +47,12 @@
 //!
 //! The fallback chunks go back to the pool at the scope's end, and the stream is synchronized so
 //! that the trim returns them to the device before the slab for the new plan is taken: a
-//! recording step's memory never sits idle beside the slab that replaces it. Only a scope the
-//! slab did not serve in full (a recording, a new shape, a deviation) pays that wait.
+//! recording step's memory never sits idle beside the slab that replaces it. Within the scope, a
+//! chunk goes back as soon as nothing in it is handed out, and after every eighth of what the
+//! scope holds has gone back so, the stream is waited for and the pool trimmed: in a first step
+//! the gradients and optimizer state (another phase) are taken as the activations are freed, and
+//! take the memory the activations' chunks held instead of adding to it. Only a scope the slab
+//! did not serve in full (a recording, a new shape, a deviation) pays these waits.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError};
@@ -246,6 +250,8 @@ pub(crate) struct Planned {
     /// The slab could not be had in this scope: do not ask again until its end.
     slab_refused: bool,
     counters: Counters,
+    /// Bytes of emptied fallback chunks given back in the scope since the last wait.
+    given_back: u64,
 }
 
 impl Planned {
@@ -277,6 +283,7 @@ impl Planned {
             deviated: false,
             slab_refused: false,
             counters: Counters::default(),
+            given_back: 0,
         }
     }
 
@@ -633,6 +640,7 @@ impl Planned {
         self.slab_live.clear();
         self.deviated = false;
         self.slab_refused = false;
+        self.given_back = 0;
     }
 }
 
@@ -686,6 +694,18 @@ impl Allocator for Planned {
             Some(index) => {
                 self.fallback.free(ptr);
                 self.events.push(Event::Free(index));
+                // A chunk emptied in the scope goes back at once, and once an eighth of what the
+                // scope holds (a chunk's worth) has gone back the stream is waited for and the
+                // pool trimmed: the memory returns to the device while the scope goes on, so
+                // another phase (gradients, optimizer state taken in the first step as its
+                // activations are freed) takes it rather than adding to the reservation.
+                self.given_back += self.fallback.release_if_empty(source, ptr)?;
+                let held = self.slab.map_or(0, |slab| slab.size) + self.fallback.held() + self.given_back;
+                if self.given_back > 0 && self.given_back >= (held / 8).max(GRANULE) {
+                    self.given_back = 0;
+                    source.synchronize()?;
+                    source.trim_to(0)?;
+                }
                 Ok(())
             }
             None => {
@@ -1005,15 +1025,38 @@ mod tests {
         let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 1 << 20).unwrap()).collect();
         assert_eq!(source.allocs, 2, "one 2 MiB chunk holds the first two, a second the next two");
         assert_eq!(ptrs[1] - ptrs[0], 1 << 20, "end to end in a chunk");
+        let syncs = source.syncs;
         for ptr in ptrs {
             planned.free(&mut source, ptr, 1 << 20).unwrap();
         }
-        let syncs = source.syncs;
+        assert_eq!(source.held(), 0, "each chunk went back once empty");
         planned.reset(&mut source, u64::MAX).unwrap();
         assert_eq!(source.held(), 4 << 20, "the chunks went back; the slab, the recording's peak, is held");
-        assert_eq!(source.syncs, syncs + 1, "the stream is waited for so the trim returns the chunks");
+        assert!(source.syncs > syncs, "the stream is waited for so the trim returns the chunks");
         assert_eq!(source.trims.last(), Some(&0), "what is idle goes back before the slab is taken");
         assert_eq!(planned.touched(), Some(4 << 20), "the pool keeps nothing for the chunks");
+    }
+
+    #[test]
+    fn chunks_emptied_in_a_recording_go_back_while_it_runs() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        planned.begin_step();
+        // Activations: eight 2 MiB chunks, one 2 MiB allocation each.
+        let ptrs: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 << 20).unwrap()).collect();
+        assert_eq!(source.held(), 16 << 20);
+        let syncs = source.syncs;
+        // Freed one by one: each emptied chunk goes back at once, and the stream is waited for
+        // once an eighth of what the scope held has gone back.
+        planned.free(&mut source, ptrs[0], 2 << 20).unwrap();
+        assert_eq!(source.held(), 14 << 20, "the emptied chunk went back");
+        assert_eq!((source.syncs, source.trims.last()), (syncs + 1, Some(&0)), "2 MiB of 16: waited for and trimmed");
+        for &ptr in &ptrs[1..] {
+            planned.free(&mut source, ptr, 2 << 20).unwrap();
+        }
+        assert_eq!(source.held(), 0, "nothing idle is held while the scope goes on");
+        planned.reset(&mut source, u64::MAX).unwrap();
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.plans.len(), stats.slab_bytes), (1, 16 << 20), "the recording is planned as before");
     }
 
     #[test]
