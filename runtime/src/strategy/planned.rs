@@ -18,8 +18,11 @@
 //!
 //! A scope of a new shape (no plan has its first sizes) borrows the smallest plan whose first
 //! sizes are each at least its own (a shorter sequence after a longer one: every slot fits), and
-//! records its own plan at its end. When no plan covers it, it is served best-fit from the slab's
-//! free space, then from the fallback chunks, and recorded.
+//! records its own plan at its end. When no plan covers it from its first allocation, the empty
+//! slab goes back (after a stream wait, so the trim returns it) and the scope is recorded in
+//! fallback chunks like a first scope: the holes of a slab packed for another shape fit the new
+//! one's buffers badly (an evaluation pass after training steps). When it leaves the plans later,
+//! it is served best-fit from the slab's free space, then from the fallback chunks, and recorded.
 //!
 //! The slab follows the plan of the scope that just ended (the borrowing scope's own plan, not the
 //! one it borrowed): it shrinks at the scope's end when larger than that plan needs by an eighth,
@@ -504,7 +507,20 @@ impl Planned {
             self.ensure_slab(source, desired)?;
         }
         if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
-            self.go_online(slab);
+            if self.slab_live.is_empty() && self.late.is_empty() {
+                // A new shape from its first allocation, the slab empty: the slab goes back and
+                // the scope is recorded in chunks, like a first step, rather than best-fit in the
+                // free ranges of a slab packed for another shape (an evaluation pass after
+                // training steps: its large buffers fit none of the training plan's holes, and
+                // the slab and the chunks would both be held). The stream is waited for so the
+                // trim returns the slab to the device before the chunks are taken.
+                self.slab = None;
+                source.free(slab.base, slab.size)?;
+                source.synchronize()?;
+                source.trim_to(0)?;
+            } else {
+                self.go_online(slab);
+            }
         }
         if let Some(online) = &mut self.online
             && let Some(offset) = online.take(size)
@@ -546,12 +562,26 @@ impl Planned {
         }
     }
 
-    /// Serves an allocation the slab does not from the fallback chunks. A chunk is an eighth of
-    /// what the pool holds for the scope (the slab and the chunks), at least a granule, so a
-    /// scope that outgrows the slab takes few chunks and leaves little unused at their ends.
+    /// Serves an allocation the slab does not from the fallback chunks. A chunk is a sixteenth
+    /// of what the pool holds for the scope (the slab and the chunks), at least a granule, so a
+    /// scope that outgrows the slab takes few chunks and the last one, mostly unused at the
+    /// scope's peak, is small beside it. A request smaller than the granule takes a chunk of as
+    /// many requests (one to four times as many as the chunk holds) as leave the least of the
+    /// granule unused: four 1.5 MiB requests fill 6 MiB, where one alone leaves a quarter of
+    /// 2 MiB.
     fn allocate_from_pool(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
         let held = self.slab.map_or(0, |slab| slab.size) + self.fallback.held();
-        let chunk = (held / 8).clamp(GRANULE, MAX_FALLBACK_CHUNK);
+        let mut chunk = (held / 16).clamp(GRANULE, MAX_FALLBACK_CHUNK);
+        if size < GRANULE {
+            let fewest = (chunk / size).max(1);
+            let len = |count: u64| (count * size).next_multiple_of(GRANULE);
+            let unused = |count: u64| len(count) - count * size;
+            // The least unused per byte of chunk, the fewest requests on ties.
+            let count = (fewest..=4 * fewest)
+                .min_by(|&a, &b| (unused(a) * len(b)).cmp(&(unused(b) * len(a))).then(a.cmp(&b)))
+                .unwrap_or(fewest);
+            chunk = count * size;
+        }
         let ptr = self.fallback.alloc(source, size, chunk)?;
         self.pooled.insert(ptr, self.allocations);
         Ok(ptr)
@@ -1057,6 +1087,38 @@ mod tests {
         planned.reset(&mut source, u64::MAX).unwrap();
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.plans.len(), stats.slab_bytes), (1, 16 << 20), "the recording is planned as before");
+    }
+
+    #[test]
+    fn a_new_shape_gives_the_empty_slab_back_and_is_recorded_in_chunks() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        sequence(&mut planned, &mut source, &[(4096, true), (8192, true)]);
+        assert!(planned.slab.is_some());
+        assert_eq!(source.held(), 12288);
+        // Another shape (an evaluation pass): no plan has its first size.
+        planned.begin_step();
+        let syncs = source.syncs;
+        let ptr = planned.allocate(&mut source, 1 << 20).unwrap();
+        assert_eq!(source.syncs, syncs + 1, "waited for, so the trim returns it before the chunk is taken");
+        assert_eq!(source.held(), 2 << 20, "the slab went back; a chunk of two 1 MiB requests is held");
+        assert!(planned.slab.is_none(), "no slab while the new shape is recorded");
+        planned.free(&mut source, ptr, 1 << 20).unwrap();
+        planned.reset(&mut source, u64::MAX).unwrap();
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.plans.len(), stats.slab_bytes), (2, 1 << 20), "recorded; the slab is its plan's");
+    }
+
+    #[test]
+    fn a_request_below_the_granule_takes_a_chunk_it_fills() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        planned.begin_step();
+        let size = 3 << 19; // 1.5 MiB: one alone leaves a quarter of a 2 MiB chunk unused
+        let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, size).unwrap()).collect();
+        assert_eq!((source.allocs, source.held()), (1, 6 << 20), "four in one 6 MiB chunk, end to end");
+        for ptr in ptrs {
+            planned.free(&mut source, ptr, size).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
     }
 
     #[test]
