@@ -42,8 +42,9 @@ pub enum Strategy {
         chunk_bytes: u64,
     },
     /// Offsets planned from a recording, for phases whose scopes repeat (step- or
-    /// micro-step-scoped). A scope of a new shape is recorded (served best-fit from the slab's
-    /// free space, else from chunks taken from the CUDA pool and given back at its end); at its
+    /// micro-step-scoped). A scope of a new shape is recorded (the slab, empty, goes back, and
+    /// the scope is served best-fit from chunks taken from the CUDA pool, each given back once
+    /// nothing in it is handed out); at its
     /// end its allocations are packed into one slab (greedy by size), so that allocations alive
     /// at the same time never overlap. Later scopes of that shape get allocation *i* at its
     /// planned offset when it is no larger than planned, or larger when the grown range is clear
