@@ -226,7 +226,9 @@ fn a_deviation_is_served_from_the_pool_and_refreshes_the_plan() {
     let (during, after) = deviating(&rt);
     assert_eq!((during.planned, during.deviations), (4, 1), "the extra allocation came from the pool");
     assert_eq!((after.deviated_scopes, after.replans), (1, 1));
-    assert_eq!(after.missing, 15, "the rest of the plan was never asked for");
+    // The extra allocation is larger than the fifth entry and its grown range is taken: that
+    // entry deviates, and the 14 after it were never asked for.
+    assert_eq!(after.missing, 14, "the rest of the plan was never asked for");
     assert_eq!(after.plans.len(), 1, "the same signature: the plan was refreshed, not added");
     // The refreshed plan is the deviating step's: served from the next time it repeats.
     let (during, after) = deviating(&rt);
@@ -942,7 +944,8 @@ impl Program {
 /// run and from the second step on, and from step `settled_from` on (every shape seen once)
 /// within `within` of the limit plus one 2 MiB granule. A shape's first step is served online
 /// (best fit in the slab's free space and in chunks), which the bound does not cover.
-fn check_against_limit(name: &str, program: &Program, settled_from: u32, within: f64) {
+/// Returns the limit and the planned layout's reservations.
+fn check_against_limit(name: &str, program: &Program, settled_from: u32, within: f64) -> (u64, Reserved) {
     let limit = program_limit(&program.ops);
     let pool = run_program(&program.ops, Layout::DefaultPool, settled_from);
     let planned = run_program(&program.ops, Layout::Planned, settled_from);
@@ -964,6 +967,7 @@ fn check_against_limit(name: &str, program: &Program, settled_from: u32, within:
         "{name}: from step {settled_from}, {} is over {within} × the limit {limit} + 2 MiB",
         planned.settled
     );
+    (limit, planned)
 }
 
 #[test]
@@ -1096,7 +1100,15 @@ fn the_shared_training_traces_stay_near_the_limit_from_the_second_step() {
     // ViT, static shapes: 1.047 × the limit from the second step on (184 MiB for 175.8). The
     // target is 1.03 plus a granule; the rest is the persistent chunks' tails and the slab's
     // rounding, which a slab growing in place would remove. Guarded at 1.05 against regressions.
-    check_against_limit("vit_static_train", &trace_program("vit_static_train"), 1, 1.05);
+    let (limit, planned) = check_against_limit("vit_static_train", &trace_program("vit_static_train"), 1, 1.05);
+    // The recording step gives its emptied chunks back as the gradients and optimizer state
+    // arrive, so it reserves no more than the steps after it (it was 1.183 × the limit when the
+    // chunks stayed until the step's end).
+    assert!(
+        planned.whole as f64 <= 1.05 * limit as f64 + (2 * MIB) as f64,
+        "vit_static_train: the whole run's {} is over 1.05 × the limit {limit} + 2 MiB",
+        planned.whole
+    );
     // T5, variable lengths: step 4 is a new, largest shape served online; within 8 %.
     check_against_limit("t5_varlen_train", &trace_program("t5_varlen_train"), 1, 1.08);
 }

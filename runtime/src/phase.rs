@@ -42,13 +42,17 @@ pub enum Strategy {
         chunk_bytes: u64,
     },
     /// Offsets planned from a recording, for phases whose scopes repeat (step- or
-    /// micro-step-scoped). A scope of a new shape is recorded (served best-fit from the slab's
-    /// free space, else from chunks taken from the CUDA pool and given back at its end); at its
+    /// micro-step-scoped). A scope of a new shape is recorded (the slab, empty, goes back, and
+    /// the scope is served best-fit from chunks taken from the CUDA pool, each given back once
+    /// nothing in it is handed out); at its
     /// end its allocations are packed into one slab (greedy by size), so that allocations alive
     /// at the same time never overlap. Later scopes of that shape get allocation *i* at its
-    /// planned offset when it is no larger than planned; a deviation (a larger size, an extra
-    /// allocation, a planned range still held) is served from the chunks and refreshes the plan
-    /// at the scope's end. Plans are keyed by the scope's first `signature_len` sizes, or by
+    /// planned offset when it is no larger than planned, or larger when the grown range is clear
+    /// of every live allocation (a plan refreshed after the same allocations and frees with
+    /// other sizes keeps, per entry, the largest size seen). A deviation (a larger size whose
+    /// range is taken, an extra allocation, a planned range still held) is served, as is the rest
+    /// of that scope, best-fit from the slab's free ranges, then from the chunks, and refreshes
+    /// the plan at the scope's end. A chunk goes back as soon as nothing in it is handed out. Plans are keyed by the scope's first `signature_len` sizes, or by
     /// a key the user sets ([`Runtime::set_plan_key`](crate::Runtime::set_plan_key)); at most
     /// `max_plans` are kept (least recently used goes). A scope of a new shape whose sizes fit
     /// a larger shape's plan slot by slot is served from it. One slab serves every plan, sized for

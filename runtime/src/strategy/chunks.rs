@@ -253,6 +253,19 @@ impl Chunks {
         Ok(released)
     }
 
+    /// Gives back the chunk holding `ptr` if nothing in it is handed out any more. Returns the
+    /// bytes given back.
+    pub(crate) fn release_if_empty(&mut self, source: &mut dyn Source, ptr: CUdeviceptr) -> Result<u64> {
+        let Some((&base, &len)) = self.chunks.range(..=ptr).next_back() else { return Ok(0) };
+        if ptr >= base + len || !self.ranges.remove_region(base, len) {
+            return Ok(0);
+        }
+        self.chunks.remove(&base);
+        self.held -= len;
+        source.free(base, len)?;
+        Ok(len)
+    }
+
     /// Gives every chunk back (the pool is going away); the hand-outs are forgotten.
     pub(crate) fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
         let mut outcome = Ok(());

@@ -6,15 +6,23 @@
 //! and frees are recorded; at its end the recording is packed ([`plan`](super::plan)), the chunks
 //! go back to the device, and the slab is taken from the pool. A later scope whose first sizes
 //! (or the user's key, [`Runtime::set_plan_key`](crate::Runtime::set_plan_key)) match a plan gets
-//! allocation *i* at planned offset *i* — an index lookup — when it is no larger than entry *i*.
-//! Anything else while a plan serves (a larger size, an extra allocation, a planned range still
-//! held by an allocation freed late) is a deviation, served from the fallback chunks, and the plan
-//! is refreshed at the scope's end.
+//! allocation *i* at planned offset *i* — an index lookup — when it is no larger than entry *i*,
+//! or when it is larger but the grown range at that offset misses every live allocation (a size
+//! that varies from scope to scope: routed tokens, a ragged batch). Anything else while a plan
+//! serves (a larger size whose range is taken, an extra allocation, a planned range still held by
+//! an allocation freed late) is a deviation: from then on the scope is served best-fit from the
+//! slab's free ranges, then from the fallback chunks, so a scope that leaves its plan holds the
+//! slab and little beside it. The plan is refreshed at the scope's end; when the scope had the
+//! plan's allocations and frees in the same order, each entry is sized to the largest size seen in
+//! its place, so sizes that vary converge to one plan that holds them all.
 //!
 //! A scope of a new shape (no plan has its first sizes) borrows the smallest plan whose first
 //! sizes are each at least its own (a shorter sequence after a longer one: every slot fits), and
-//! records its own plan at its end. When no plan covers it, it is served best-fit from the slab's
-//! free space, then from the fallback chunks, and recorded.
+//! records its own plan at its end. When no plan covers it from its first allocation, the empty
+//! slab goes back (after a stream wait, so the trim returns it) and the scope is recorded in
+//! fallback chunks like a first scope: the holes of a slab packed for another shape fit the new
+//! one's buffers badly (an evaluation pass after training steps). When it leaves the plans later,
+//! it is served best-fit from the slab's free space, then from the fallback chunks, and recorded.
 //!
 //! The slab follows the plan of the scope that just ended (the borrowing scope's own plan, not the
 //! one it borrowed): it shrinks at the scope's end when larger than that plan needs by an eighth,
@@ -31,8 +39,10 @@
 //! kept). An entry the recording had freed by then but which is still live — freed late, or never
 //! — is moved to the late list as the cursor passes its planned free, and so are the live entries
 //! of a plan the scope switched away from; *i* is handed out only if it overlaps nothing on the
-//! late list. A scope of a new shape serves from ranges of the slab that no live allocation
-//! holds. Deviations come from the fallback chunks, allocations of the pool apart from the slab.
+//! late list. An entry handed out larger than planned was checked against every live slab
+//! allocation and is put on the late list itself. A scope of a new shape, and a scope after a
+//! deviation, serves from ranges of the slab that no live allocation holds, and no planned entry
+//! is handed out after that. Deviations come from the fallback chunks, allocations of the pool apart from the slab.
 //! At the scope's end every slab range and every chunk is reclaimed (leaked buffers too); the
 //! boundary has ordered the pool's stream after every stream that used them.
 //!
@@ -40,8 +50,12 @@
 //!
 //! The fallback chunks go back to the pool at the scope's end, and the stream is synchronized so
 //! that the trim returns them to the device before the slab for the new plan is taken: a
-//! recording step's memory never sits idle beside the slab that replaces it. Only a scope the
-//! slab did not serve in full (a recording, a new shape, a deviation) pays that wait.
+//! recording step's memory never sits idle beside the slab that replaces it. Within the scope, a
+//! chunk goes back as soon as nothing in it is handed out, and after every eighth of what the
+//! scope holds has gone back so, the stream is waited for and the pool trimmed: in a first step
+//! the gradients and optimizer state (another phase) are taken as the activations are freed, and
+//! take the memory the activations' chunks held instead of adding to it. Only a scope the slab
+//! did not serve in full (a recording, a new shape, a deviation) pays these waits.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError};
@@ -81,6 +95,10 @@ struct Plan {
     lower_bound: u64,
     last_used: u64,
     scopes: u64,
+    /// Its sequence was seen again with the same allocations and frees but other sizes: its
+    /// entries are sized to the largest seen, and an allocation larger than its entry is that
+    /// entry grown, never a later entry of its size (the scope skipped nothing).
+    varies: bool,
 }
 
 /// One recorded event of a scope.
@@ -235,6 +253,8 @@ pub(crate) struct Planned {
     /// The slab could not be had in this scope: do not ask again until its end.
     slab_refused: bool,
     counters: Counters,
+    /// Bytes of emptied fallback chunks given back in the scope since the last wait.
+    given_back: u64,
 }
 
 impl Planned {
@@ -266,12 +286,14 @@ impl Planned {
             deviated: false,
             slab_refused: false,
             counters: Counters::default(),
+            given_back: 0,
         }
     }
 
     /// Begins a scope's bookkeeping at its first allocation: reads the user's key.
     fn open_scope(&mut self) {
         self.clock += 1;
+        self.fallback.start_scope();
         self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(key) = self.user_key {
             let found = self.plans.iter().position(|plan| plan.key == PlanKey::User(key));
@@ -350,26 +372,44 @@ impl Planned {
     /// The planned offset for the next allocation of `size` (aligned), if the plan may serve it.
     fn next_planned(&mut self, size: u64) -> Option<u64> {
         let index = self.plan?;
-        let plan = &self.plans[index];
-        let mut entry = self.cursor;
+        let entry = self.cursor;
+        let count = self.plans[index].sizes.len();
         // An allocation no larger than its entry is served at the entry's offset: the range is
         // the entry's, whatever part of it the allocation uses.
-        if plan.sizes.get(entry).is_none_or(|&planned| planned < size) {
-            // Allocations the scope skipped: the entry further on with this size, if near.
-            let end = plan.sizes.len().min(entry + 1 + LOOKAHEAD);
-            let Some(found) = (entry + 1..end).find(|&e| plan.sizes[e] == size) else {
-                // An allocation the plan does not have: the cursor stays.
-                self.deviated = true;
-                self.counters.deviations += 1;
-                return None;
-            };
-            self.entries[entry..found].fill(Entry::Done);
-            self.counters.missing += (found - entry) as u64;
-            self.deviated = true;
-            entry = found;
+        if entry < count && self.plans[index].sizes[entry] >= size {
+            return self.hand_out(index, entry, size, false);
         }
-        self.cursor = entry + 1;
-        // Entries the recording had freed before this allocation and that are still live.
+        self.deviated = true;
+        // Larger than its entry (a size that varies from scope to scope: routed tokens, a
+        // ragged batch): at the entry's offset when the larger range is clear.
+        if entry < count {
+            self.pass_ends(index, entry);
+            if self.grown_range_clear(self.plans[index].offsets[entry], size) {
+                return self.hand_out(index, entry, size, true);
+            }
+        }
+        // Allocations the scope skipped: the entry further on with this size, if near (not in
+        // a plan whose sizes vary: there a later entry of the same size is a coincidence).
+        let end = if self.plans[index].varies { entry + 1 } else { count.min(entry + 1 + LOOKAHEAD) };
+        let Some(found) = (entry + 1..end).find(|&e| self.plans[index].sizes[e] == size) else {
+            if entry < count {
+                // The entry, larger than planned, where its range is not clear.
+                self.entries[entry] = Entry::Done;
+                self.cursor = entry + 1;
+            }
+            // Otherwise an allocation the plan does not have: the cursor stays.
+            self.counters.deviations += 1;
+            return None;
+        };
+        self.entries[entry..found].fill(Entry::Done);
+        self.counters.missing += (found - entry) as u64;
+        self.hand_out(index, found, size, false)
+    }
+
+    /// Moves the entries the recording had freed before entry `entry` was allocated, and that
+    /// are still live, to the late list.
+    fn pass_ends(&mut self, index: usize, entry: usize) {
+        let plan = &self.plans[index];
         let start = plan.starts[entry];
         while let Some(&passed) = plan.by_end.get(self.passed_ends) {
             if plan.ends[passed as usize] >= start {
@@ -381,7 +421,25 @@ impl Planned {
             }
             self.passed_ends += 1;
         }
-        let offset = plan.offsets[entry];
+    }
+
+    /// Whether `size` bytes at `offset`, past the entry's planned range, are in the slab and
+    /// miss every live slab allocation: past its planned range the packing promises nothing.
+    fn grown_range_clear(&self, offset: u64, size: u64) -> bool {
+        let Some(slab) = self.slab else { return false };
+        let disjoint = |at: u64, len: u64| at + len <= offset || offset + size <= at;
+        offset + size <= slab.size
+            && self.late.iter().all(|&(late, len)| disjoint(late, len))
+            && self.slab_live.iter().all(|(&ptr, allocation)| disjoint(ptr - slab.base, allocation.size))
+    }
+
+    /// Entry `entry` of plan `index` for an allocation of `size`, if its range is clear: `grown`
+    /// when the allocation is larger than the entry (the range was checked against every live
+    /// allocation, and goes on the late list, so no later entry is handed out over it).
+    fn hand_out(&mut self, index: usize, entry: usize, size: u64, grown: bool) -> Option<u64> {
+        self.cursor = entry + 1;
+        self.pass_ends(index, entry);
+        let offset = self.plans[index].offsets[entry];
         let fits = self.slab.is_some_and(|slab| offset + size <= slab.size);
         let clear = self.late.iter().all(|&(late, len)| late + len <= offset || offset + size <= late);
         if !(fits && clear) {
@@ -390,7 +448,12 @@ impl Planned {
             self.counters.deviations += 1;
             return None;
         }
-        self.entries[entry] = Entry::Live;
+        if grown {
+            self.entries[entry] = Entry::Late;
+            self.late.push((offset, size));
+        } else {
+            self.entries[entry] = Entry::Live;
+        }
         Some(offset)
     }
 
@@ -444,7 +507,20 @@ impl Planned {
             self.ensure_slab(source, desired)?;
         }
         if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
-            self.go_online(slab);
+            if self.slab_live.is_empty() && self.late.is_empty() {
+                // A new shape from its first allocation, the slab empty: the slab goes back and
+                // the scope is recorded in chunks, like a first step, rather than best-fit in the
+                // free ranges of a slab packed for another shape (an evaluation pass after
+                // training steps: its large buffers fit none of the training plan's holes, and
+                // the slab and the chunks would both be held). The stream is waited for so the
+                // trim returns the slab to the device before the chunks are taken.
+                self.slab = None;
+                source.free(slab.base, slab.size)?;
+                source.synchronize()?;
+                source.trim_to(0)?;
+            } else {
+                self.go_online(slab);
+            }
         }
         if let Some(online) = &mut self.online
             && let Some(offset) = online.take(size)
@@ -454,7 +530,9 @@ impl Planned {
             self.counters.unplanned += 1;
             return Ok(ptr);
         }
-        match self.next_planned(size) {
+        // Once online, the plan's offsets promise nothing: the slab is full, the chunks serve.
+        let planned = if self.online.is_some() { None } else { self.next_planned(size) };
+        match planned {
             Some(offset) => {
                 let slab = self.slab.expect("a planned hand-out has a slab");
                 let ptr = slab.base + offset;
@@ -464,19 +542,46 @@ impl Planned {
                 Ok(ptr)
             }
             None => {
-                let ptr = self.allocate_from_pool(source, size)?;
                 self.counters.unplanned += 1;
+                // The plan failed this scope (a size larger than its entry where the range is
+                // not clear, an allocation it lacks): the rest of the scope is served best-fit
+                // from the slab's free ranges, then the fallback chunks, so a scope that leaves
+                // its plan holds the slab and little beside it, not the slab and a second copy
+                // of itself in chunks.
+                if let Some(slab) = self.slab {
+                    self.go_online(slab);
+                    if let Some(offset) = self.online.as_mut().and_then(|online| online.take(size)) {
+                        let ptr = slab.base + offset;
+                        self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+                        return Ok(ptr);
+                    }
+                }
+                let ptr = self.allocate_from_pool(source, size)?;
                 Ok(ptr)
             }
         }
     }
 
-    /// Serves an allocation the slab does not from the fallback chunks. A chunk is an eighth of
-    /// what the pool holds for the scope (the slab and the chunks), at least a granule, so a
-    /// scope that outgrows the slab takes few chunks and leaves little unused at their ends.
+    /// Serves an allocation the slab does not from the fallback chunks. A chunk is a sixteenth
+    /// of what the pool holds for the scope (the slab and the chunks), at least a granule, so a
+    /// scope that outgrows the slab takes few chunks and the last one, mostly unused at the
+    /// scope's peak, is small beside it. A request smaller than the granule takes a chunk of as
+    /// many requests (one to four times as many as the chunk holds) as leave the least of the
+    /// granule unused: four 1.5 MiB requests fill 6 MiB, where one alone leaves a quarter of
+    /// 2 MiB.
     fn allocate_from_pool(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
         let held = self.slab.map_or(0, |slab| slab.size) + self.fallback.held();
-        let chunk = (held / 8).clamp(GRANULE, MAX_FALLBACK_CHUNK);
+        let mut chunk = (held / 16).clamp(GRANULE, MAX_FALLBACK_CHUNK);
+        if size < GRANULE {
+            let fewest = (chunk / size).max(1);
+            let len = |count: u64| (count * size).next_multiple_of(GRANULE);
+            let unused = |count: u64| len(count) - count * size;
+            // The least unused per byte of chunk, the fewest requests on ties.
+            let count = (fewest..=4 * fewest)
+                .min_by(|&a, &b| (unused(a) * len(b)).cmp(&(unused(b) * len(a))).then(a.cmp(&b)))
+                .unwrap_or(fewest);
+            chunk = count * size;
+        }
         let ptr = self.fallback.alloc(source, size, chunk)?;
         self.pooled.insert(ptr, self.allocations);
         Ok(ptr)
@@ -501,16 +606,29 @@ impl Planned {
     /// Packs the recorded scope and keeps the plan under the scope's signature, replacing the
     /// plan of that signature or, at the bound, the least recently used one.
     fn replan(&mut self) {
-        let Some(blocks) = self.recorded_blocks() else { return };
+        let Some(mut blocks) = self.recorded_blocks() else { return };
+        let key = match self.user_key {
+            Some(key) => PlanKey::User(key),
+            None => PlanKey::Sizes(self.first_sizes.clone()),
+        };
+        // The same sequence as the plan of its key, sizes aside (routed tokens, a ragged
+        // batch): each entry is sized to the largest size seen in its place, so the sizes the
+        // scopes vary between all fit the next plan instead of deviating scope after scope.
+        let mut varies = false;
+        if let Some(same) = self.plans.iter().find(|p| p.key == key)
+            && same.sizes.len() == blocks.len()
+            && blocks.iter().zip(same.starts.iter().zip(&same.ends)).all(|(b, (&s, &e))| b.start == s && b.end == e)
+        {
+            varies = same.varies || blocks.iter().zip(&same.sizes).any(|(block, &size)| block.size != size);
+            for (block, &size) in blocks.iter_mut().zip(&same.sizes) {
+                block.size = block.size.max(size);
+            }
+        }
         let packing = plan::pack(&blocks);
         if !plan::is_valid(&blocks, &packing) {
             debug_assert!(false, "the planner made an invalid packing");
             return;
         }
-        let key = match self.user_key {
-            Some(key) => PlanKey::User(key),
-            None => PlanKey::Sizes(self.first_sizes.clone()),
-        };
         let mut by_end: Vec<u32> =
             (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
         by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
@@ -525,6 +643,7 @@ impl Planned {
             lower_bound: plan::lower_bound(&blocks),
             last_used: self.clock,
             scopes: 0,
+            varies,
         };
         self.counters.replans += 1;
         if let Some(same) = self.plans.iter().position(|p| p.key == plan.key) {
@@ -551,6 +670,7 @@ impl Planned {
         self.slab_live.clear();
         self.deviated = false;
         self.slab_refused = false;
+        self.given_back = 0;
     }
 }
 
@@ -604,6 +724,18 @@ impl Allocator for Planned {
             Some(index) => {
                 self.fallback.free(ptr);
                 self.events.push(Event::Free(index));
+                // A chunk emptied in the scope goes back at once, and once an eighth of what the
+                // scope holds (a chunk's worth) has gone back the stream is waited for and the
+                // pool trimmed: the memory returns to the device while the scope goes on, so
+                // another phase (gradients, optimizer state taken in the first step as its
+                // activations are freed) takes it rather than adding to the reservation.
+                self.given_back += self.fallback.release_if_empty(source, ptr)?;
+                let held = self.slab.map_or(0, |slab| slab.size) + self.fallback.held() + self.given_back;
+                if self.given_back > 0 && self.given_back >= (held / 8).max(GRANULE) {
+                    self.given_back = 0;
+                    source.synchronize()?;
+                    source.trim_to(0)?;
+                }
                 Ok(())
             }
             None => {
@@ -826,6 +958,80 @@ mod tests {
         assert_eq!((stats.deviated_scopes, stats.replans), (1, 1), "one scope deviated, and its plan was made again");
     }
 
+    /// One scope: each `(size, lives)` allocated in turn; those not `lives` freed before the next.
+    fn sequence(planned: &mut Planned, source: &mut FakeSource, sizes: &[(u64, bool)]) -> Vec<CUdeviceptr> {
+        planned.begin_step();
+        let mut ptrs = Vec::new();
+        let mut live = Vec::new();
+        for &(size, lives) in sizes {
+            let ptr = planned.allocate(source, size).unwrap();
+            ptrs.push(ptr);
+            if lives {
+                live.push((ptr, size));
+            } else {
+                planned.free(source, ptr, size).unwrap();
+            }
+        }
+        for (ptr, size) in live {
+            planned.free(source, ptr, size).unwrap();
+        }
+        planned.reset(source, u64::MAX).unwrap();
+        ptrs
+    }
+
+    #[test]
+    fn a_larger_size_is_served_in_place_and_the_plan_keeps_the_largest_seen() {
+        let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+        // The first two sizes are the key; the last two come one after the other, both planned
+        // at offset 0 of an 8 KiB slab.
+        let key = [(512, false), (512, false)];
+        sequence(&mut planned, &mut source, &[key[0], key[1], (8192, false), (4096, false)]);
+        let allocs = source.allocs;
+        // The sizes swap (routed tokens): the last is larger than its entry, and its grown range
+        // is clear (the one before was freed), so it is served in place.
+        let ptrs = sequence(&mut planned, &mut source, &[key[0], key[1], (4096, false), (8192, false)]);
+        assert_eq!(source.allocs, allocs, "all served from the slab");
+        assert_eq!(ptrs[2], ptrs[3], "both at the planned offset");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.replans), (4, 0, 1), "a grown entry deviates the scope");
+        let plan = &planned.plans[0];
+        assert_eq!(plan.sizes, [512, 512, 8192, 8192], "each entry sized to the largest seen in its place");
+        assert!(plan.varies);
+        assert_eq!(plan.bytes, 8192);
+        // Either order now fits its entries: no deviation, no replan.
+        sequence(&mut planned, &mut source, &[key[0], key[1], (8192, false), (4096, false)]);
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.deviations, stats.replans), (4, 0, 0));
+    }
+
+    #[test]
+    fn a_grown_range_over_a_live_allocation_is_not_handed_out() {
+        let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+        let key = [(512, false), (512, false)];
+        sequence(&mut planned, &mut source, &[key[0], key[1], (4096, true), (4096, true)]);
+        let slab = planned.slab.unwrap();
+        let ptrs = sequence(&mut planned, &mut source, &[key[0], key[1], (4096, true), (8192, true)]);
+        let (first, second) = (ptrs[2], ptrs[3]);
+        assert!(second + 8192 <= first || first + 4096 <= second, "{first:#x} and {second:#x} overlap");
+        assert!(second < slab.base || second >= slab.base + slab.size, "the larger one came from a chunk");
+    }
+
+    #[test]
+    fn a_scope_that_leaves_its_plan_goes_on_in_the_slab_free_space() {
+        let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+        let key = [(1024, true), (1024, true)];
+        sequence(&mut planned, &mut source, &[key[0], key[1], (4096, false), (8192, false)]);
+        let slab = planned.slab.unwrap();
+        assert_eq!(slab.size, 10240);
+        // The third is larger than the slab: a chunk serves it, and the scope goes on from the
+        // slab's free ranges, where the fourth fits.
+        let ptrs = sequence(&mut planned, &mut source, &[key[0], key[1], (16384, false), (8192, false)]);
+        assert!(ptrs[2] < slab.base || ptrs[2] >= slab.base + slab.size);
+        assert!(ptrs[3] >= slab.base && ptrs[3] + 8192 <= slab.base + slab.size, "served in the slab");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (2, 2, 1));
+    }
+
     #[test]
     fn leaked_allocations_are_reclaimed_at_the_reset() {
         let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
@@ -848,15 +1054,70 @@ mod tests {
         let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 1 << 20).unwrap()).collect();
         assert_eq!(source.allocs, 2, "one 2 MiB chunk holds the first two, a second the next two");
         assert_eq!(ptrs[1] - ptrs[0], 1 << 20, "end to end in a chunk");
+        let syncs = source.syncs;
         for ptr in ptrs {
             planned.free(&mut source, ptr, 1 << 20).unwrap();
         }
-        let syncs = source.syncs;
+        assert_eq!(source.held(), 0, "each chunk went back once empty");
         planned.reset(&mut source, u64::MAX).unwrap();
         assert_eq!(source.held(), 4 << 20, "the chunks went back; the slab, the recording's peak, is held");
-        assert_eq!(source.syncs, syncs + 1, "the stream is waited for so the trim returns the chunks");
+        assert!(source.syncs > syncs, "the stream is waited for so the trim returns the chunks");
         assert_eq!(source.trims.last(), Some(&0), "what is idle goes back before the slab is taken");
         assert_eq!(planned.touched(), Some(4 << 20), "the pool keeps nothing for the chunks");
+    }
+
+    #[test]
+    fn chunks_emptied_in_a_recording_go_back_while_it_runs() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        planned.begin_step();
+        // Activations: eight 2 MiB chunks, one 2 MiB allocation each.
+        let ptrs: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 << 20).unwrap()).collect();
+        assert_eq!(source.held(), 16 << 20);
+        let syncs = source.syncs;
+        // Freed one by one: each emptied chunk goes back at once, and the stream is waited for
+        // once an eighth of what the scope held has gone back.
+        planned.free(&mut source, ptrs[0], 2 << 20).unwrap();
+        assert_eq!(source.held(), 14 << 20, "the emptied chunk went back");
+        assert_eq!((source.syncs, source.trims.last()), (syncs + 1, Some(&0)), "2 MiB of 16: waited for and trimmed");
+        for &ptr in &ptrs[1..] {
+            planned.free(&mut source, ptr, 2 << 20).unwrap();
+        }
+        assert_eq!(source.held(), 0, "nothing idle is held while the scope goes on");
+        planned.reset(&mut source, u64::MAX).unwrap();
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.plans.len(), stats.slab_bytes), (1, 16 << 20), "the recording is planned as before");
+    }
+
+    #[test]
+    fn a_new_shape_gives_the_empty_slab_back_and_is_recorded_in_chunks() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        sequence(&mut planned, &mut source, &[(4096, true), (8192, true)]);
+        assert!(planned.slab.is_some());
+        assert_eq!(source.held(), 12288);
+        // Another shape (an evaluation pass): no plan has its first size.
+        planned.begin_step();
+        let syncs = source.syncs;
+        let ptr = planned.allocate(&mut source, 1 << 20).unwrap();
+        assert_eq!(source.syncs, syncs + 1, "waited for, so the trim returns it before the chunk is taken");
+        assert_eq!(source.held(), 2 << 20, "the slab went back; a chunk of two 1 MiB requests is held");
+        assert!(planned.slab.is_none(), "no slab while the new shape is recorded");
+        planned.free(&mut source, ptr, 1 << 20).unwrap();
+        planned.reset(&mut source, u64::MAX).unwrap();
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.plans.len(), stats.slab_bytes), (2, 1 << 20), "recorded; the slab is its plan's");
+    }
+
+    #[test]
+    fn a_request_below_the_granule_takes_a_chunk_it_fills() {
+        let (mut source, mut planned) = (FakeSource::new(64 << 20), planned());
+        planned.begin_step();
+        let size = 3 << 19; // 1.5 MiB: one alone leaves a quarter of a 2 MiB chunk unused
+        let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, size).unwrap()).collect();
+        assert_eq!((source.allocs, source.held()), (1, 6 << 20), "four in one 6 MiB chunk, end to end");
+        for ptr in ptrs {
+            planned.free(&mut source, ptr, size).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
     }
 
     #[test]
