@@ -308,6 +308,8 @@ fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
         let streams: Vec<_> = (0..4).map(|_| device.create_stream().unwrap()).collect();
         let live: RwLock<Mutex<Ranges>> = RwLock::default();
         let ids = AtomicU64::new(0);
+        // Calls the threads made, so that every step sees some.
+        let calls = AtomicU64::new(0);
         let done = AtomicBool::new(false);
         let errors = Mutex::new(Vec::<Error>::new());
         rt.raw().begin_step().unwrap();
@@ -315,7 +317,7 @@ fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
         let mut boundaries = 0;
         std::thread::scope(|scope| {
             for (thread, stream) in streams.iter().enumerate() {
-                let (rt, live, ids, done, errors, phases) = (&rt, &live, &ids, &done, &errors, &phases);
+                let (rt, live, ids, calls, done, errors, phases) = (&rt, &live, &ids, &calls, &done, &errors, &phases);
                 scope.spawn(move || {
                     let mut rng = seed ^ (thread as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
                     let mut mine: Vec<(u64, u64)> = Vec::new();
@@ -324,6 +326,7 @@ fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
                         rng ^= rng >> 7;
                         rng ^= rng << 17;
                         let shared = live.read().unwrap();
+                        calls.fetch_add(1, Ordering::Release);
                         if rng % 5 < 3 || mine.is_empty() {
                             let phase = [0, 2, 3][(rng % 3) as usize];
                             let bytes = 1 + rng % (8 * MIB);
@@ -365,7 +368,11 @@ fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
                 });
             }
             for _ in 0..200 {
-                std::thread::yield_now();
+                // The threads make 16 calls or more in every step.
+                let from = calls.load(Ordering::Acquire);
+                while calls.load(Ordering::Acquire) < from + 16 {
+                    std::thread::yield_now();
+                }
                 let exclusive = live.write().unwrap();
                 // SAFETY: nothing uses the released pointers.
                 let ended = unsafe { rt.raw().end_step() };

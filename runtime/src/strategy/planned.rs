@@ -480,6 +480,7 @@ impl Planned {
                 return Ok(());
             }
             self.slab = None;
+            self.online = None;
             source.free(slab.base, slab.size)?;
             // A larger plan replaces the slab: wait for the old one's free, so the trim below
             // gives it back and the new slab takes its place rather than adding to it. Rare:
@@ -515,6 +516,7 @@ impl Planned {
                 // the slab and the chunks would both be held). The stream is waited for so the
                 // trim returns the slab to the device before the chunks are taken.
                 self.slab = None;
+                self.online = None;
                 source.free(slab.base, slab.size)?;
                 source.synchronize()?;
                 source.trim_to(0)?;
@@ -522,19 +524,27 @@ impl Planned {
                 self.go_online(slab);
             }
         }
-        if let Some(online) = &mut self.online
+        if let (Some(online), Some(slab)) = (&mut self.online, self.slab)
             && let Some(offset) = online.take(size)
         {
-            let ptr = self.slab.expect("online ranges are in the slab").base + offset;
+            let ptr = slab.base + offset;
             self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
             self.counters.unplanned += 1;
             return Ok(ptr);
         }
         // Once online, the plan's offsets promise nothing: the slab is full, the chunks serve.
-        let planned = if self.online.is_some() { None } else { self.next_planned(size) };
+        // Without a slab (refused for lack of memory, or lost to a failed call) the plan cannot
+        // serve: the scope deviates and the chunks serve.
+        let planned = match (self.online.is_some(), self.slab) {
+            (false, Some(slab)) => self.next_planned(size).map(|offset| (slab, offset)),
+            (false, None) if self.plan.is_some() => {
+                self.deviated = true;
+                None
+            }
+            _ => None,
+        };
         match planned {
-            Some(offset) => {
-                let slab = self.slab.expect("a planned hand-out has a slab");
+            Some((slab, offset)) => {
                 let ptr = slab.base + offset;
                 let entry = self.cursor as u32 - 1;
                 self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry, size });
@@ -795,6 +805,7 @@ impl Allocator for Planned {
                 // Smaller or larger than the recent plans need, or larger than the trim policy
                 // keeps.
                 self.slab = None;
+                self.online = None;
                 slab_released = true;
                 outcome = outcome.and(source.free(slab.base, slab.size));
             }
@@ -846,6 +857,7 @@ impl Allocator for Planned {
             return Ok(chunks);
         }
         let Some(slab) = self.slab.take() else { return Ok(chunks) };
+        self.online = None;
         self.slab_refused = false;
         source.free(slab.base, slab.size)?;
         Ok(chunks + slab.size)
@@ -854,6 +866,7 @@ impl Allocator for Planned {
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
         self.pooled.clear();
         let mut outcome = self.fallback.release_all(source);
+        self.online = None;
         if let Some(slab) = self.slab.take() {
             outcome = outcome.and(source.free(slab.base, slab.size));
         }
