@@ -67,6 +67,13 @@ fn peak_rss() -> Option<String> {
 }
 
 fn main() -> ExitCode {
+    // A panic anywhere ends the run at once: a worker that died would otherwise leave the others
+    // waiting at the step barrier for ever.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::exit(101);
+    }));
     let options = match options() {
         Ok(options) => options,
         Err(message) => {
