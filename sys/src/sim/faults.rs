@@ -121,7 +121,12 @@ pub enum Trigger {
     },
 }
 
-/// Which calls of the simulated device fail, and with what (see the [module docs](self)).
+/// Which calls of the simulated device fail, and with what: a [`Trigger`] (the Nth call, every
+/// call from the Nth on, or each call at random with a seed and a rate, counting the covered
+/// entry points' calls from 1), the [`FaultCode`]s used in turn (sticky errors and a shutdown
+/// poison every later call of any entry point), and the entry points covered (all but
+/// `cuGetErrorName` and `cuGetErrorString` unless listed). [`FaultPlan::parse`] reads the
+/// `STEPPOOL_SIM_FAULTS` syntax.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FaultPlan {
     /// When faults fire.
