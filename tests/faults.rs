@@ -98,6 +98,19 @@ fn sticky_code(error: &Error) -> Option<steppool::sys::CUresult> {
     }
 }
 
+/// Bytes device 0 holds in all (total − free), read through its primary context once every
+/// runtime on it is gone.
+fn reserved(driver: &Driver) -> u64 {
+    let ordinal = driver.device(0).unwrap();
+    let ctx = driver.primary_context_retain(ordinal).unwrap();
+    // SAFETY: the context was just retained.
+    unsafe { driver.context_set_current(ctx) }.unwrap();
+    let (free, total) = driver.mem_get_info().unwrap();
+    // SAFETY: balances the retain above.
+    unsafe { driver.primary_context_release(ordinal) }.unwrap();
+    total - free
+}
+
 /// What a run saw.
 #[derive(Debug, Default)]
 struct Seen {
@@ -218,14 +231,7 @@ fn run(ops: &[Op], seed: u64, rate: f64) -> Result<Seen, TestCaseError> {
     drop(device);
     drop(rt);
     if !lost {
-        let ordinal = driver.device(0).unwrap();
-        let ctx = driver.primary_context_retain(ordinal).unwrap();
-        // SAFETY: the context was just retained.
-        unsafe { driver.context_set_current(ctx) }.unwrap();
-        let (free, total) = driver.mem_get_info().unwrap();
-        // SAFETY: balances the retain above.
-        unsafe { driver.primary_context_release(ordinal) }.unwrap();
-        prop_assert_eq!(total - free, 0, "bytes still reserved on the device after the runtime was dropped");
+        prop_assert_eq!(reserved(&driver), 0, "bytes still reserved on the device after the runtime was dropped");
     }
     Ok(Seen { lost, faults, driver_errors })
 }
@@ -400,13 +406,6 @@ fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
         drop(streams);
         drop(device);
         drop(rt);
-        let ordinal = driver.device(0).unwrap();
-        let ctx = driver.primary_context_retain(ordinal).unwrap();
-        // SAFETY: the context was just retained.
-        unsafe { driver.context_set_current(ctx) }.unwrap();
-        let (free, total) = driver.mem_get_info().unwrap();
-        // SAFETY: balances the retain above.
-        unsafe { driver.primary_context_release(ordinal) }.unwrap();
-        assert_eq!(total - free, 0, "seed {seed}: bytes still reserved after the runtime was dropped");
+        assert_eq!(reserved(&driver), 0, "seed {seed}: bytes still reserved after the runtime was dropped");
     }
 }
