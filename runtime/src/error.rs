@@ -410,6 +410,14 @@ impl ErrorSink {
         result
     }
 
+    /// Runs `operation` unless a sticky error was seen (then returns that), remembering a sticky
+    /// error it returns: how every operation that may touch memory starts and ends.
+    #[inline]
+    pub(crate) fn guard<T>(&self, operation: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.check()?;
+        self.watch(operation())
+    }
+
     /// The sticky error, once one was seen: every operation returns it.
     pub(crate) fn check(&self) -> Result<()> {
         match self.sticky.get() {

@@ -97,8 +97,7 @@ impl RuntimeInner {
         slots: &PoolSlots,
         caller: Caller,
     ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
-        self.errors.check()?;
-        self.errors.watch(self.allocate_checked(phase, bytes, stream, slots, caller))
+        self.errors.guard(|| self.allocate_checked(phase, bytes, stream, slots, caller))
     }
 
     fn allocate_checked(
@@ -236,8 +235,7 @@ impl RuntimeInner {
     // ----- boundaries ------------------------------------------------------------------------
 
     pub(crate) fn begin_step(&self, guarded: bool) -> Result<u64> {
-        self.errors.check()?;
-        self.errors.watch(self.begin_step_checked(guarded))
+        self.errors.guard(|| self.begin_step_checked(guarded))
     }
 
     fn begin_step_checked(&self, guarded: bool) -> Result<u64> {
@@ -263,8 +261,7 @@ impl RuntimeInner {
     /// Ends the active micro-step. `guarded` says whether a [`MicroStep`](crate::MicroStep) guard
     /// asks; the raw API may not end a guard's micro-step.
     pub(crate) fn end_micro_step(&self, guarded: bool) -> Result<MicroStepReport> {
-        self.errors.check()?;
-        self.errors.watch(self.end_micro_step_checked(guarded))
+        self.errors.guard(|| self.end_micro_step_checked(guarded))
     }
 
     fn end_micro_step_checked(&self, guarded: bool) -> Result<MicroStepReport> {
@@ -286,8 +283,7 @@ impl RuntimeInner {
 
     /// Ends the active step, and its micro-step if one is still active.
     pub(crate) fn end_step(&self, guarded: bool) -> Result<StepReport> {
-        self.errors.check()?;
-        self.errors.watch(self.end_step_checked(guarded))
+        self.errors.guard(|| self.end_step_checked(guarded))
     }
 
     fn end_step_checked(&self, guarded: bool) -> Result<StepReport> {

@@ -52,9 +52,8 @@ impl RawApi<'_> {
     ///
     /// No work enqueued after this call, on any stream, uses the memory.
     pub unsafe fn free(&self, ptr: CUdeviceptr) -> Result<()> {
-        self.inner.errors.check()?;
         // SAFETY: the caller's contract, forwarded.
-        self.inner.errors.watch(unsafe { self.free_checked(ptr) })
+        self.inner.errors.guard(|| unsafe { self.free_checked(ptr) })
     }
 
     /// [`RawApi::free`] on a usable context.
