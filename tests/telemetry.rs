@@ -620,47 +620,43 @@ fn a_request_gets_one_deadline_however_slowly_it_trickles_in() {
     assert!(sent < request.len(), "the server cut the request short ({sent} of {} bytes)", request.len());
 }
 
+/// Sends `request` on a fresh connection and reads the whole answer (the server may answer and
+/// close before it has read everything); a read that waits 30 s fails the test.
+fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let _ = stream.write_all(request);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    String::from_utf8_lossy(&response).into_owned()
+}
+
 #[test]
 fn oversized_heads_garbage_and_one_connection_too_many_get_their_statuses() {
     let (runtime, _, _streams) = busy_runtime();
     let options = ServeOptions { max_connections: 2, request_deadline: std::time::Duration::from_secs(120) };
     let server = runtime.telemetry().serve_metrics_with("127.0.0.1:0", options).unwrap();
-    let exchange = |request: &[u8]| -> String {
-        let mut stream = TcpStream::connect(server.addr()).unwrap();
-        stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
-        // The server may answer and close before it has read everything.
-        let _ = stream.write_all(request);
-        let mut response = Vec::new();
-        let _ = stream.read_to_end(&mut response);
-        String::from_utf8_lossy(&response).into_owned()
-    };
+    let ask = |request: &[u8]| exchange(server.addr(), request);
     let oversized = format!("GET /metrics HTTP/1.1\r\nX-Big: {}\r\n\r\n", "b".repeat(MAX_REQUEST_BYTES));
-    assert!(exchange(oversized.as_bytes()).starts_with("HTTP/1.1 431 "));
-    assert!(exchange(b"\x00\x01\xffgarbage\r\n\r\n").starts_with("HTTP/1.1 400 Bad Request\r\n"));
-    assert!(exchange(b"POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
+    assert!(ask(oversized.as_bytes()).starts_with("HTTP/1.1 431 "));
+    assert!(ask(b"\x00\x01\xffgarbage\r\n\r\n").starts_with("HTTP/1.1 400 Bad Request\r\n"));
+    assert!(ask(b"POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
 
     drop(server);
 
     // On a fresh server, two slow clients take both places; a third connection is turned away
     // at once, without its request being read (so this one sends none).
     let server = runtime.telemetry().serve_metrics_with("127.0.0.1:0", options).unwrap();
-    let exchange = |request: &[u8]| -> String {
-        let mut stream = TcpStream::connect(server.addr()).unwrap();
-        stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
-        let _ = stream.write_all(request);
-        let mut response = Vec::new();
-        let _ = stream.read_to_end(&mut response);
-        String::from_utf8_lossy(&response).into_owned()
-    };
+    let ask = |request: &[u8]| exchange(server.addr(), request);
     let mut slow: Vec<TcpStream> = (0..2).map(|_| slow_client(server.addr())).collect();
-    let turned_away = exchange(b"");
+    let turned_away = ask(b"");
     assert!(turned_away.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{turned_away}");
     assert!(slow.iter().all(still_open));
     // One leaves; its place comes free once its thread has seen it go.
     drop(slow.pop());
     let answered = (0..3000).find_map(|_| {
         // Turned away (unread, so the answer may be lost to a reset), or answered.
-        let response = exchange(b"GET /metrics HTTP/1.1\r\n\r\n");
+        let response = ask(b"GET /metrics HTTP/1.1\r\n\r\n");
         if response.starts_with("HTTP/1.1 200 OK") {
             Some(response)
         } else {
