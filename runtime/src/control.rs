@@ -1,11 +1,40 @@
 //! Boundary control: which step and micro-step are active, who owns them, and the activity flags
 //! raw allocations read under their pool's lock.
+//!
+//! # The boundary protocol
+//!
+//! Three primitives (from [`sync`](crate::sync)) make a boundary atomic for other threads: the
+//! boundary lock ([`Control::lock`], over [`Steps`]), the activity flags, and each pool's lock.
+//!
+//! - **A boundary** takes the boundary lock, clears its scope's flag ([`Steps::end`],
+//!   [`Steps::end_micro`]), then takes the locks of every pool of the scopes it ends (in registry
+//!   order), frees what is live in them and resets them, and lets go of the pool locks, then of
+//!   the boundary lock.
+//! - **A raw allocation** takes its pool's lock, then asks [`Control::admit_raw`]: it is refused
+//!   once the flag is clear. Admitted, it is in the pool (and the raw table) before the lock is
+//!   let go. So it lands before the release takes that pool, and is released, or it is refused;
+//!   never after the release, where it would outlive its step. Checking the flag before taking
+//!   the pool's lock, or clearing it after the release, breaks this.
+//! - **A raw free** looks the pool up, takes its lock and takes the allocation out; if a boundary
+//!   got there first the pointer is unknown. Each allocation is freed once, by one of them.
+//! - **Statistics and metrics** hold the boundary lock while they read the pools, so they see a
+//!   release whole or not at all. The pool locks alone would not do: a reader taking them one
+//!   after another could straddle a release that holds them all.
+//! - **Out-of-memory recovery** holds one pool's lock at a time: it lets go of the failing pool,
+//!   takes each other pool's lock in turn to give back idle memory, and retries under the failing
+//!   pool's lock again. Holding the failing pool's lock while trimming the others would deadlock
+//!   two recoveries in two pools.
+//!
+//! Lock order: boundary → pool → raw table. `tests/loom_boundary.rs` checks these rules in every
+//! interleaving with loom (`cargo xtask loom`), against the runtime built with loom's primitives.
 
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::PoisonError;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::phase::Scope;
+use crate::sync::{AtomicU8, Mutex, MutexGuard};
 
 /// Set in the activity flags while a step is active.
 const STEP_ACTIVE: u8 = 1;
@@ -68,6 +97,19 @@ impl Control {
     /// Whether a micro-step is active, as raw allocations see it.
     pub(crate) fn micro_step_active(&self) -> bool {
         self.activity.load(Ordering::Acquire) & MICRO_ACTIVE != 0
+    }
+
+    /// Admits a raw allocation of a `scope` phase, or refuses it once the boundary that ends that
+    /// scope has begun. Called under the pool's lock, after taking it: a boundary clears the flag
+    /// before it takes the locks of the pools it releases, so an admitted allocation is in its
+    /// pool before the release takes the pool, and is released with it.
+    #[inline]
+    pub(crate) fn admit_raw(&self, scope: Scope) -> Result<()> {
+        match scope {
+            Scope::Step if !self.step_active() => Err(Error::NoActiveStep),
+            Scope::MicroStep if !self.micro_step_active() => Err(Error::NoActiveMicroStep),
+            _ => Ok(()),
+        }
     }
 
     fn set_activity(&self, step: bool, micro: bool) {

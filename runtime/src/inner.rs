@@ -165,13 +165,9 @@ impl RuntimeInner {
     fn try_allocate(&self, pool: &Arc<PhasePool>, bytes: u64, raw: bool) -> Result<CUdeviceptr> {
         let mut guard = pool.lock();
         if raw {
-            // Under the pool's lock: a boundary clears the flag before taking this lock, so an
-            // allocation either lands before the release (and is released) or is refused.
-            match pool.scope() {
-                Scope::Step if !self.control.step_active() => return Err(Error::NoActiveStep),
-                Scope::MicroStep if !self.control.micro_step_active() => return Err(Error::NoActiveMicroStep),
-                _ => {}
-            }
+            // Under the pool's lock: an allocation either lands before the release (and is
+            // released) or is refused.
+            self.control.admit_raw(pool.scope())?;
         }
         let ptr = guard.allocate(bytes)?;
         if raw {

@@ -79,10 +79,12 @@
 // Layers, each importing only from the ones above it in this list (`tests/tidy.rs` fails on a
 // loop):
 //
-// 1. plain types: what a phase is, errors, reports, warnings.
+// 1. plain types: what a phase is, errors, reports, warnings; the synchronization primitives
+//    of the boundary protocol (std's, or loom's under `cfg(loom)`).
 mod error;
 mod phase;
 mod report;
+mod sync;
 mod warning;
 // 2. telemetry: counters, the history recorder, the warning rules and the exporters, all over
 //    plain types.

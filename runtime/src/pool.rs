@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, OnceLock, PoisonError};
 
 use steppool_sys::handle::PoolHandle;
 use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
@@ -21,6 +21,7 @@ use crate::report::{PoolId, PoolStats};
 use crate::source::DeviceSource;
 use crate::strategy::{Allocator, allocator};
 use crate::stream_core::StreamCore;
+use crate::sync::{Mutex, MutexGuard};
 use crate::telemetry::{self, EventKind, PoolMetrics, Recorder, Retired, Usage, thread_number};
 
 /// The pools of one stream, by phase index.

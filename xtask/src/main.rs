@@ -9,10 +9,12 @@
 //! - `gpu-bundle DIR`: build the release binaries, peer harness and run script a GPU host without
 //!   a Rust toolchain needs, into `DIR` (at most 64 MiB).
 //! - `soak [ARGS]`: the runtime's long run under driver faults on the simulated device.
+//! - `loom`: the boundary protocol model-checked with loom, in `target/loom`.
 
 mod bench;
 mod bundle;
 mod codegen;
+mod loom;
 mod soak;
 
 use std::path::{Path, PathBuf};
@@ -26,7 +28,9 @@ commands:
   bench [--smoke]     run the benchmarks and peers; write benches/results/<date>-<device>.{json,md,svg}
   gpu-bundle DIR      build binaries, peer harness and run.sh for a GPU host into DIR (<= 64 MiB)
   soak [ARGS]         8 threads x 10^6 steps under driver faults on the simulated device (ARGS: --threads N,
-                      --steps N, --faults PLAN); prints operations/s, peak memory and leaks";
+                      --steps N, --faults PLAN); prints operations/s, peak memory and leaks
+  loom                the boundary protocol model-checked: steppool built with --cfg loom in target/loom,
+                      every interleaving of runtime/tests/loom_boundary.rs";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,6 +42,7 @@ fn main() -> ExitCode {
         ["bench", "--smoke"] => bench::run(true),
         ["gpu-bundle", dir] => bundle::run(Path::new(dir)),
         ["soak", rest @ ..] => soak::run(rest),
+        ["loom"] => loom::run(),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())
