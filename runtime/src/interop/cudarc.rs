@@ -32,7 +32,7 @@
 //! load `libcuda`; on the simulated device, the runtime must be built over the libcuda stand-in
 //! (`sys/libcuda-sim`), opened by path with `CudaLibrary::open_path` and given to
 //! [`Runtime::with_driver`](crate::Runtime::with_driver) before cudarc's first call, which then
-//! finds the same library by its soname. A runtime on [`Driver::simulated`] has a device of its
+//! finds the same library by its soname. A runtime on [`Driver::simulated`](steppool_sys::Driver::simulated) has a device of its
 //! own that cudarc cannot reach: [`StreamPair`] and [`route_allocations`] refuse it with
 //! [`InteropError::NotShared`].
 //!

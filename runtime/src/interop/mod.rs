@@ -4,7 +4,7 @@
 //!   pool (`cuDeviceSetMemPool`), so that any code allocating with `cuMemAllocAsync` — cudarc,
 //!   candle, burn's CUDA backend (cubecl), whatever cudarc version or linking it was built with —
 //!   takes its memory from that phase without code changes.
-//! - [`cudarc`] (feature `cudarc`): typed views of buffers for cudarc's launches and copies,
+//! - `cudarc` (feature `cudarc`): typed views of buffers for cudarc's launches and copies,
 //!   steppool and cudarc streams over one `CUstream`, and the route guard under cudarc's names.
 //!
 //! Both assume that the runtime and the framework talk to the same driver in the same process:
