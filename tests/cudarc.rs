@@ -299,3 +299,31 @@ fn a_step_end_trims_what_routed_code_freed() {
     assert_eq!(phase.reserved, 0, "the step end trimmed what the framework freed");
     s.assert_no_errors();
 }
+
+/// cubecl-cuda's storage (burn's CUDA backend) takes its pages with cudarc's result layer,
+/// `malloc_async(stream, bytes)`, and frees them with `free_async` at its memory cleanup: the
+/// same calls, made here on the stand-in, land in the routed phase and are trimmed at the step end.
+#[test]
+fn pages_taken_with_cuda_mem_alloc_async_land_in_the_routed_phase() {
+    let s = setup();
+    let (stream, pair) = s.pair();
+    let phase = s.runtime.declare_phase(PhaseSpec::new("pages", Scope::Step).trim(TrimPolicy::KeepBytes(0))).unwrap();
+    let step = s.runtime.begin_step().unwrap();
+    let route = route::route_allocations(&s.runtime, phase, pair.steppool()).unwrap();
+    let pages: Vec<_> = (0..3)
+        // SAFETY: a live stream of the current context; each page is freed once, below.
+        .map(|_| unsafe { cudarc::driver::result::malloc_async(stream.cu_stream(), 8 << 20) }.unwrap())
+        .collect();
+    assert_eq!(route.counters().unwrap().used, 24 << 20, "every page is the routed pool's");
+    route.end().unwrap();
+    for page in pages {
+        // SAFETY: allocated above on this stream, freed once.
+        unsafe { cudarc::driver::result::free_async(page, stream.cu_stream()) }.unwrap();
+    }
+    stream.synchronize().unwrap();
+    let report = step.end().unwrap();
+    let phase = report.phase(phase).expect("the routed phase is in the report");
+    assert!(phase.peak_reserved >= 24 << 20);
+    assert_eq!(phase.reserved, 0, "the step end trimmed the freed pages");
+    s.assert_no_errors();
+}
