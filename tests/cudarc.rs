@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaStream};
 use steppool::interop::cudarc::{InteropError, StreamPair, route_allocations};
-use steppool::{Phase, PhaseSpec, Runtime, Scope};
+use steppool::interop::route;
+use steppool::{Phase, PhaseSpec, Runtime, Scope, TrimPolicy};
 use steppool_sys::{CUmemoryPool, CudaLibrary, Driver, DriverKind};
 
 /// The file name of the libcuda stand-in, as cargo builds it.
@@ -234,5 +235,95 @@ fn pairing_checks_what_it_is_given() {
     let separate_stream = device.create_stream().unwrap();
     let refused = route_allocations(&separate, Phase::WEIGHTS, &separate_stream);
     assert!(matches!(refused, Err(InteropError::NotShared { .. })), "{refused:?}");
+    s.assert_no_errors();
+}
+
+#[test]
+fn routes_nest_and_an_out_of_order_end_is_reported() {
+    let s = setup();
+    let (stream, pair) = s.pair();
+    let driver = s.runtime.driver().clone();
+    let device = driver.device(0).unwrap();
+    let before = driver.device_mem_pool(device).unwrap();
+    // In order: the inner route serves while it lives, then the outer one again.
+    let outer = route::route_allocations(&s.runtime, Phase::WEIGHTS, pair.steppool()).unwrap();
+    let inner = route::route_allocations(&s.runtime, Phase::WORKSPACE, pair.steppool()).unwrap();
+    let in_inner = stream.alloc_zeros::<u8>(1 << 20).unwrap();
+    assert!(inner.counters().unwrap().used >= 1 << 20, "the inner route's pool serves");
+    assert_eq!(outer.counters().unwrap().used, 0);
+    inner.end().unwrap();
+    let in_outer = stream.alloc_zeros::<u8>(1 << 20).unwrap();
+    assert!(outer.counters().unwrap().used >= 1 << 20, "the outer route's pool serves again");
+    outer.end().unwrap();
+    assert_eq!(driver.device_mem_pool(device).unwrap(), before);
+    drop((in_inner, in_outer));
+    // Out of order: the outer guard finds the inner pool current, says so and leaves it.
+    let outer = route::route_allocations(&s.runtime, Phase::WEIGHTS, pair.steppool()).unwrap();
+    let inner = route::route_allocations(&s.runtime, Phase::WORKSPACE, pair.steppool()).unwrap();
+    let (outer_pool, inner_pool) = (outer.pool(), inner.pool());
+    let ended = outer.end();
+    assert!(
+        matches!(ended, Err(InteropError::RouteChanged { device: 0, routed, found })
+            if routed == outer_pool as usize && found == inner_pool as usize),
+        "{ended:?}"
+    );
+    assert_eq!(driver.device_mem_pool(device).unwrap(), inner_pool, "left as found");
+    inner.end().unwrap();
+    assert_eq!(driver.device_mem_pool(device).unwrap(), outer_pool, "the inner route restores what it found");
+    // SAFETY: `before` is the device's default pool or one that outlives the test.
+    unsafe { driver.device_set_mem_pool(device, before) }.unwrap();
+    stream.synchronize().unwrap();
+    s.assert_no_errors();
+}
+
+#[test]
+fn a_step_end_trims_what_routed_code_freed() {
+    let s = setup();
+    let (stream, pair) = s.pair();
+    let phase = s
+        .runtime
+        .declare_phase(PhaseSpec::new("routed_activations", Scope::Step).trim(TrimPolicy::KeepBytes(0)))
+        .unwrap();
+    let step = s.runtime.begin_step().unwrap();
+    let route = route::route_allocations(&s.runtime, phase, pair.steppool()).unwrap();
+    let slices: Vec<_> = (0..4).map(|_| stream.alloc_zeros::<f32>(4 << 20).unwrap()).collect();
+    let held = route.counters().unwrap();
+    assert!(held.used >= 64 << 20 && held.reserved >= held.used, "{held:?}");
+    drop(slices); // the framework frees its activations before the step ends
+    stream.synchronize().unwrap();
+    route.end().unwrap();
+    let report = step.end().unwrap();
+    let phase = report.phase(phase).expect("the routed phase is in the report");
+    assert_eq!(phase.released, 0, "routed memory is the framework's: the step end frees none of it");
+    assert!(phase.peak_reserved >= 64 << 20, "the report's reservation counts routed memory");
+    assert_eq!(phase.reserved, 0, "the step end trimmed what the framework freed");
+    s.assert_no_errors();
+}
+
+/// cubecl-cuda's storage (burn's CUDA backend) takes its pages with cudarc's result layer,
+/// `malloc_async(stream, bytes)`, and frees them with `free_async` at its memory cleanup: the
+/// same calls, made here on the stand-in, land in the routed phase and are trimmed at the step end.
+#[test]
+fn pages_taken_with_cuda_mem_alloc_async_land_in_the_routed_phase() {
+    let s = setup();
+    let (stream, pair) = s.pair();
+    let phase = s.runtime.declare_phase(PhaseSpec::new("pages", Scope::Step).trim(TrimPolicy::KeepBytes(0))).unwrap();
+    let step = s.runtime.begin_step().unwrap();
+    let route = route::route_allocations(&s.runtime, phase, pair.steppool()).unwrap();
+    let pages: Vec<_> = (0..3)
+        // SAFETY: a live stream of the current context; each page is freed once, below.
+        .map(|_| unsafe { cudarc::driver::result::malloc_async(stream.cu_stream(), 8 << 20) }.unwrap())
+        .collect();
+    assert_eq!(route.counters().unwrap().used, 24 << 20, "every page is the routed pool's");
+    route.end().unwrap();
+    for page in pages {
+        // SAFETY: allocated above on this stream, freed once.
+        unsafe { cudarc::driver::result::free_async(page, stream.cu_stream()) }.unwrap();
+    }
+    stream.synchronize().unwrap();
+    let report = step.end().unwrap();
+    let phase = report.phase(phase).expect("the routed phase is in the report");
+    assert!(phase.peak_reserved >= 24 << 20);
+    assert_eq!(phase.reserved, 0, "the step end trimmed the freed pages");
     s.assert_no_errors();
 }

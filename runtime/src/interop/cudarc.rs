@@ -32,7 +32,7 @@
 //! load `libcuda`; on the simulated device, the runtime must be built over the libcuda stand-in
 //! (`sys/libcuda-sim`), opened by path with `CudaLibrary::open_path` and given to
 //! [`Runtime::with_driver`](crate::Runtime::with_driver) before cudarc's first call, which then
-//! finds the same library by its soname. A runtime on [`Driver::simulated`] has a device of its
+//! finds the same library by its soname. A runtime on [`Driver::simulated`](steppool_sys::Driver::simulated) has a device of its
 //! own that cudarc cannot reach: [`StreamPair`] and [`route_allocations`] refuse it with
 //! [`InteropError::NotShared`].
 //!
@@ -59,13 +59,14 @@
 //!   [`CudaBuffer::with_slice`], which lends a slice for the length of a closure and then leaks
 //!   it (on a panic as well): the slice never frees. Never call `upgrade_device_ptr` on a
 //!   steppool pointer yourself.
-//! - **Routed allocations belong to cudarc.** Under a [`RouteGuard`], `CudaStream::alloc*`
-//!   takes memory from the phase's pool, but the `CudaSlice` owns it and frees it on drop
-//!   (`cuMemFreeAsync`, back into the same pool). A step end releases only what steppool handed
-//!   out, so it never frees a routed allocation: there is no double free, and a routed slice
-//!   that outlives its step stays valid. Its memory is simply not released at the step end;
-//!   drop routed slices of step-scoped phases before the step ends, or the pool holds them (its
-//!   `reserved` in the step report shows it) until they are dropped.
+//! - **Routed allocations belong to cudarc.** Under a [`RouteGuard`] (from
+//!   [`interop::route`](super::route), re-exported here), `CudaStream::alloc*` takes memory from
+//!   the phase's pool, but the `CudaSlice` owns it and frees it on drop (`cuMemFreeAsync`, back
+//!   into the same pool). A step end releases only what steppool handed out, so it never frees a
+//!   routed allocation: there is no double free, and a routed slice that outlives its step stays
+//!   valid. Its memory is simply not released at the step end; drop routed slices of
+//!   step-scoped phases before the step ends, or the pool holds them (its `reserved` in the step
+//!   report shows it) until they are dropped.
 //! - **Streams outlive their pair's other half.** [`StreamPair::from_cudarc`] and
 //!   [`StreamPair::from_steppool`] wrap a stream owned by the other library without taking
 //!   ownership of the `CUstream`; the pair keeps the owner alive, but clones taken out of it must
@@ -74,10 +75,10 @@
 //! # Build
 //!
 //! The feature depends on cudarc 0.19 with `driver`, `dynamic-loading` and `cuda-12090`: no CUDA
-//! toolkit is needed to build, and `libcuda` is loaded at run time. A program that enables
-//! another cudarc linking or version feature (candle enables `dynamic-linking`) gets cargo's
-//! feature union, which cudarc's build script refuses; such a program routes with
-//! [`Runtime::pool_handle`](crate::Runtime::pool_handle) and `cuDeviceSetMemPool` instead.
+//! toolkit is needed to build, and `libcuda` is loaded at run time. A program whose cudarc 0.19
+//! enables another linking feature (candle 0.11's CUDA device enables `dynamic-linking`) gets
+//! cargo's feature union, which cudarc's build script refuses: such a program leaves this feature
+//! off and routes with [`interop::route`](super::route), which needs no cudarc at all.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -87,92 +88,16 @@ use std::sync::Arc;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
 };
-use steppool_sys::{CUdevice, CUmemoryPool, Driver, DriverError, DriverKind};
 
 use crate::buffer::Buffer;
 use crate::device::Device;
-use crate::phase::Phase;
-use crate::runtime::Runtime;
 use crate::stream::Stream;
 
-/// Why a cudarc object and a steppool one could not be paired.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum InteropError {
-    /// The runtime runs on a simulated device of its own, which cudarc cannot reach.
-    #[error(
-        "the runtime runs on `{driver}`, which cudarc cannot reach: build it over the libcuda that cudarc \
-         loads (a GPU, or sys/libcuda-sim opened with CudaLibrary::open_path)"
-    )]
-    NotShared {
-        /// The runtime's driver, described.
-        driver: String,
-    },
-    /// The cudarc context is not the steppool device's primary context.
-    #[error(
-        "cudarc's context {cudarc:#x} (device {cudarc_ordinal}) is not the primary context {steppool:#x} of \
-         steppool's device {steppool_ordinal}"
-    )]
-    ContextMismatch {
-        /// cudarc's `CUcontext`, as an address.
-        cudarc: usize,
-        /// The ordinal of cudarc's device.
-        cudarc_ordinal: usize,
-        /// steppool's `CUcontext`, as an address.
-        steppool: usize,
-        /// The ordinal of steppool's device.
-        steppool_ordinal: usize,
-    },
-    /// A buffer's length is not a whole number of elements.
-    #[error("a buffer of {bytes} bytes is not a whole number of {element}-byte elements")]
-    Length {
-        /// The buffer's length in bytes.
-        bytes: u64,
-        /// The element size in bytes.
-        element: usize,
-    },
-    /// A buffer was paired with a stream other than the one it was allocated on.
-    #[error("the buffer belongs to steppool stream {buffer}, not to the pair's stream {pair}")]
-    WrongStream {
-        /// The buffer's stream id.
-        buffer: u32,
-        /// The pair's stream id.
-        pair: u32,
-    },
-    /// The device has no memory pools, so there is no pool to route to.
-    #[error("device {device} has no memory pools: cuMemAllocAsync cannot be routed")]
-    NoPools {
-        /// The device ordinal.
-        device: usize,
-    },
-    /// The device's current pool changed under a route guard (guards dropped out of order, or
-    /// another party called `cuDeviceSetMemPool`): the guard left it as it found it.
-    #[error("device {device}'s current pool is {found:#x}, not the routed pool {routed:#x}: left as found")]
-    RouteChanged {
-        /// The device ordinal.
-        device: usize,
-        /// The pool the guard set.
-        routed: usize,
-        /// The pool found at the restore.
-        found: usize,
-    },
-    /// A runtime call failed.
-    #[error(transparent)]
-    Runtime(#[from] crate::Error),
-    /// A driver call failed.
-    #[error(transparent)]
-    Driver(#[from] DriverError),
-    /// A cudarc call failed.
-    #[error("cudarc: {0}")]
-    Cudarc(#[from] cudarc::driver::DriverError),
-}
-
-fn shared(driver: &Driver) -> Result<(), InteropError> {
-    match driver.kind() {
-        DriverKind::Cuda => Ok(()),
-        DriverKind::Simulated => Err(InteropError::NotShared { driver: driver.describe() }),
-    }
-}
+pub use super::InteropError;
+use super::shared;
+// The route guard is not cudarc's own: it serves any framework that allocates with
+// `cuMemAllocAsync`, and lives in `interop::route`, which needs no feature.
+pub use super::route::{RouteGuard, route_allocations};
 
 fn same_context(device: &Device, ctx: &CudaContext) -> Result<(), InteropError> {
     let (cudarc, steppool) = (ctx.cu_ctx() as usize, device.raw_context() as usize);
@@ -362,104 +287,5 @@ impl<T: DeviceRepr> DevicePtr<T> for CudaBuffer<'_, T> {
 impl<T: DeviceRepr> DevicePtrMut<T> for CudaBuffer<'_, T> {
     fn device_ptr_mut<'s>(&'s mut self, stream: &'s CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'s>) {
         (self.buffer.ptr(), self.use_on(stream))
-    }
-}
-
-/// While alive, the device's current memory pool is the pool of one (phase, stream): cudarc's
-/// `CudaStream::alloc`, `alloc_zeros` and `clone_htod` (`cuMemAllocAsync`) take memory from it.
-/// Dropping it restores the pool it found. See the [module docs](self) for who owns routed
-/// memory.
-///
-/// The current pool is per device, for every thread and stream: while a guard is alive, every
-/// `cuMemAllocAsync` on the device lands in its pool. Guards nest; drop them in reverse order.
-#[must_use = "the route ends when the guard is dropped"]
-pub struct RouteGuard<'r> {
-    driver: Driver,
-    device: CUdevice,
-    ordinal: usize,
-    routed: CUmemoryPool,
-    previous: CUmemoryPool,
-    ended: bool,
-    // Keeps the routed pool alive: it belongs to the stream and goes with it.
-    _stream: Stream,
-    _runtime: PhantomData<&'r Runtime>,
-}
-
-impl fmt::Debug for RouteGuard<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RouteGuard")
-            .field("device", &self.ordinal)
-            .field("routed", &self.routed)
-            .field("previous", &self.previous)
-            .finish()
-    }
-}
-
-/// Makes `phase`'s pool on `stream` the current pool of `stream`'s device until the returned
-/// guard is dropped (`cuDeviceSetMemPool`), so that `cuMemAllocAsync` on that device, cudarc's
-/// included, allocates in that phase.
-pub fn route_allocations<'r>(
-    runtime: &'r Runtime,
-    phase: Phase,
-    stream: &Stream,
-) -> Result<RouteGuard<'r>, InteropError> {
-    let driver = runtime.driver().clone();
-    shared(&driver)?;
-    let ordinal = stream.device_ordinal();
-    let routed = runtime.pool_handle(phase, stream)?.ok_or(InteropError::NoPools { device: ordinal })?;
-    let device = driver.device(ordinal)?;
-    let previous = driver.device_mem_pool(device)?;
-    // SAFETY: `routed` is a live pool of this driver, kept alive by the guard's clone of its
-    // stream; `device` came from this driver.
-    unsafe { driver.device_set_mem_pool(device, routed) }?;
-    Ok(RouteGuard {
-        driver,
-        device,
-        ordinal,
-        routed,
-        previous,
-        ended: false,
-        _stream: stream.clone(),
-        _runtime: PhantomData,
-    })
-}
-
-impl RouteGuard<'_> {
-    /// The pool allocations are routed to.
-    pub fn pool(&self) -> CUmemoryPool {
-        self.routed
-    }
-
-    /// Ends the route, saying whether the previous pool could be restored (it is not when the
-    /// device's current pool is no longer this guard's: [`InteropError::RouteChanged`]).
-    pub fn end(mut self) -> Result<(), InteropError> {
-        self.ended = true;
-        self.restore()
-    }
-
-    fn restore(&self) -> Result<(), InteropError> {
-        let found = self.driver.device_mem_pool(self.device)?;
-        if found != self.routed {
-            return Err(InteropError::RouteChanged {
-                device: self.ordinal,
-                routed: self.routed as usize,
-                found: found as usize,
-            });
-        }
-        // SAFETY: `previous` was the device's current pool when the guard was made: the device's
-        // default pool or a pool its owner keeps alive while it is current.
-        unsafe { self.driver.device_set_mem_pool(self.device, self.previous) }?;
-        Ok(())
-    }
-}
-
-impl Drop for RouteGuard<'_> {
-    fn drop(&mut self) {
-        if self.ended {
-            return;
-        }
-        if let Err(error) = self.restore() {
-            tracing::warn!(target: "steppool::interop", "ending a cudarc route: {error}");
-        }
     }
 }
