@@ -18,7 +18,7 @@ use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
 use crate::error::{Error, ErrorSink, Result};
 use crate::phase::{MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::{PoolId, PoolStats};
-use crate::source::DeviceSource;
+use crate::source::{DeviceSource, Source};
 use crate::strategy::{Allocator, allocator};
 use crate::stream_core::StreamCore;
 use crate::telemetry::{self, EventKind, PoolMetrics, Recorder, Retired, Usage, thread_number};
@@ -130,6 +130,10 @@ struct PoolState {
     timing: Timing,
     /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
     recent: VecDeque<u64>,
+    /// Frees asked for while the pool's stream was being captured: a free then would be
+    /// recorded into the graph (or invalidate it), so it waits for the next allocation or
+    /// boundary outside capture.
+    deferred: Vec<(CUdeviceptr, u64, Vec<Arc<StreamCore>>)>,
 }
 
 /// The pool of one (device, stream, phase).
@@ -180,6 +184,7 @@ impl PhasePool {
             totals: Usage::default(),
             timing: Timing::default(),
             recent: VecDeque::new(),
+            deferred: Vec::new(),
         };
         let handle = state.source.handle().map(PoolHandle::from_raw);
         let PoolSinks { errors, recorder, retired } = sinks;
@@ -217,6 +222,11 @@ impl PhasePool {
         // Pool operations leave the state consistent between driver calls, so a poisoned lock
         // (a panic elsewhere while it was held) still guards usable state.
         PoolGuard { pool: self, state: self.state.lock().unwrap_or_else(PoisonError::into_inner) }
+    }
+
+    /// The runtime's sink of errors raised in `Drop`.
+    pub(crate) fn errors(&self) -> &Arc<ErrorSink> {
+        &self.errors
     }
 
     /// Frees a buffer's allocation; an error goes to the runtime's sink (called from `Drop`).
@@ -260,6 +270,10 @@ impl PoolGuard<'_> {
                 return Err(Error::BudgetExceeded { phase: spec.name.clone(), budget, live, requested: bytes });
             }
         }
+        if !state.deferred.is_empty() {
+            self.free_deferred()?;
+        }
+        let state = self.state.deref_mut();
         let PoolState { allocator, source, counters, totals, timing, .. } = state;
         let started = timing.start();
         let result = allocator.allocate(source, bytes);
@@ -297,7 +311,43 @@ impl PoolGuard<'_> {
     /// it was used on.
     #[inline]
     pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) -> Result<()> {
+        // Under capture a free would become a graph node (or invalidate the capture): it waits.
+        // A failed question is no answer: the free goes ahead (the memory is not the caller's
+        // whatever happens) and reports the driver's error if there is one.
+        if self.pool.stream.capture().ok().flatten().is_some() {
+            self.state.deferred.push((ptr, bytes, uses.to_vec()));
+            return Ok(());
+        }
+        self.free_deferred()?;
         self.free_inner(ptr, bytes, uses, false)
+    }
+
+    /// Makes the frees deferred during a capture (the stream is no longer capturing); the first
+    /// error is returned after all of them ran.
+    pub(crate) fn free_deferred(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for (ptr, bytes, uses) in std::mem::take(&mut self.state.deferred) {
+            let freed = self.free_inner(ptr, bytes, &uses, false);
+            if first.is_ok() {
+                first = freed;
+            }
+        }
+        first
+    }
+
+    /// The packed plan a captured step would be served from (see [`Allocator::plan_view`]).
+    pub(crate) fn plan_view(&self) -> Option<crate::strategy::PlanView> {
+        self.state.allocator.plan_view()
+    }
+
+    /// Takes `bytes` straight from the pool's source, beside the strategy: a captured step's slab.
+    pub(crate) fn take_slab(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+        self.state.source.alloc(bytes)
+    }
+
+    /// Gives back a slab from [`PoolGuard::take_slab`], in the stream's order.
+    pub(crate) fn give_slab(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        self.state.source.free(ptr, bytes)
     }
 
     /// [`PoolGuard::free`]; `release` says a boundary frees it.
@@ -414,6 +464,7 @@ impl PoolGuard<'_> {
     pub(crate) fn end_scope(&mut self) -> Released {
         let pool = self.pool;
         let mut released = Released::default();
+        released.note(self.free_deferred());
         let raw: Vec<(CUdeviceptr, RawAllocation)> = self.state.raw.drain().collect();
         for (ptr, allocation) in raw {
             let freed = self.free_inner(ptr, allocation.bytes, &allocation.uses, true);
