@@ -8,10 +8,17 @@ use steppool::{
     CaptureError, CaptureMemory, CaptureMode, CapturedStep, Error, Phase, PhaseSpec, PoolStats, Runtime, Scope,
     Strategy, Stream,
 };
-use steppool_sys::{CUstreamCaptureMode, CUstreamCaptureStatus};
-use steppool_tests::runtime as any_runtime;
+use steppool_sys::{CUresult, CUstreamCaptureMode, CUstreamCaptureStatus};
+use steppool_tests::{Device, Fact, record_fact, runtime as any_runtime};
 
 const KIB: u64 = 1 << 10;
+
+/// One test at a time: on a GPU every test shares the driver, and a capture in global mode
+/// forbids other threads' potentially unsafe calls.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 const MIB: u64 = 1 << 20;
 
 /// A step's allocations: `(bytes, freed at once)` in order; the rest are freed at the end.
@@ -70,6 +77,7 @@ fn capture_step(
 
 #[test]
 fn a_planned_step_is_captured_from_its_second_step_and_relaunched_without_allocator_work() {
+    let _serial = serial();
     let (rt, phase, stream) = setup(Strategy::PLANNED);
     eager_step(&rt, phase, &stream);
 
@@ -117,6 +125,7 @@ fn a_planned_step_is_captured_from_its_second_step_and_relaunched_without_alloca
 
 #[test]
 fn a_deviation_during_capture_is_a_typed_error_and_the_step_falls_back_to_eager() {
+    let _serial = serial();
     let (rt, phase, stream) = setup(Strategy::PLANNED);
     eager_step(&rt, phase, &stream);
     let step = rt.begin_step().unwrap();
@@ -161,6 +170,7 @@ fn a_deviation_during_capture_is_a_typed_error_and_the_step_falls_back_to_eager(
 
 #[test]
 fn a_step_without_a_packed_plan_cannot_be_captured_on_its_plan() {
+    let _serial = serial();
     let (rt, phase, stream) = setup(Strategy::PLANNED);
     let step = rt.begin_step().unwrap();
     match step.capture(&stream, &[phase], CaptureMemory::PlanSlab, CaptureMode::Global) {
@@ -178,6 +188,7 @@ fn a_step_without_a_packed_plan_cannot_be_captured_on_its_plan() {
 
 #[test]
 fn an_allocation_under_a_capture_the_runtime_does_not_own_ends_it_cleanly() {
+    let _serial = serial();
     let (rt, phase, stream) = setup(Strategy::Direct);
     let step = rt.begin_step().unwrap();
     // SAFETY: the runtime's own live stream.
@@ -212,6 +223,7 @@ fn an_allocation_under_a_capture_the_runtime_does_not_own_ends_it_cleanly() {
 
 #[test]
 fn frees_of_memory_allocated_before_a_capture_are_deferred_past_it() {
+    let _serial = serial();
     let rt = any_runtime();
     let planned = rt.declare_phase(PhaseSpec::new("captured", Scope::Step).strategy(Strategy::PLANNED)).unwrap();
     let direct = rt.declare_phase(PhaseSpec::new("scratch", Scope::Step).strategy(Strategy::Direct)).unwrap();
@@ -236,6 +248,7 @@ fn frees_of_memory_allocated_before_a_capture_are_deferred_past_it() {
 
 #[test]
 fn graph_memory_nodes_serve_a_capture_and_are_trimmed_when_the_captured_step_goes() {
+    let _serial = serial();
     let (rt, phase, stream) = setup(Strategy::Direct);
     let step = rt.begin_step().unwrap();
     let capture = step.capture(&stream, &[phase], CaptureMemory::GraphNodes, CaptureMode::Global).unwrap();
@@ -270,6 +283,7 @@ fn graph_memory_nodes_serve_a_capture_and_are_trimmed_when_the_captured_step_goe
 
 #[test]
 fn a_capture_invalidated_behind_the_runtime_is_ended_and_reported() {
+    let _serial = serial();
     let (rt, phase, stream) = setup(Strategy::PLANNED);
     eager_step(&rt, phase, &stream);
     let step = rt.begin_step().unwrap();
@@ -285,4 +299,157 @@ fn a_capture_invalidated_behind_the_runtime_is_ended_and_reported() {
     step.end().unwrap();
     eager_step(&rt, phase, &stream);
     assert!(rt.take_errors().is_empty());
+}
+
+/// What a call made during a capture returned, and the capture's status after it.
+fn during_capture(
+    d: &Device,
+    stream: &steppool_tests::Stream<'_>,
+    mode: CUstreamCaptureMode,
+    call: &dyn Fn() -> Result<(), steppool_sys::DriverError>,
+) -> (CUresult, CUstreamCaptureStatus) {
+    // SAFETY: the harness's live stream, of this driver.
+    unsafe { d.driver.stream_begin_capture(stream.raw, mode) }.unwrap();
+    let code = match call() {
+        Ok(()) => CUresult::CUDA_SUCCESS,
+        Err(error) => error.code().expect("a driver code"),
+    };
+    // SAFETY: handles of the harness's device, live for the whole test.
+    let status = unsafe { d.driver.stream_capture_info(stream.raw) }.unwrap().status;
+    // SAFETY: handles of the harness's device, live for the whole test.
+    if let Ok(graph) = unsafe { d.driver.stream_end_capture(stream.raw) } {
+        // SAFETY: just returned; nobody else has it.
+        unsafe { d.driver.graph_destroy(graph) }.unwrap();
+    }
+    (code, status)
+}
+
+/// The capture conformance table: the return code of each call the runtime must avoid during a
+/// capture, per capture mode, and whether it invalidated the capture. Recorded as facts (a GPU
+/// run's facts confirm or refute the simulated device's model, which marks these rules
+/// unconfirmed until then) and checked against the model on the simulated device.
+#[test]
+fn calls_during_capture_return_the_modelled_codes_in_every_mode() {
+    let _serial = serial();
+    use CUresult as C;
+    use CUstreamCaptureStatus as S;
+    let d = Device::open();
+    let stream = d.stream();
+    let pool = d.pool();
+    let event = d.event();
+    let modes = [
+        ("global", CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+        ("thread_local", CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        ("relaxed", CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED),
+    ];
+    for (mode_name, mode) in modes {
+        let relaxed = mode == CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: handles of the harness's device, live for the whole test.
+        let unsafe_call = if relaxed {
+            (C::CUDA_SUCCESS, S::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+        } else {
+            (C::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, S::CU_STREAM_CAPTURE_STATUS_INVALIDATED)
+        };
+        let invalidating = (C::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, S::CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+        // SAFETY: handles of the harness's device, live for the whole test.
+        let eager = unsafe { d.driver.mem_alloc_from_pool_async(4096, pool.raw, stream.raw) }.unwrap();
+        stream.sync();
+        type Call<'a> = Box<dyn Fn() -> Result<(), steppool_sys::DriverError> + 'a>;
+        let calls: Vec<(&str, Call<'_>, (C, S))> = vec![
+            // SAFETY: handles of the harness's device, live for the whole test.
+            ("stream_synchronize", Box::new(|| unsafe { d.driver.stream_synchronize(stream.raw) }), invalidating),
+            // SAFETY: handles of the harness's device, live for the whole test.
+            ("stream_query", Box::new(|| unsafe { d.driver.stream_query(stream.raw) }.map(drop)), invalidating),
+            ("context_synchronize", Box::new(|| d.driver.context_synchronize()), invalidating),
+            (
+                "mem_alloc",
+                Box::new(|| {
+                    d.driver.mem_alloc(4096).map(|p| {
+                        // SAFETY: allocated just above; nothing uses it.
+                        let _ = unsafe { d.driver.mem_free(p) };
+                    })
+                }),
+                // SAFETY: handles of the harness's device, live for the whole test.
+                unsafe_call,
+            ),
+            // SAFETY: handles of the harness's device, live for the whole test.
+            ("mem_pool_trim_to", Box::new(|| unsafe { d.driver.mem_pool_trim_to(pool.raw, 0) }), unsafe_call),
+            // SAFETY: handles of the harness's device, live for the whole test.
+            ("device_graph_mem_trim", Box::new(|| d.driver.device_graph_mem_trim(d.device)), unsafe_call),
+            (
+                "event_query_captured",
+                Box::new(|| {
+                    // SAFETY: handles of the harness's device, live for the whole test.
+                    unsafe { d.driver.event_record(event.raw, stream.raw) }?;
+                    // SAFETY: handles of the harness's device, live for the whole test.
+                    unsafe { d.driver.event_query(event.raw) }.map(drop)
+                }),
+                (C::CUDA_ERROR_CAPTURED_EVENT, S::CU_STREAM_CAPTURE_STATUS_ACTIVE),
+            ),
+            (
+                "mem_free_async_of_eager_memory",
+                // SAFETY: handles of the harness's device, live for the whole test.
+                Box::new(|| unsafe { d.driver.mem_free_async(eager, stream.raw) }),
+                (C::CUDA_ERROR_INVALID_VALUE, S::CU_STREAM_CAPTURE_STATUS_INVALIDATED),
+            ),
+        ];
+        for (name, call, expected) in &calls {
+            let (code, status) = during_capture(&d, &stream, mode, call.as_ref());
+            let seen = format!("{} {:?}", code.name().unwrap_or("?"), status);
+            record_fact(&d.driver, &format!("capture_{mode_name}_{name}"), Fact::Text(seen.clone()));
+            if !d.is_gpu() {
+                assert_eq!((code, status), *expected, "{mode_name} {name}: {seen}");
+            }
+        }
+        // Re-record the event outside capture so it can be queried again, and free the eager
+        // allocation if the capture did not take its free.
+        // SAFETY: handles of the harness's device, live for the whole test.
+        unsafe { d.driver.event_record(event.raw, stream.raw) }.unwrap();
+        // SAFETY: handles of the harness's device, live for the whole test.
+        let _ = unsafe { d.driver.mem_free_async(eager, stream.raw) };
+        stream.sync();
+    }
+}
+
+/// A graph allocation keeps its address across relaunches, and memory is there at each one.
+#[test]
+fn a_graph_allocation_keeps_its_address_across_relaunches() {
+    let _serial = serial();
+    let d = Device::open();
+    let stream = d.stream();
+    let pool = d.pool();
+    // SAFETY: handles of the harness's device, live for the whole test.
+    unsafe { d.driver.stream_begin_capture(stream.raw, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }.unwrap();
+    // SAFETY: handles of the harness's device, live for the whole test.
+    let ptr = unsafe { d.driver.mem_alloc_from_pool_async(MIB as usize, pool.raw, stream.raw) }.unwrap();
+    // SAFETY: handles of the harness's device, live for the whole test.
+    unsafe { d.driver.memset_d8_async(ptr, 1, MIB as usize, stream.raw) }.unwrap();
+    // SAFETY: handles of the harness's device, live for the whole test.
+    let graph = unsafe { d.driver.stream_end_capture(stream.raw) }.unwrap();
+    let auto_free = steppool_sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0 as u64;
+    // SAFETY: handles of the harness's device, live for the whole test.
+    let exec = unsafe { d.driver.graph_instantiate(graph, auto_free) }.unwrap();
+    for _ in 0..3 {
+        // SAFETY: handles of the harness's device, live for the whole test.
+        unsafe { d.driver.graph_launch(exec, stream.raw) }.unwrap();
+        // The allocation is live at its captured address after each launch.
+        // SAFETY: handles of the harness's device, live for the whole test.
+        unsafe { d.driver.memset_d8_async(ptr, 2, MIB as usize, stream.raw) }.unwrap();
+    }
+    stream.sync();
+    let counters = d.driver.device_graph_mem_counters(d.device).unwrap();
+    record_fact(&d.driver, "graph_memory_used_after_relaunches", Fact::Bytes(counters.used));
+    record_fact(&d.driver, "graph_memory_reserved_after_relaunches", Fact::Bytes(counters.reserved));
+    assert!(counters.used >= MIB && counters.reserved >= counters.used, "{counters:?}");
+    // SAFETY: handles of the harness's device, live for the whole test.
+    unsafe { d.driver.mem_free_async(ptr, stream.raw) }.unwrap();
+    // SAFETY: handles of the harness's device, live for the whole test.
+    unsafe { d.driver.graph_exec_destroy(exec) }.unwrap();
+    // SAFETY: handles of the harness's device, live for the whole test.
+    unsafe { d.driver.graph_destroy(graph) }.unwrap();
+    stream.sync();
+    d.driver.device_graph_mem_trim(d.device).unwrap();
+    let trimmed = d.driver.device_graph_mem_counters(d.device).unwrap();
+    record_fact(&d.driver, "graph_memory_reserved_after_trim", Fact::Bytes(trimmed.reserved));
+    assert_eq!(trimmed.used, 0, "{trimmed:?}");
 }
