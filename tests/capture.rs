@@ -271,6 +271,8 @@ fn graph_memory_nodes_serve_a_capture_and_are_trimmed_when_the_captured_step_goe
     let metrics = rt.telemetry().metrics().unwrap();
     let device = metrics.devices.iter().find(|d| d.device == 0).unwrap();
     assert_eq!((device.graph_reserved, device.graph_used), (report.graph_memory.reserved, report.graph_memory.used));
+    let line = steppool::telemetry::json::step_json(&report).to_string();
+    assert!(line.contains("\"graph_launches\":3"), "{line}");
     let text = metrics.to_prometheus();
     let line = format!("steppool_device_graph_reserved_bytes{{device=\"0\"}} {}", device.graph_reserved);
     assert!(text.contains(&line), "{line} in\n{text}");
