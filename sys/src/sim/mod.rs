@@ -94,7 +94,8 @@
 //!   allocation of an earlier launch is live is `CUDA_ERROR_INVALID_VALUE` unless the graph was
 //!   instantiated with auto-free-on-launch. Not modelled: sharing physical memory between
 //!   graphs, replay of kernels, memsets and copies at launch, host memory behind graph
-//!   allocations, graphs built node by node.
+//!   allocations, graphs built node by node, destroying a stream or releasing a context while it
+//!   captures.
 //! - **Not modelled.** IPC export and import return `CUDA_ERROR_NOT_SUPPORTED`, and pools with
 //!   export handle types are refused with it.
 
