@@ -233,16 +233,23 @@ fn frees_of_memory_allocated_before_a_capture_are_deferred_past_it() {
     let before = step.alloc(direct, MIB, &stream).unwrap();
     let capture = step.capture(&stream, &[planned], CaptureMemory::PlanSlab, CaptureMode::Global).unwrap();
     let buffer = capture.alloc(planned, MIB).unwrap();
-    // Freed during the capture: a free now would be recorded into the graph or invalidate it.
+    // Freed during the capture: the driver free would be recorded into the graph or invalidate
+    // it, so it waits; the CUDA pool still holds the allocation.
+    let handle = rt.pool_handle(direct, &stream).unwrap().expect("a CUDA pool");
+    // SAFETY: the runtime's own live pool.
+    let driver_used = || unsafe { rt.driver().mem_pool_counters(handle) }.unwrap().used;
+    let held = driver_used();
     drop(before);
     assert_eq!(status(&rt, &stream), CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE);
-    assert_eq!(pool(&rt, direct, &stream).frees, 0, "deferred");
+    assert_eq!(driver_used(), held, "deferred");
+    assert!(held >= MIB);
     capture.free(buffer).unwrap();
     let captured = capture.end().unwrap();
     captured.launch().unwrap();
     let report = step.end().unwrap();
     let workspace = report.pools.iter().find(|p| p.pool.phase == direct).unwrap();
-    assert_eq!((workspace.frees, workspace.used), (1, 0), "made at the step end, once the capture was over");
+    assert_eq!((workspace.frees, workspace.used), (1, 0));
+    assert_eq!(driver_used(), 0, "made at the step end, once the capture was over");
     assert!(rt.take_errors().is_empty());
 }
 

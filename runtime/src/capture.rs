@@ -20,11 +20,12 @@
 //! auto-free-on-launch) or when the captured step is dropped, after which the graph memory is
 //! trimmed (`cuDeviceGraphMemTrim`).
 //!
-//! Around a capture the rest of the runtime is capture-aware (`inner.rs`, `pool.rs`): it asks the
-//! stream whether it captures at every allocation, free and boundary; during a capture it never
-//! synchronizes, queries, trims or retries after running out of memory; a free of memory
-//! allocated before the capture is deferred until the stream no longer captures; an allocation
-//! or boundary it cannot serve safely ends the capture and returns [`CaptureError::Unsafe`].
+//! Around a capture the rest of the runtime is capture-aware (`inner.rs`, `source.rs`): it asks
+//! the stream whether it captures at every allocation, driver free and boundary; during a capture
+//! it never synchronizes, queries, trims or retries after running out of memory; a driver free of
+//! memory allocated before the capture is deferred until the stream no longer captures; an
+//! allocation or boundary it cannot serve safely ends the capture and returns
+//! [`CaptureError::Unsafe`].
 
 use std::fmt;
 use std::marker::PhantomData;

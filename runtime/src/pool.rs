@@ -130,10 +130,6 @@ struct PoolState {
     timing: Timing,
     /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
     recent: VecDeque<u64>,
-    /// Frees asked for while the pool's stream was being captured: a free then would be
-    /// recorded into the graph (or invalidate it), so it waits for the next allocation or
-    /// boundary outside capture.
-    deferred: Vec<(CUdeviceptr, u64, Vec<Arc<StreamCore>>)>,
 }
 
 /// The pool of one (device, stream, phase).
@@ -184,7 +180,6 @@ impl PhasePool {
             totals: Usage::default(),
             timing: Timing::default(),
             recent: VecDeque::new(),
-            deferred: Vec::new(),
         };
         let handle = state.source.handle().map(PoolHandle::from_raw);
         let PoolSinks { errors, recorder, retired } = sinks;
@@ -270,10 +265,6 @@ impl PoolGuard<'_> {
                 return Err(Error::BudgetExceeded { phase: spec.name.clone(), budget, live, requested: bytes });
             }
         }
-        if !state.deferred.is_empty() {
-            self.free_deferred()?;
-        }
-        let state = self.state.deref_mut();
         let PoolState { allocator, source, counters, totals, timing, .. } = state;
         let started = timing.start();
         let result = allocator.allocate(source, bytes);
@@ -311,28 +302,9 @@ impl PoolGuard<'_> {
     /// it was used on.
     #[inline]
     pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) -> Result<()> {
-        // Under capture a free would become a graph node (or invalidate the capture): it waits.
-        // A failed question is no answer: the free goes ahead (the memory is not the caller's
-        // whatever happens) and reports the driver's error if there is one.
-        if self.pool.stream.capture().ok().flatten().is_some() {
-            self.state.deferred.push((ptr, bytes, uses.to_vec()));
-            return Ok(());
-        }
-        self.free_deferred()?;
+        // Under a capture, the driver free the strategy may make waits in the source
+        // (`DeviceSource::free`): a strategy that frees without the driver pays no question.
         self.free_inner(ptr, bytes, uses, false)
-    }
-
-    /// Makes the frees deferred during a capture (the stream is no longer capturing); the first
-    /// error is returned after all of them ran.
-    pub(crate) fn free_deferred(&mut self) -> Result<()> {
-        let mut first = Ok(());
-        for (ptr, bytes, uses) in std::mem::take(&mut self.state.deferred) {
-            let freed = self.free_inner(ptr, bytes, &uses, false);
-            if first.is_ok() {
-                first = freed;
-            }
-        }
-        first
     }
 
     /// The packed plan a captured step would be served from (see [`Allocator::plan_view`]).
@@ -464,7 +436,6 @@ impl PoolGuard<'_> {
     pub(crate) fn end_scope(&mut self) -> Released {
         let pool = self.pool;
         let mut released = Released::default();
-        released.note(self.free_deferred());
         let raw: Vec<(CUdeviceptr, RawAllocation)> = self.state.raw.drain().collect();
         for (ptr, allocation) in raw {
             let freed = self.free_inner(ptr, allocation.bytes, &allocation.uses, true);
