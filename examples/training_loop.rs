@@ -9,7 +9,7 @@
 //! cargo run --release --example training_loop -- [--steps 8] [--capacity 24GiB] [--micro-batches 4]
 //!     [--layers 16] [--hidden 1536] [--seed 7]
 //!     [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]
-//!     [--metrics-addr ADDR]
+//!     [--metrics-addr ADDR] [--capture]
 //! ```
 //!
 //! `--reports` prints each step's report. The telemetry flags write each run's step reports and warnings as JSON lines, its counters as
@@ -19,6 +19,14 @@
 //! steppool's runtime: the plain one as a single pool, so the same telemetry watches it.
 //! `--metrics-addr ADDR` serves each run's counters as Prometheus text at `http://ADDR/metrics`
 //! while it runs.
+//!
+//! `--capture` adds captured steps: the same transformer at one fixed sequence length (a graph
+//! replays fixed shapes), its step-scoped memory in one phase, run twice more: with captured
+//! steps served at the offsets of a planned phase's plan (`CaptureMemory::PlanSlab`), then with
+//! the driver's graph memory nodes (`CaptureMemory::GraphNodes`). Step 0 runs eagerly and records
+//! the plan; step 1 is captured and launched; later steps of the same shapes relaunch the graph.
+//! Each step prints whether it ran captured, the time spent in allocator calls and the memory
+//! held (pool reservations plus graph memory), and a summary compares eager and captured steps.
 //!
 //! Without a GPU (or with `STEPPOOL_DEVICE=sim`) each run gets a fresh simulated device of
 //! `--capacity`, so an out-of-memory is a real one. On a GPU both runs use it in turn, every
@@ -34,7 +42,7 @@ use steppool::sys::kernels::{FILL_BYTES, FILL_BYTES_PTX};
 use steppool::sys::sim::SimConfig;
 use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverError, DriverKind, Selection};
 use steppool::telemetry::json::JsonLines;
-use steppool::{Buffer, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
+use steppool::{Buffer, CaptureMemory, CaptureMode, CapturedStep, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
 use steppool_examples::{Lifetime, StepPlan, TransformerConfig, Workload, path_for, peak_live};
 use steppool_trace::packing::{Block, is_valid, pack};
 use steppool_trace::{Event, EventKind};
@@ -44,9 +52,10 @@ use steppool_cli::torch::{TorchAllocator, TorchMode};
 
 const USAGE: &str = "usage: training_loop [--steps N] [--capacity SIZE] [--micro-batches N] [--layers N] [--hidden N] \
      [--seed N] [--reports] [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE] \
-     [--metrics-addr ADDR]";
+     [--metrics-addr ADDR] [--capture]";
 
 struct Options {
+    capture: bool,
     steps: u32,
     capacity: u64,
     model: TransformerConfig,
@@ -63,7 +72,8 @@ fn parse_options() -> Result<Options, String> {
         metrics_addr: None,
         reports: false,
     };
-    let mut options = Options { steps: 8, capacity: 24 << 30, model: TransformerConfig::default(), outputs };
+    let mut options =
+        Options { capture: false, steps: 8, capacity: 24 << 30, model: TransformerConfig::default(), outputs };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -71,6 +81,10 @@ fn parse_options() -> Result<Options, String> {
         }
         if flag == "--reports" {
             options.outputs.reports = true;
+            continue;
+        }
+        if flag == "--capture" {
+            options.capture = true;
             continue;
         }
         let value = args.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
@@ -554,7 +568,229 @@ fn main() -> ExitCode {
     for run in [&caching, &expandable, &limit] {
         println!("{:<22} {}", run.name, run.about);
     }
+    if options.capture {
+        let fixed = TransformerConfig {
+            sequence: (options.model.sequence.1, options.model.sequence.1),
+            ..options.model.clone()
+        };
+        println!();
+        println!(
+            "captured steps: the same model at a fixed {} tokens per sequence, step-scoped memory in one phase",
+            fixed.sequence.1
+        );
+        for memory in [CaptureMemory::PlanSlab, CaptureMemory::GraphNodes] {
+            let driver = match gpu.clone().map_or_else(simulated, Ok) {
+                Ok(driver) => driver,
+                Err(error) => {
+                    eprintln!("training_loop: {error}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if let Err(error) = captured_run(&driver, &fixed, options.steps, memory) {
+                eprintln!("training_loop: {error}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     ExitCode::SUCCESS
+}
+
+/// How a step of [`captured_run`] ran.
+#[derive(Clone, Debug, PartialEq)]
+enum Ran {
+    Eager,
+    /// Captured in this step, then launched.
+    Recorded,
+    /// The graph captured earlier, relaunched.
+    Relaunched,
+    /// A capture that failed (deviation, error): the step ran eagerly.
+    Fallback(String),
+}
+
+/// `--capture`: `steps` steps of a fixed-shape workload, the first eagerly, then captured and
+/// relaunched, with allocations served as `memory` says. Prints a line per step and a summary.
+fn captured_run(
+    driver: &Driver,
+    config: &TransformerConfig,
+    steps: u32,
+    memory: CaptureMemory,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut workload = Workload::new(config.clone());
+    let setup = workload.setup();
+    let plans: Vec<StepPlan> = (0..steps).map(|_| workload.step()).collect();
+    let runtime = Runtime::builder().driver(driver.clone()).build()?;
+    let strategy = match memory {
+        CaptureMemory::PlanSlab => Strategy::PLANNED,
+        _ => Strategy::Direct,
+    };
+    let phase = runtime.declare_phase(PhaseSpec::new("step", Scope::Step).strategy(strategy))?;
+    let stream = runtime.device(0)?.create_stream()?;
+    let touch = Touch::new(driver);
+    let mut persistent: HashMap<u64, Buffer<'static>> = HashMap::new();
+    for event in setup.iter().filter(|e| e.kind == EventKind::Alloc) {
+        let buffer = runtime.alloc(Phase::WEIGHTS, event.bytes, &stream)?;
+        touch.touch(driver, buffer.ptr(), event.bytes, stream.raw());
+        persistent.insert(event.ptr, buffer);
+    }
+    let is_persistent = |event: &Event| Lifetime::of(event).is_some_and(|l| l.scope() == Scope::Persistent);
+    // The step-scoped allocations and frees of a step, in order: what a captured graph replays.
+    let shape = |plan: &StepPlan| -> Vec<(bool, u64)> {
+        plan.events
+            .iter()
+            .filter(|e| !is_persistent(e) && matches!(e.kind, EventKind::Alloc | EventKind::Free { .. }))
+            .map(|e| (e.kind == EventKind::Alloc, e.bytes))
+            .collect()
+    };
+    let mode = match memory {
+        CaptureMemory::PlanSlab => "plan slab",
+        _ => "graph memory nodes",
+    };
+    println!();
+    println!("captured steps ({mode}):");
+    let mut captured: Option<(CapturedStep, Vec<(bool, u64)>)> = None;
+    let mut rows: Vec<(Ran, std::time::Duration, u64)> = Vec::new();
+    for (index, plan) in plans.iter().enumerate() {
+        let step = runtime.begin_step()?;
+        let mut allocator = std::time::Duration::ZERO;
+        // Persistent allocations (the optimizer state, in the first step) are made eagerly.
+        for event in plan.events.iter().filter(|e| is_persistent(e) && e.kind == EventKind::Alloc) {
+            let started = std::time::Instant::now();
+            let buffer = runtime.alloc(Phase::OPTIMIZER_STATE, event.bytes, &stream)?;
+            allocator += started.elapsed();
+            persistent.insert(event.ptr, buffer);
+        }
+        let step_events: Vec<&Event> = plan.events.iter().filter(|e| !is_persistent(e)).collect();
+        let same_shape = captured.as_ref().is_some_and(|(_, captured_shape)| *captured_shape == shape(plan));
+        let ran = if same_shape {
+            captured.as_ref().expect("checked").0.launch()?;
+            Ran::Relaunched
+        } else if index == 0 || plan.events.iter().any(is_persistent) {
+            allocator += eager(&step, phase, &stream, &step_events, driver, &touch)?;
+            Ran::Eager
+        } else {
+            drop(captured.take());
+            let attempt = capture(&step, phase, &stream, memory, &step_events, driver, &touch);
+            match attempt {
+                Ok((graph, time)) => {
+                    allocator += time;
+                    graph.launch()?;
+                    captured = Some((graph, shape(plan)));
+                    Ran::Recorded
+                }
+                Err(error) => {
+                    allocator += eager(&step, phase, &stream, &step_events, driver, &touch)?;
+                    Ran::Fallback(error.to_string())
+                }
+            }
+        };
+        let report = step.end()?;
+        let held = report.pools.iter().map(|p| p.peak_reserved).sum::<u64>() + report.graph_memory.reserved;
+        let how = match &ran {
+            Ran::Eager => "eager".to_owned(),
+            Ran::Recorded => "captured (recorded, launched)".to_owned(),
+            Ran::Relaunched => "captured (relaunched)".to_owned(),
+            Ran::Fallback(why) => format!("eager (capture failed: {why})"),
+        };
+        println!(
+            "  step {index}: {how:<30} allocator {:>10.1} µs   held {:>10}   graph launches {}",
+            allocator.as_secs_f64() * 1e6,
+            Bytes(held).to_string(),
+            report.graph_launches
+        );
+        rows.push((ran, allocator, held));
+    }
+    let summary = |label: &str, pick: &dyn Fn(&Ran) -> bool| {
+        let chosen: Vec<_> = rows.iter().filter(|(ran, ..)| pick(ran)).collect();
+        if chosen.is_empty() {
+            println!("  {label:<10} no steps");
+            return;
+        }
+        let mean = chosen.iter().map(|r| r.1.as_secs_f64()).sum::<f64>() / chosen.len() as f64;
+        let peak = chosen.iter().map(|r| r.2).max().unwrap_or(0);
+        println!(
+            "  {label:<10} {} steps, allocator {:.1} µs a step on average, peak held {}",
+            chosen.len(),
+            mean * 1e6,
+            Bytes(peak)
+        );
+    };
+    summary("eager", &|ran| matches!(ran, Ran::Eager | Ran::Fallback(_)));
+    summary("captured", &|ran| matches!(ran, Ran::Recorded | Ran::Relaunched));
+    drop(captured);
+    drop(persistent);
+    Ok(())
+}
+
+/// Runs a step's step-scoped events eagerly; returns the time spent in allocator calls.
+fn eager(
+    step: &steppool::Step,
+    phase: Phase,
+    stream: &steppool::Stream,
+    events: &[&Event],
+    driver: &Driver,
+    touch: &Touch,
+) -> Result<std::time::Duration, Error> {
+    let mut time = std::time::Duration::ZERO;
+    let mut live = HashMap::new();
+    for event in events {
+        match event.kind {
+            EventKind::Alloc => {
+                let started = std::time::Instant::now();
+                let buffer = step.alloc(phase, event.bytes, stream)?;
+                time += started.elapsed();
+                touch.touch(driver, buffer.ptr(), event.bytes, stream.raw());
+                live.insert(event.ptr, buffer);
+            }
+            EventKind::Free { .. } => {
+                if let Some(buffer) = live.remove(&event.ptr) {
+                    let started = std::time::Instant::now();
+                    buffer.free()?;
+                    time += started.elapsed();
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(time)
+}
+
+/// Captures a step's step-scoped events; returns the captured step and the time spent in
+/// allocator calls during the capture.
+fn capture(
+    step: &steppool::Step,
+    phase: Phase,
+    stream: &steppool::Stream,
+    memory: CaptureMemory,
+    events: &[&Event],
+    driver: &Driver,
+    touch: &Touch,
+) -> Result<(CapturedStep, std::time::Duration), Error> {
+    let capture = step.capture(stream, &[phase], memory, CaptureMode::Global)?;
+    let mut time = std::time::Duration::ZERO;
+    let mut live = HashMap::new();
+    for event in events {
+        match event.kind {
+            EventKind::Alloc => {
+                let started = std::time::Instant::now();
+                let buffer = capture.alloc(phase, event.bytes)?;
+                time += started.elapsed();
+                touch.touch(driver, buffer.ptr(), event.bytes, stream.raw());
+                live.insert(event.ptr, buffer);
+            }
+            EventKind::Free { .. } => {
+                if let Some(buffer) = live.remove(&event.ptr) {
+                    let started = std::time::Instant::now();
+                    capture.free(buffer)?;
+                    time += started.elapsed();
+                }
+            }
+            _ => {}
+        }
+    }
+    for (_, buffer) in live {
+        capture.free(buffer)?;
+    }
+    Ok((capture.end()?, time))
 }
 
 /// Every allocation and free of the run, in order, with the step each belongs to (0 for the

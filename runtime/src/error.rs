@@ -201,6 +201,68 @@ pub enum Error {
         /// The allocation's size.
         size: u64,
     },
+    /// Stream capture: an operation the runtime cannot serve safely while a stream captures,
+    /// or a captured step that cannot go on. The capture was ended cleanly, never left invalid.
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
+}
+
+/// Why a capture could not go on (see [`Error::Capture`]). When the runtime returns one, the
+/// capture has been ended and its graph destroyed: the stream is usable, and the caller falls
+/// back to an eager step.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CaptureError {
+    /// An allocation, boundary or other operation on a stream that a capture the runtime does
+    /// not own is recording: serving it would leave memory the graph's relaunches reuse.
+    #[error(
+        "{operation} on stream {stream} while it is being captured: the runtime ended the capture (capture id {id})"
+    )]
+    Unsafe {
+        /// What was asked (`allocation`, `step end`, ...).
+        operation: &'static str,
+        /// The stream's id.
+        stream: u32,
+        /// The driver's capture sequence id.
+        id: u64,
+    },
+    /// The capture had already been invalidated by an illegal call; it was ended without a graph.
+    #[error("the capture on stream {stream} was invalidated (capture id {id}); it was ended without a graph")]
+    Invalidated {
+        /// The stream's id.
+        stream: u32,
+        /// The driver's capture sequence id.
+        id: u64,
+    },
+    /// A planned phase has no packed plan yet (its first step records it), or is not planned.
+    #[error("phase `{phase}` has no packed plan to capture a step on (plans exist from a planned phase's second step)")]
+    NoPlan {
+        /// The phase.
+        phase: String,
+    },
+    /// An allocation during a captured step that the plan does not cover: more allocations than
+    /// planned, a larger size, or a planned range still held. The capture was ended; run the
+    /// step eagerly.
+    #[error("captured step deviates from the plan of phase `{phase}` at allocation {index}: {requested} requested, {planned}", requested = Bytes(*.requested), planned = match .planned { Some(p) => format!("{} planned", Bytes(*p)), None => "none planned".to_owned() })]
+    Deviation {
+        /// The phase.
+        phase: String,
+        /// The allocation's index in the step, from 0.
+        index: usize,
+        /// Bytes requested.
+        requested: u64,
+        /// The planned entry's size, if there is one at that index.
+        planned: Option<u64>,
+    },
+    /// The phase was not declared to the capture when it began.
+    #[error("phase `{phase}` was not named when the capture began")]
+    PhaseNotCaptured {
+        /// The phase.
+        phase: String,
+    },
+    /// The capture already ended (after a deviation or an error).
+    #[error("the capture already ended")]
+    Ended,
 }
 
 impl From<InvalidPhaseSpec> for Error {

@@ -24,6 +24,11 @@ pub(crate) struct Hub {
     pub(crate) oom_recoveries: AtomicU64,
     /// Steps ended.
     pub(crate) steps_ended: AtomicU64,
+    /// Captured steps launched since the last step end (`capture.rs`); a step end takes them.
+    pub(crate) graph_launches: AtomicU64,
+    /// Captures begun, and those that ended without a graph (deviation, invalidation).
+    pub(crate) captures_begun: AtomicU64,
+    pub(crate) captures_failed: AtomicU64,
     /// The early-warning rules and their memory between steps.
     warnings: Mutex<(WarningRules, WarningState)>,
     /// Callbacks told of every warning.

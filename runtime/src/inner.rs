@@ -17,7 +17,7 @@ use crate::phase::{Phase, Scope};
 use crate::pool::{PhasePool, PoolGuard, PoolSinks, PoolSlots};
 use crate::raw_table::RawTable;
 use crate::registry::Registry;
-use crate::report::{MicroStepReport, PoolStats, StepReport};
+use crate::report::{GraphMemory, MicroStepReport, PoolStats, StepReport};
 use crate::stream_core::StreamCore;
 use crate::telemetry::{DeviceMemory, EventKind, History, Metrics};
 
@@ -136,6 +136,9 @@ impl RuntimeInner {
                 device_total: device.total_memory,
             });
         }
+        // Under a capture the runtime does not own, an allocation it served would be reused by
+        // the graph's relaunches behind its back; it ends the capture instead (`capture.rs`).
+        stream.refuse_capture("allocation")?;
         let raw = caller == Caller::Raw;
         match self.try_allocate(&pool, bytes, raw) {
             Err(Error::Driver(error)) if error.is_out_of_memory() => {
@@ -188,6 +191,10 @@ impl RuntimeInner {
             .into_iter()
             .filter(|pool| !except.is_some_and(|failing| Arc::ptr_eq(failing, pool)))
             .collect();
+        // Never synchronize while a stream captures: that would invalidate the capture.
+        for pool in &pools {
+            pool.stream.refuse_capture("device trim")?;
+        }
         for pool in &pools {
             pool.lock().release_unused()?;
         }
@@ -301,6 +308,10 @@ impl RuntimeInner {
             pools,
             self.errors.len(),
         );
+        report.graph_launches = self.hub.graph_launches.swap(0, Ordering::Relaxed);
+        if self.hub.captures_begun.load(Ordering::Relaxed) > 0 {
+            report.graph_memory = self.graph_memory()?;
+        }
         let memory = |ordinal: usize| {
             let core = self.registry.opened(ordinal)?;
             core.make_current().ok()?;
@@ -318,9 +329,20 @@ impl RuntimeInner {
     fn release(&self, scopes: &[Scope], step: u64) -> Result<u64> {
         let pools: Vec<Arc<PhasePool>> =
             self.registry.pools().into_iter().filter(|pool| scopes.contains(&pool.scope())).collect();
+        let mut first_error = None;
+        // A release frees and trims on each pool's stream: a capture still open on one is ended
+        // first (its graph is lost, the error says so), so the release never invalidates it.
+        let mut asked = Vec::new();
+        for pool in &pools {
+            if !asked.contains(&pool.stream.id) {
+                asked.push(pool.stream.id);
+                if let Err(error) = pool.stream.end_any_capture("step end") {
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
         let mut guards: Vec<PoolGuard<'_>> = pools.iter().map(|pool| pool.lock()).collect();
         let mut total = 0;
-        let mut first_error = None;
         for guard in &mut guards {
             let released = guard.end_scope();
             total += released.bytes;
@@ -356,7 +378,18 @@ impl RuntimeInner {
         for core in self.registry.open_devices() {
             core.make_current()?;
             let (free, total) = self.driver.mem_get_info()?;
-            devices.push(DeviceMemory { device: core.ordinal, free, total });
+            let graph = if self.hub.captures_begun.load(Ordering::Relaxed) > 0 {
+                self.driver.device_graph_mem_counters(core.ordinal as i32)?
+            } else {
+                steppool_sys::PoolCounters::default()
+            };
+            devices.push(DeviceMemory {
+                device: core.ordinal,
+                free,
+                total,
+                graph_reserved: graph.reserved,
+                graph_used: graph.used,
+            });
         }
         Ok(Metrics {
             pools,
@@ -365,6 +398,19 @@ impl RuntimeInner {
             fragmentation: self.hub.last_fragmentation(),
             warnings: self.hub.warning_counts(),
         })
+    }
+
+    /// The graph memory pools of the open devices, summed.
+    pub(crate) fn graph_memory(&self) -> Result<GraphMemory> {
+        let mut sum = GraphMemory::default();
+        for core in self.registry.open_devices() {
+            let counters = self.driver.device_graph_mem_counters(core.ordinal as i32)?;
+            sum.reserved += counters.reserved;
+            sum.reserved_high += counters.reserved_high;
+            sum.used += counters.used;
+            sum.used_high += counters.used_high;
+        }
+        Ok(sum)
     }
 
     /// A copy of the recorded history, with the runtime's phases, driver and devices.

@@ -105,6 +105,7 @@ mod raw_table;
 mod registry;
 // 5. public handles.
 mod buffer;
+pub mod capture;
 mod device;
 pub mod interop;
 pub mod raw;
@@ -114,13 +115,14 @@ mod stream;
 mod telemetry_handle;
 
 pub use buffer::Buffer;
+pub use capture::{CaptureMemory, CaptureMode, CapturedBuffer, CapturedStep, StepCapture};
 pub use device::Device;
-pub use error::{Error, OomReport, PoolUsage, Result, Verdict};
+pub use error::{CaptureError, Error, OomReport, PoolUsage, Result, Verdict};
 pub use phase::{InvalidPhaseSpec, MAX_PHASES, Phase, PhaseSpec, Scope, Strategy, TrimPolicy};
 pub use raw::RawApi;
 pub use report::{
-    FreeSpace, MicroStepReport, PhaseReport, PlanKey, PlanStats, PlanSummary, PoolId, PoolStats, StepReport,
-    fragmentation_ratio,
+    FreeSpace, GraphMemory, MicroStepReport, PhaseReport, PlanKey, PlanStats, PlanSummary, PoolId, PoolStats,
+    StepReport, fragmentation_ratio,
 };
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use step::{MicroStep, Step};

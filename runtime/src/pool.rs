@@ -18,7 +18,7 @@ use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
 use crate::error::{Error, ErrorSink, Result};
 use crate::phase::{MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::{PoolId, PoolStats};
-use crate::source::DeviceSource;
+use crate::source::{DeviceSource, Source};
 use crate::strategy::{Allocator, allocator};
 use crate::stream_core::StreamCore;
 use crate::sync::{Mutex, MutexGuard};
@@ -220,6 +220,11 @@ impl PhasePool {
         PoolGuard { pool: self, state: self.state.lock().unwrap_or_else(PoisonError::into_inner) }
     }
 
+    /// The runtime's sink of errors raised in `Drop`.
+    pub(crate) fn errors(&self) -> &Arc<ErrorSink> {
+        &self.errors
+    }
+
     /// Frees a buffer's allocation; an error goes to the runtime's sink (called from `Drop`).
     pub(crate) fn free_or_record(&self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) {
         // A lost context's memory is not touched again (the sticky error is already kept).
@@ -298,7 +303,24 @@ impl PoolGuard<'_> {
     /// it was used on.
     #[inline]
     pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) -> Result<()> {
+        // Under a capture, the driver free the strategy may make waits in the source
+        // (`DeviceSource::free`): a strategy that frees without the driver pays no question.
         self.free_inner(ptr, bytes, uses, false)
+    }
+
+    /// The packed plan a captured step would be served from (see [`Allocator::plan_view`]).
+    pub(crate) fn plan_view(&self) -> Option<crate::strategy::PlanView> {
+        self.state.allocator.plan_view()
+    }
+
+    /// Takes `bytes` straight from the pool's source, beside the strategy: a captured step's slab.
+    pub(crate) fn take_slab(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+        self.state.source.alloc(bytes)
+    }
+
+    /// Gives back a slab from [`PoolGuard::take_slab`], in the stream's order.
+    pub(crate) fn give_slab(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        self.state.source.free(ptr, bytes)
     }
 
     /// [`PoolGuard::free`]; `release` says a boundary frees it.

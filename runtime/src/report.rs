@@ -123,6 +123,27 @@ pub struct StepReport {
     pub deferred_errors: usize,
     /// Early warnings that fired at this step's end.
     pub warnings: Vec<Warning>,
+    /// Captured steps ([`CapturedStep`](crate::CapturedStep)) launched during the step: a step
+    /// that ran captured has at least one, and its allocations ran no allocator code.
+    pub graph_launches: u64,
+    /// The devices' graph memory pools (`cuDeviceGetGraphMemAttribute`), summed over the open
+    /// devices, once the runtime has captured; zero before.
+    pub graph_memory: GraphMemory,
+}
+
+/// Memory of the devices' graph memory pools, which the driver's graph allocation nodes use and
+/// the CUDA pool counters do not show.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GraphMemory {
+    /// Bytes the graph memory pools hold from the devices.
+    pub reserved: u64,
+    /// Their high-water mark.
+    pub reserved_high: u64,
+    /// Bytes associated with graphs.
+    pub used: u64,
+    /// Their high-water mark.
+    pub used_high: u64,
 }
 
 impl StepReport {
@@ -168,7 +189,18 @@ impl StepReport {
             }
         }
         phases.sort_by_key(|p| p.phase);
-        Self { index, duration, release_time, micro_steps, pools, phases, deferred_errors, warnings: Vec::new() }
+        Self {
+            index,
+            duration,
+            release_time,
+            micro_steps,
+            pools,
+            phases,
+            deferred_errors,
+            warnings: Vec::new(),
+            graph_launches: 0,
+            graph_memory: GraphMemory::default(),
+        }
     }
 
     /// Sum of the phases' peak live bytes.

@@ -84,6 +84,10 @@ pub(crate) struct DeviceSource {
     /// used the memory. Given back after a device-wide synchronization, at the next trim and at
     /// destroy.
     pending: Vec<(CUdeviceptr, u64)>,
+    /// Frees asked for while the stream was being captured: made then, they would be recorded
+    /// into the graph (or invalidate it), so they wait for the stream's next call outside
+    /// capture.
+    after_capture: Vec<(CUdeviceptr, u64)>,
 }
 
 impl fmt::Debug for DeviceSource {
@@ -118,7 +122,7 @@ impl DeviceSource {
         } else {
             Backing::Synchronous(Fallback::default())
         };
-        let mut source = Self { stream, backing, recorder, id, pending: Vec::new() };
+        let mut source = Self { stream, backing, recorder, id, pending: Vec::new(), after_capture: Vec::new() };
         source.grant_access(peers)?;
         Ok(source)
     }
@@ -184,6 +188,8 @@ impl DeviceSource {
     /// host has observed its frees complete; after a device synchronization (`wait`), all of
     /// that. Returns the bytes given back.
     pub(crate) fn trim(&mut self, keep: u64, wait: bool) -> Result<u64> {
+        // Called at boundaries and recoveries, which end any capture first.
+        self.free_after_capture()?;
         self.retry_pending()?;
         match &mut self.backing {
             Backing::CudaPool(pool) => {
@@ -211,6 +217,8 @@ impl DeviceSource {
     pub(crate) fn destroy(&mut self) -> Result<()> {
         // The pool goes whether or not the owed frees succeed: the driver releases a destroyed
         // pool's memory once its last allocation is freed.
+        // Frees that waited for a capture are owed like refused ones: made after a synchronize.
+        self.pending.append(&mut self.after_capture);
         let retried = self.retry_pending();
         let destroyed = match self.backing {
             Backing::CudaPool(pool) => {
@@ -229,6 +237,25 @@ impl DeviceSource {
     /// it is made after a device-wide synchronization, at the next trim or at destroy.
     pub(crate) fn keep_for_retry(&mut self, ptr: CUdeviceptr, bytes: u64) {
         self.pending.push((ptr, bytes));
+    }
+
+    /// Whether the stream is being captured; a stream that cannot say is taken as not capturing
+    /// (the calls that follow report the driver's state).
+    fn capturing(&self) -> bool {
+        self.stream.capture().ok().flatten().is_some()
+    }
+
+    /// Makes the frees that waited for a capture to end, in stream order; one the driver refuses
+    /// is owed like any refused free.
+    fn free_after_capture(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        while let Some((ptr, bytes)) = self.after_capture.pop() {
+            let freed = self.free_now(ptr, bytes);
+            if first.is_ok() {
+                first = freed;
+            }
+        }
+        first
     }
 
     /// Makes the frees the source owes, once the device is idle; those the driver refuses again
@@ -310,6 +337,9 @@ impl DeviceSource {
 
 impl Source for DeviceSource {
     fn alloc(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+        if !self.after_capture.is_empty() {
+            self.free_after_capture()?;
+        }
         if let Backing::Synchronous(_) = self.backing {
             self.stream.device.make_current()?;
             self.reclaim(false)?;
@@ -337,6 +367,41 @@ impl Source for DeviceSource {
     }
 
     fn free(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        if self.capturing() {
+            self.after_capture.push((ptr, bytes));
+            return Ok(());
+        }
+        if !self.after_capture.is_empty() {
+            self.free_after_capture()?;
+        }
+        self.free_now(ptr, bytes)
+    }
+
+    fn trim_to(&mut self, keep: u64) -> Result<()> {
+        // A trim during a capture would invalidate it; the next one outside capture does it.
+        if self.capturing() {
+            return Ok(());
+        }
+        self.free_after_capture()?;
+        self.trim(keep, false).map(drop)
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        // A synchronization during a capture would invalidate it: a strategy that asks for one
+        // (to let a trim give memory back) goes on without it.
+        if self.capturing() {
+            return Ok(());
+        }
+        self.stream.prepare()?;
+        // SAFETY: the stream is live while `self` is.
+        unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw()) }?;
+        Ok(())
+    }
+}
+
+impl DeviceSource {
+    /// The free of [`Source::free`], made now.
+    fn free_now(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
         let device = &self.stream.device;
         match &mut self.backing {
             Backing::CudaPool(_) => {
@@ -366,17 +431,6 @@ impl Source for DeviceSource {
             let pool_reserved = self.reserved_or_zero();
             self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes, pool_reserved });
         }
-        Ok(())
-    }
-
-    fn trim_to(&mut self, keep: u64) -> Result<()> {
-        self.trim(keep, false).map(drop)
-    }
-
-    fn synchronize(&mut self) -> Result<()> {
-        self.stream.prepare()?;
-        // SAFETY: the stream is live while `self` is.
-        unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw()) }?;
         Ok(())
     }
 }

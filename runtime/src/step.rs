@@ -41,6 +41,11 @@ impl Step {
         self.index
     }
 
+    /// The runtime the step belongs to (for `capture.rs`).
+    pub(crate) fn runtime(&self) -> &Arc<RuntimeInner> {
+        &self.runtime
+    }
+
     /// Allocates `bytes` of a step-scoped phase on `stream`. The buffer borrows the step; freed
     /// in stream order on drop, and reusable within the step.
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use steppool_sys::handle::StreamHandle;
-use steppool_sys::{CUevent_flags, CUstream};
+use steppool_sys::{CUevent_flags, CUstream, CUstreamCaptureStatus, DriverError};
 
 use crate::device_core::DeviceCore;
-use crate::error::{Error, Result};
+use crate::error::{CaptureError, Error, Result};
 
 static NEXT_STREAM: AtomicU32 = AtomicU32::new(1);
 
@@ -65,6 +65,62 @@ impl StreamCore {
         ordered?;
         destroyed?;
         Ok(())
+    }
+}
+
+/// Stream capture, as the allocation path, frees and boundaries ask about it.
+impl StreamCore {
+    /// Whether the stream is capturing (`cuStreamGetCaptureInfo`): `None` when not, else the
+    /// capture's id and whether it was invalidated.
+    pub(crate) fn capture(&self) -> Result<Option<(u64, bool)>> {
+        self.prepare()?;
+        let driver = &self.device.driver;
+        // SAFETY: this stream is live while its core is.
+        let (status, id) = match unsafe { driver.stream_capture_info(self.raw()) } {
+            Ok(info) => (info.status, info.id),
+            // Before 11.3 there is no `cuStreamGetCaptureInfo_v2`: the status alone, id 0.
+            // SAFETY: as above.
+            Err(DriverError::MissingSymbol { .. }) => (unsafe { driver.stream_is_capturing(self.raw()) }?, 0),
+            Err(error) => return Err(error.into()),
+        };
+        let invalidated = status == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED;
+        Ok((status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some((id, invalidated)))
+    }
+
+    /// Ends a capture the runtime cannot serve and destroys its graph, so that the stream is
+    /// usable again; returns the error that says so.
+    pub(crate) fn end_capture(&self, operation: &'static str, id: u64, invalidated: bool) -> Error {
+        let driver = &self.device.driver;
+        // SAFETY: this stream is live while its core is.
+        if let Ok(graph) = unsafe { driver.stream_end_capture(self.raw()) } {
+            // SAFETY: the graph was just returned by the driver and is used by nobody else.
+            let _ = unsafe { driver.graph_destroy(graph) };
+        }
+        let stream = self.id;
+        if invalidated {
+            Error::Capture(CaptureError::Invalidated { stream, id })
+        } else {
+            Error::Capture(CaptureError::Unsafe { operation, stream, id })
+        }
+    }
+
+    /// Fails with a [`CaptureError`], ending the capture, when the stream is capturing; with the
+    /// driver's error when it cannot tell.
+    pub(crate) fn refuse_capture(&self, operation: &'static str) -> Result<()> {
+        match self.capture()? {
+            None => Ok(()),
+            Some((id, invalidated)) => Err(self.end_capture(operation, id, invalidated)),
+        }
+    }
+
+    /// As [`StreamCore::refuse_capture`] for an operation that must go on whatever the answer (a
+    /// boundary's release): a stream that cannot say whether it captures is taken as not
+    /// capturing, and the release's own calls report the driver's state.
+    pub(crate) fn end_any_capture(&self, operation: &'static str) -> Result<()> {
+        match self.capture() {
+            Ok(Some((id, invalidated))) => Err(self.end_capture(operation, id, invalidated)),
+            _ => Ok(()),
+        }
     }
 }
 

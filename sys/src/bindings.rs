@@ -6,6 +6,7 @@
 #![allow(unreachable_pub, clippy::all, clippy::undocumented_unsafe_blocks)]
 
 pub const CUDA_VERSION: u32 = 12090;
+pub type cuuint64_t = u64;
 pub type CUdeviceptr_v2 = ::std::os::raw::c_ulonglong;
 pub type CUdeviceptr = CUdeviceptr_v2;
 pub type CUdevice_v1 = ::std::os::raw::c_int;
@@ -40,6 +41,24 @@ pub struct CUstream_st {
     _unused: [u8; 0],
 }
 pub type CUstream = *mut CUstream_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraph_st {
+    _unused: [u8; 0],
+}
+pub type CUgraph = *mut CUgraph_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphNode_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphNode = *mut CUgraphNode_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphExec_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphExec = *mut CUgraphExec_st;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct CUmemPoolHandle_st {
@@ -532,6 +551,36 @@ impl CUdevice_attribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUdevice_attribute_enum(pub ::std::os::raw::c_uint);
 pub use self::CUdevice_attribute_enum as CUdevice_attribute;
+impl CUstreamCaptureStatus_enum {
+    pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(
+        0,
+    );
+    pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(
+        1,
+    );
+    pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureStatus_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamCaptureStatus_enum as CUstreamCaptureStatus;
+impl CUstreamCaptureMode_enum {
+    pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode_enum = CUstreamCaptureMode_enum(
+        0,
+    );
+    pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode_enum = CUstreamCaptureMode_enum(
+        1,
+    );
+    pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode_enum = CUstreamCaptureMode_enum(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureMode_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamCaptureMode_enum as CUstreamCaptureMode;
 impl cudaError_enum {
     pub const CUDA_SUCCESS: cudaError_enum = cudaError_enum(0);
     pub const CUDA_ERROR_INVALID_VALUE: cudaError_enum = cudaError_enum(1);
@@ -941,6 +990,42 @@ impl Default for CUmemPoolPtrExportData_st {
 }
 pub type CUmemPoolPtrExportData_v1 = CUmemPoolPtrExportData_st;
 pub type CUmemPoolPtrExportData = CUmemPoolPtrExportData_v1;
+impl CUgraphMem_attribute_enum {
+    pub const CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(
+        0,
+    );
+    pub const CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(
+        1,
+    );
+    pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(
+        2,
+    );
+    pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(
+        3,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphMem_attribute_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphMem_attribute_enum as CUgraphMem_attribute;
+impl CUgraphInstantiate_flags_enum {
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: CUgraphInstantiate_flags_enum = CUgraphInstantiate_flags_enum(
+        1,
+    );
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD: CUgraphInstantiate_flags_enum = CUgraphInstantiate_flags_enum(
+        2,
+    );
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH: CUgraphInstantiate_flags_enum = CUgraphInstantiate_flags_enum(
+        4,
+    );
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: CUgraphInstantiate_flags_enum = CUgraphInstantiate_flags_enum(
+        8,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphInstantiate_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphInstantiate_flags_enum as CUgraphInstantiate_flags;
 /// The CUDA driver entry points steppool uses, resolved from a loaded library.
 ///
 /// A field is `None` when the library does not export that symbol (an older driver).
@@ -1186,6 +1271,60 @@ pub struct FunctionTable {
             extra: *mut *mut ::std::os::raw::c_void,
         ) -> CUresult,
     >,
+    pub cuStreamBeginCapture_v2: Option<
+        unsafe extern "C" fn(hStream: CUstream, mode: CUstreamCaptureMode) -> CUresult,
+    >,
+    pub cuStreamEndCapture: Option<
+        unsafe extern "C" fn(hStream: CUstream, phGraph: *mut CUgraph) -> CUresult,
+    >,
+    pub cuStreamIsCapturing: Option<
+        unsafe extern "C" fn(
+            hStream: CUstream,
+            captureStatus: *mut CUstreamCaptureStatus,
+        ) -> CUresult,
+    >,
+    pub cuStreamGetCaptureInfo_v2: Option<
+        unsafe extern "C" fn(
+            hStream: CUstream,
+            captureStatus_out: *mut CUstreamCaptureStatus,
+            id_out: *mut cuuint64_t,
+            graph_out: *mut CUgraph,
+            dependencies_out: *mut *const CUgraphNode,
+            numDependencies_out: *mut usize,
+        ) -> CUresult,
+    >,
+    pub cuThreadExchangeStreamCaptureMode: Option<
+        unsafe extern "C" fn(mode: *mut CUstreamCaptureMode) -> CUresult,
+    >,
+    pub cuGraphInstantiateWithFlags: Option<
+        unsafe extern "C" fn(
+            phGraphExec: *mut CUgraphExec,
+            hGraph: CUgraph,
+            flags: ::std::os::raw::c_ulonglong,
+        ) -> CUresult,
+    >,
+    pub cuGraphLaunch: Option<
+        unsafe extern "C" fn(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult,
+    >,
+    pub cuGraphExecDestroy: Option<
+        unsafe extern "C" fn(hGraphExec: CUgraphExec) -> CUresult,
+    >,
+    pub cuGraphDestroy: Option<unsafe extern "C" fn(hGraph: CUgraph) -> CUresult>,
+    pub cuDeviceGraphMemTrim: Option<unsafe extern "C" fn(device: CUdevice) -> CUresult>,
+    pub cuDeviceGetGraphMemAttribute: Option<
+        unsafe extern "C" fn(
+            device: CUdevice,
+            attr: CUgraphMem_attribute,
+            value: *mut ::std::os::raw::c_void,
+        ) -> CUresult,
+    >,
+    pub cuDeviceSetGraphMemAttribute: Option<
+        unsafe extern "C" fn(
+            device: CUdevice,
+            attr: CUgraphMem_attribute,
+            value: *mut ::std::os::raw::c_void,
+        ) -> CUresult,
+    >,
 }
 impl FunctionTable {
     /// The exported names of the entry points, in field order.
@@ -1245,6 +1384,18 @@ impl FunctionTable {
         "cuModuleUnload",
         "cuModuleGetFunction",
         "cuLaunchKernel",
+        "cuStreamBeginCapture_v2",
+        "cuStreamEndCapture",
+        "cuStreamIsCapturing",
+        "cuStreamGetCaptureInfo_v2",
+        "cuThreadExchangeStreamCaptureMode",
+        "cuGraphInstantiateWithFlags",
+        "cuGraphLaunch",
+        "cuGraphExecDestroy",
+        "cuGraphDestroy",
+        "cuDeviceGraphMemTrim",
+        "cuDeviceGetGraphMemAttribute",
+        "cuDeviceSetGraphMemAttribute",
     ];
     /// Resolves every entry point from `library`; a symbol it lacks becomes `None`.
     ///
@@ -1425,6 +1576,52 @@ impl FunctionTable {
                 .ok()
                 .map(|symbol| *symbol),
             cuLaunchKernel: unsafe { library.get(b"cuLaunchKernel\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuStreamBeginCapture_v2: unsafe { library.get(b"cuStreamBeginCapture_v2\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuStreamEndCapture: unsafe { library.get(b"cuStreamEndCapture\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuStreamIsCapturing: unsafe { library.get(b"cuStreamIsCapturing\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuStreamGetCaptureInfo_v2: unsafe {
+                library.get(b"cuStreamGetCaptureInfo_v2\0")
+            }
+                .ok()
+                .map(|symbol| *symbol),
+            cuThreadExchangeStreamCaptureMode: unsafe {
+                library.get(b"cuThreadExchangeStreamCaptureMode\0")
+            }
+                .ok()
+                .map(|symbol| *symbol),
+            cuGraphInstantiateWithFlags: unsafe {
+                library.get(b"cuGraphInstantiateWithFlags\0")
+            }
+                .ok()
+                .map(|symbol| *symbol),
+            cuGraphLaunch: unsafe { library.get(b"cuGraphLaunch\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuGraphExecDestroy: unsafe { library.get(b"cuGraphExecDestroy\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuGraphDestroy: unsafe { library.get(b"cuGraphDestroy\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuDeviceGraphMemTrim: unsafe { library.get(b"cuDeviceGraphMemTrim\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuDeviceGetGraphMemAttribute: unsafe {
+                library.get(b"cuDeviceGetGraphMemAttribute\0")
+            }
+                .ok()
+                .map(|symbol| *symbol),
+            cuDeviceSetGraphMemAttribute: unsafe {
+                library.get(b"cuDeviceSetGraphMemAttribute\0")
+            }
                 .ok()
                 .map(|symbol| *symbol),
         }

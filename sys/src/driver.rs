@@ -1066,6 +1066,182 @@ impl Driver {
     }
 }
 
+/// What `cuStreamGetCaptureInfo` says of a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CaptureInfo {
+    /// Not capturing, capturing, or capturing but invalidated (the capture must still be ended).
+    pub status: CUstreamCaptureStatus,
+    /// The capture sequence's id, unique in the process; 0 when not capturing.
+    pub id: u64,
+    /// The graph being captured into; null when not capturing.
+    pub graph: CUgraph,
+}
+
+impl CaptureInfo {
+    /// Whether the stream is in a capture sequence, active or invalidated.
+    pub fn capturing(&self) -> bool {
+        self.status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    }
+}
+
+/// Stream capture and graphs: capture status, instantiation, launch, graph memory.
+impl Driver {
+    /// `cuStreamBeginCapture_v2`: work enqueued on `stream` from now on is captured into a graph
+    /// instead of run, until [`Driver::stream_end_capture`].
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this driver or a special stream handle.
+    pub unsafe fn stream_begin_capture(&self, stream: CUstream, mode: CUstreamCaptureMode) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the handle.
+        unsafe { call!(self, cuStreamBeginCapture_v2(stream, mode)) }
+    }
+
+    /// `cuStreamEndCapture`: the captured graph. An invalidated capture ends too, with
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` and no graph.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this driver or a special stream handle.
+    pub unsafe fn stream_end_capture(&self, stream: CUstream) -> Result<CUgraph, DriverError> {
+        let mut graph: CUgraph = std::ptr::null_mut();
+        // SAFETY: the caller guarantees the handle; `graph` is a valid out-pointer.
+        unsafe { call!(self, cuStreamEndCapture(stream, &mut graph)) }?;
+        Ok(graph)
+    }
+
+    /// `cuStreamIsCapturing`.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this driver or a special stream handle.
+    pub unsafe fn stream_is_capturing(&self, stream: CUstream) -> Result<CUstreamCaptureStatus, DriverError> {
+        let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller guarantees the handle; `status` is a valid out-pointer.
+        unsafe { call!(self, cuStreamIsCapturing(stream, &mut status)) }?;
+        Ok(status)
+    }
+
+    /// `cuStreamGetCaptureInfo_v2`: status, sequence id and graph (dependencies not asked for).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this driver or a special stream handle.
+    pub unsafe fn stream_capture_info(&self, stream: CUstream) -> Result<CaptureInfo, DriverError> {
+        let mut info = CaptureInfo {
+            status: CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+            id: 0,
+            graph: std::ptr::null_mut(),
+        };
+        let (no_deps, no_count) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: the caller guarantees the handle; the three out-pointers are valid, the
+        // dependency outputs are NULL, which the entry point allows.
+        unsafe {
+            call!(
+                self,
+                cuStreamGetCaptureInfo_v2(stream, &mut info.status, &mut info.id, &mut info.graph, no_deps, no_count)
+            )
+        }?;
+        Ok(info)
+    }
+
+    /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture mode and returns
+    /// the one it had.
+    pub fn thread_exchange_capture_mode(&self, mode: CUstreamCaptureMode) -> Result<CUstreamCaptureMode, DriverError> {
+        let mut mode = mode;
+        // SAFETY: `mode` is a valid in/out pointer.
+        unsafe { call!(self, cuThreadExchangeStreamCaptureMode(&mut mode)) }?;
+        Ok(mode)
+    }
+
+    /// `cuGraphInstantiateWithFlags`: an executable graph. `flags` are
+    /// `CUgraphInstantiate_flags` bits, such as `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`.
+    ///
+    /// # Safety
+    ///
+    /// `graph` is a live graph of this driver.
+    pub unsafe fn graph_instantiate(&self, graph: CUgraph, flags: u64) -> Result<CUgraphExec, DriverError> {
+        let mut exec: CUgraphExec = std::ptr::null_mut();
+        // SAFETY: the caller guarantees the handle; `exec` is a valid out-pointer.
+        unsafe { call!(self, cuGraphInstantiateWithFlags(&mut exec, graph, flags)) }?;
+        Ok(exec)
+    }
+
+    /// `cuGraphLaunch`: runs `exec` in `stream` order.
+    ///
+    /// # Safety
+    ///
+    /// `exec` and `stream` are live handles of this driver; the memory the graph's work touches
+    /// is valid for it in `stream` order.
+    pub unsafe fn graph_launch(&self, exec: CUgraphExec, stream: CUstream) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the handles and the memory.
+        unsafe { call!(self, cuGraphLaunch(exec, stream)) }
+    }
+
+    /// `cuGraphExecDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// `exec` is a live executable graph of this driver; it is not used again.
+    pub unsafe fn graph_exec_destroy(&self, exec: CUgraphExec) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the handle.
+        unsafe { call!(self, cuGraphExecDestroy(exec)) }
+    }
+
+    /// `cuGraphDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// `graph` is a live graph of this driver; it is not used again.
+    pub unsafe fn graph_destroy(&self, graph: CUgraph) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the handle.
+        unsafe { call!(self, cuGraphDestroy(graph)) }
+    }
+
+    /// `cuDeviceGraphMemTrim`: gives back graph memory no graph is using.
+    pub fn device_graph_mem_trim(&self, device: CUdevice) -> Result<(), DriverError> {
+        // SAFETY: a device ordinal, checked by the driver.
+        unsafe { call!(self, cuDeviceGraphMemTrim(device)) }
+    }
+
+    /// `cuDeviceGetGraphMemAttribute`: one counter of the device's graph memory, in bytes.
+    pub fn device_graph_mem_attribute(
+        &self,
+        device: CUdevice,
+        attribute: CUgraphMem_attribute,
+    ) -> Result<u64, DriverError> {
+        let mut value = 0u64;
+        // SAFETY: every graph memory attribute is a `cuuint64_t`, which `value` is.
+        unsafe { call!(self, cuDeviceGetGraphMemAttribute(device, attribute, (&raw mut value).cast::<c_void>())) }?;
+        Ok(value)
+    }
+
+    /// The four graph memory counters of `device`, as [`PoolCounters`] (reserved: held by the
+    /// graph memory pool; used: associated with graphs).
+    pub fn device_graph_mem_counters(&self, device: CUdevice) -> Result<PoolCounters, DriverError> {
+        use CUgraphMem_attribute as A;
+        Ok(PoolCounters {
+            reserved: self.device_graph_mem_attribute(device, A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved_high: self.device_graph_mem_attribute(device, A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+            used: self.device_graph_mem_attribute(device, A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
+            used_high: self.device_graph_mem_attribute(device, A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)?,
+        })
+    }
+
+    /// `cuDeviceSetGraphMemAttribute`: the driver accepts only the two high-water marks, set to
+    /// 0 (which resets them).
+    pub fn device_set_graph_mem_attribute(
+        &self,
+        device: CUdevice,
+        attribute: CUgraphMem_attribute,
+        value: u64,
+    ) -> Result<(), DriverError> {
+        let mut value = value;
+        // SAFETY: every graph memory attribute is a `cuuint64_t`, which `value` is.
+        unsafe { call!(self, cuDeviceSetGraphMemAttribute(device, attribute, (&raw mut value).cast::<c_void>())) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -56,8 +56,8 @@ pub mod sim;
 
 pub use bindings::*;
 pub use driver::{
-    CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, DEVICE_VARIABLE, Driver, DriverKind, PoolCounters, PoolRequirement,
-    Selection,
+    CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, CaptureInfo, DEVICE_VARIABLE, Driver, DriverKind, PoolCounters,
+    PoolRequirement, Selection,
 };
 pub use error::{DriverError, DriverVersion, LoadError};
 pub use loader::{CudaLibrary, LIBRARY_CANDIDATES, LIBRARY_VARIABLE};

@@ -4,7 +4,7 @@
 //! ```text
 //! DIR/run.sh            runs it all: ./run.sh [--smoke] [--out DIR]
 //! DIR/bin/              device-probe, steppool-bench-report
-//! DIR/tests/            the device tests: conformance, runtime, cudarc (the same bodies CI runs on
+//! DIR/tests/            the device tests: conformance, runtime, cudarc, capture (the same bodies CI runs on
 //!                       the simulated device)
 //! DIR/benches/          the criterion benchmarks
 //! DIR/examples/         training_loop, cudarc_trainer
@@ -57,6 +57,8 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
             "runtime",
             "--test",
             "cudarc",
+            "--test",
+            "capture",
         ],
         "test",
     )?;

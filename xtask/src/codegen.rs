@@ -116,6 +116,19 @@ const FUNCTIONS: &[&str] = &[
     "cuModuleUnload",
     "cuModuleGetFunction",
     "cuLaunchKernel",
+    // Stream capture and graphs: capture status, instantiation and launch, graph memory.
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo_v2",
+    "cuThreadExchangeStreamCaptureMode",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphLaunch",
+    "cuGraphExecDestroy",
+    "cuGraphDestroy",
+    "cuDeviceGraphMemTrim",
+    "cuDeviceGetGraphMemAttribute",
+    "cuDeviceSetGraphMemAttribute",
 ];
 
 /// Enumerations bound beyond those the functions pull in.
@@ -129,6 +142,11 @@ const TYPES: &[&str] = &[
     "CUmemLocationType",
     "CUmemAllocationType",
     "CUmemAllocationHandleType",
+    // Stream capture and graphs.
+    "CUstreamCaptureMode",
+    "CUstreamCaptureStatus",
+    "CUgraphMem_attribute",
+    "CUgraphInstantiate_flags",
 ];
 
 /// Stand-ins for the two standard headers `cuda.h` includes; the types come from clang's builtins.

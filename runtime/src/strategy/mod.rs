@@ -80,6 +80,24 @@ pub(crate) trait Allocator: Send + fmt::Debug {
     fn plan_stats(&self) -> Option<PlanStats> {
         None
     }
+
+    /// The packed plan a captured step would be served from (the most recently used), read-only;
+    /// `None` for other strategies and before a plan exists.
+    fn plan_view(&self) -> Option<PlanView> {
+        None
+    }
+}
+
+/// A read-only view of a packed plan: entry *i* (in allocation order) is `sizes[i]` bytes at
+/// `offsets[i]` in a slab of `bytes`. What a captured step is served from (`capture.rs`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PlanView {
+    /// Each entry's size, aligned.
+    pub(crate) sizes: Vec<u64>,
+    /// Each entry's offset in the slab.
+    pub(crate) offsets: Vec<u64>,
+    /// The slab size the plan needs.
+    pub(crate) bytes: u64,
 }
 
 /// The allocator state for a phase's strategy.

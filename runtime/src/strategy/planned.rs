@@ -881,6 +881,11 @@ impl Allocator for Planned {
         }
     }
 
+    fn plan_view(&self) -> Option<super::PlanView> {
+        let plan = self.plans.iter().max_by_key(|plan| plan.last_used)?;
+        Some(super::PlanView { sizes: plan.sizes.clone(), offsets: plan.offsets.clone(), bytes: plan.bytes })
+    }
+
     fn plan_stats(&self) -> Option<PlanStats> {
         let c = self.counters;
         let mut plans: Vec<&Plan> = self.plans.iter().collect();

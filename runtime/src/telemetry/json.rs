@@ -89,6 +89,9 @@ pub fn step_json(report: &StepReport) -> Value {
         "pools": pools,
         "warnings": report.warnings.iter().map(|w| w.rule().name()).collect::<Vec<_>>(),
         "deferred_errors": report.deferred_errors,
+        "graph_launches": report.graph_launches,
+        "graph_reserved_bytes": report.graph_memory.reserved,
+        "graph_used_bytes": report.graph_memory.used,
     })
 }
 

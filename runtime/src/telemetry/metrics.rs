@@ -114,6 +114,11 @@ pub struct DeviceMemory {
     pub free: u64,
     /// Total bytes.
     pub total: u64,
+    /// Bytes the device's graph memory pool holds (`cuDeviceGetGraphMemAttribute`), which
+    /// captured steps in graph-memory-node mode use; 0 until the runtime has captured.
+    pub graph_reserved: u64,
+    /// Bytes of it associated with graphs.
+    pub graph_used: u64,
 }
 
 /// Every counter of a runtime at one moment.

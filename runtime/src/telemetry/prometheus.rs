@@ -178,7 +178,7 @@ impl Metrics {
             }
         }
         type DeviceRead = fn(&super::DeviceMemory) -> u64;
-        let devices: [(Family<'_>, DeviceRead); 2] = [
+        let devices: [(Family<'_>, DeviceRead); 4] = [
             (
                 Family {
                     name: "steppool_device_free_bytes",
@@ -188,6 +188,22 @@ impl Metrics {
                 |d| d.free,
             ),
             (Family { name: "steppool_device_total_bytes", kind: "gauge", help: "Device memory." }, |d| d.total),
+            (
+                Family {
+                    name: "steppool_device_graph_reserved_bytes",
+                    kind: "gauge",
+                    help: "Bytes the device's graph memory pool holds (cuDeviceGetGraphMemAttribute).",
+                },
+                |d| d.graph_reserved,
+            ),
+            (
+                Family {
+                    name: "steppool_device_graph_used_bytes",
+                    kind: "gauge",
+                    help: "Bytes of graph memory associated with graphs.",
+                },
+                |d| d.graph_used,
+            ),
         ];
         for (family, read) in &devices {
             if self.devices.is_empty() {

@@ -7,11 +7,12 @@
 //! Every entry point the simulated device models (the list is
 //! [`steppool_sys::sim_entry_points!`]): initialization, devices, the primary context, streams,
 //! events, memory pools, `cuMemAlloc*`/`cuMemFree*`, memset, host/device copies, modules and
-//! launches, with the codes the real driver returns. Device memory is backed by host memory
+//! launches, stream capture and graphs (the model's, unconfirmed on a GPU), with the codes the
+//! real driver returns. Device memory is backed by host memory
 //! (unless `STEPPOOL_SIM_HOST_MEMORY=0`; unlike `Driver::simulated`, where it is off by default),
 //! so copies read back what was written and the repository's fill kernels
 //! (`steppool_sys::kernels`) run at launch; other kernels are checked and ordered, not
-//! run. Entry points cudarc's safe layer may call but the model does not cover (UUIDs, graphs,
+//! run. Entry points cudarc's safe layer may call but the model does not cover (UUIDs, graph upload,
 //! managed and pinned host memory, occupancy, external memory, peer copies, priorities,
 //! non-primary contexts) are exported and return `CUDA_ERROR_NOT_SUPPORTED`, so a caller gets a
 //! code instead of a missing symbol.
@@ -148,8 +149,7 @@ not_supported! {
     cuOccupancyMaxPotentialBlockSizeWithFlags cuOccupancyMaxActiveClusters cuOccupancyMaxPotentialClusterSize
     cuMemAllocManaged cuMemHostAlloc cuMemFreeHost cuMemAdvise_v2 cuMemPrefetchAsync_v2 cuStreamAttachMemAsync
     cuMemcpyPeerAsync cuImportExternalMemory cuExternalMemoryGetMappedBuffer cuDestroyExternalMemory
-    cuStreamBeginCapture_v2 cuStreamEndCapture cuStreamIsCapturing
-    cuGraphInstantiateWithFlags cuGraphLaunch cuGraphUpload cuGraphDestroy cuGraphExecDestroy
+    cuGraphUpload
 }
 
 #[cfg(test)]
@@ -190,7 +190,7 @@ mod tests {
     #[test]
     fn unmodelled_entry_points_are_not_supported() {
         assert_eq!(cuDeviceGetUuid_v2(), CUresult::CUDA_ERROR_NOT_SUPPORTED);
-        assert_eq!(cuStreamBeginCapture_v2(), CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        assert_eq!(cuGraphUpload(), CUresult::CUDA_ERROR_NOT_SUPPORTED);
         let mut name: *const c_char = std::ptr::null();
         // SAFETY: `name` is a live local; the driver writes a pointer to a static string.
         let code = unsafe { cuGetErrorName(CUresult::CUDA_ERROR_NOT_SUPPORTED, &mut name) };

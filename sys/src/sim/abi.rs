@@ -78,6 +78,18 @@ macro_rules! sim_entry_points {
             cuModuleUnload(hmod: $crate::CUmodule);
             cuModuleGetFunction(hfunc: *mut $crate::CUfunction, hmod: $crate::CUmodule, name: *const ::std::ffi::c_char);
             cuLaunchKernel(f: $crate::CUfunction, gridDimX: ::std::ffi::c_uint, gridDimY: ::std::ffi::c_uint, gridDimZ: ::std::ffi::c_uint, blockDimX: ::std::ffi::c_uint, blockDimY: ::std::ffi::c_uint, blockDimZ: ::std::ffi::c_uint, sharedMemBytes: ::std::ffi::c_uint, hStream: $crate::CUstream, kernelParams: *mut *mut ::std::ffi::c_void, extra: *mut *mut ::std::ffi::c_void);
+            cuStreamBeginCapture_v2(hStream: $crate::CUstream, mode: $crate::CUstreamCaptureMode);
+            cuStreamEndCapture(hStream: $crate::CUstream, phGraph: *mut $crate::CUgraph);
+            cuStreamIsCapturing(hStream: $crate::CUstream, captureStatus: *mut $crate::CUstreamCaptureStatus);
+            cuStreamGetCaptureInfo_v2(hStream: $crate::CUstream, captureStatus_out: *mut $crate::CUstreamCaptureStatus, id_out: *mut $crate::cuuint64_t, graph_out: *mut $crate::CUgraph, dependencies_out: *mut *const $crate::CUgraphNode, numDependencies_out: *mut usize);
+            cuThreadExchangeStreamCaptureMode(mode: *mut $crate::CUstreamCaptureMode);
+            cuGraphInstantiateWithFlags(phGraphExec: *mut $crate::CUgraphExec, hGraph: $crate::CUgraph, flags: ::std::ffi::c_ulonglong);
+            cuGraphLaunch(hGraphExec: $crate::CUgraphExec, hStream: $crate::CUstream);
+            cuGraphExecDestroy(hGraphExec: $crate::CUgraphExec);
+            cuGraphDestroy(hGraph: $crate::CUgraph);
+            cuDeviceGraphMemTrim(device: $crate::CUdevice);
+            cuDeviceGetGraphMemAttribute(device: $crate::CUdevice, attr: $crate::CUgraphMem_attribute, value: *mut ::std::ffi::c_void);
+            cuDeviceSetGraphMemAttribute(device: $crate::CUdevice, attr: $crate::CUgraphMem_attribute, value: *mut ::std::ffi::c_void);
         }
     };
 }

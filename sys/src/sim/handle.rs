@@ -14,6 +14,8 @@ pub(crate) enum Kind {
     Pool = 4,
     Module = 5,
     Function = 6,
+    Graph = 7,
+    GraphExec = 8,
 }
 
 const TAG: usize = 0x5E;

@@ -71,8 +71,33 @@
 //!   device range must lie inside one live allocation (`CUDA_ERROR_INVALID_VALUE` otherwise).
 //!   The synchronous `cuMemcpy*_v2` and `cuMemsetD8_v2` are the asynchronous call on the legacy
 //!   stream followed by its synchronization.
+//! - **Stream capture and graphs** (`capture.rs`; *unconfirmed until the capture conformance
+//!   tests have run on a GPU*). While a stream captures, its stream-ordered calls are recorded,
+//!   not run: `cuMemAllocAsync`/`cuMemAllocFromPoolAsync` become allocation nodes whose address
+//!   is reserved at once and fixed for the graph's life (the pool only parameterises the node;
+//!   nothing counts against it), `cuMemFreeAsync` a free node that must name a graph allocation,
+//!   kernels, memsets and copies nodes checked against live memory. A synchronization or query
+//!   of a capturing stream is `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture;
+//!   later calls on it return `..._INVALIDATED` until `cuStreamEndCapture`, which returns no
+//!   graph. Potentially unsafe calls (`cuMemAlloc`, `cuMemFree`, `cuMemPoolTrimTo`,
+//!   `cuDeviceGraphMemTrim`) follow the rules of `cuThreadExchangeStreamCaptureMode` (global,
+//!   thread-local, relaxed); `cuCtxSynchronize` with a capturing stream in the context is
+//!   refused; work on the legacy stream while a blocking stream captures is `..._IMPLICIT`;
+//!   events recorded in a capture fork other streams into it, must be joined back
+//!   (`..._UNJOINED`), cannot be waited on from another capture (`..._MERGE`), and cannot be
+//!   queried or synchronized (`CUDA_ERROR_CAPTURED_EVENT`); waiting in capture on an event
+//!   recorded outside it is `..._ISOLATION`. Graph memory comes from a per-device graph pool
+//!   whose reservation counts against the device: an executable graph's first launch maps its
+//!   footprint (the peak of its allocations in node order, each rounded to the granule), which
+//!   stays associated with graphs ("used") until the executable graph is destroyed, and
+//!   `cuDeviceGraphMemTrim` gives back what is reserved beyond that. A relaunch while an
+//!   allocation of an earlier launch is live is `CUDA_ERROR_INVALID_VALUE` unless the graph was
+//!   instantiated with auto-free-on-launch. Not modelled: sharing physical memory between
+//!   graphs, replay of kernels, memsets and copies at launch, host memory behind graph
+//!   allocations, graphs built node by node, destroying a stream or releasing a context while it
+//!   captures.
 //! - **Not modelled.** IPC export and import return `CUDA_ERROR_NOT_SUPPORTED`, and pools with
-//!   export handle types are refused with it; stream capture and graphs are not bound.
+//!   export handle types are refused with it.
 
 mod abi;
 mod clock;
@@ -124,6 +149,17 @@ const SINCE_11_2: &[&str] = &[
 
 /// Entry points new in 11.0 (`cuDevicePrimaryCtxRelease_v2`).
 const SINCE_11_0: &[&str] = &["cuDevicePrimaryCtxRelease_v2"];
+
+/// `cuStreamGetCaptureInfo_v2`, new in 11.3.
+const SINCE_11_3: &[&str] = &["cuStreamGetCaptureInfo_v2"];
+
+/// Entry points of graph memory nodes, new in 11.4.
+const SINCE_11_4: &[&str] = &[
+    "cuGraphInstantiateWithFlags",
+    "cuDeviceGraphMemTrim",
+    "cuDeviceGetGraphMemAttribute",
+    "cuDeviceSetGraphMemAttribute",
+];
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -231,6 +267,9 @@ impl Sim {
     /// Whether this driver exports `symbol`, given the version it pretends to be.
     pub(crate) fn exports(&self, symbol: &str) -> bool {
         let version = self.config.driver_version;
+        if (version < 11040 && SINCE_11_4.contains(&symbol)) || (version < 11030 && SINCE_11_3.contains(&symbol)) {
+            return false;
+        }
         if version >= 11020 {
             return true;
         }
@@ -865,8 +904,8 @@ impl Sim {
             has_extra: !extra.is_null(),
         };
         self.call(|s| {
-            s.launch_kernel(f, launch, hStream)?;
-            if !(s.host_backed() && s.is_fill_kernel(f)) {
+            let ran = s.launch_kernel(f, launch, hStream)?;
+            if !(ran && s.host_backed() && s.is_fill_kernel(f)) {
                 return Ok(());
             }
             if kernelParams.is_null() {
@@ -884,6 +923,135 @@ impl Sim {
             };
             s.run_fill(dst, len, value as u8)
         })
+    }
+}
+
+/// The entry points of stream capture and graphs (`capture.rs`), under the same `# Safety` as the
+/// block above.
+#[allow(non_snake_case)]
+impl Sim {
+    pub(crate) unsafe fn cuStreamBeginCapture_v2(&self, hStream: CUstream, mode: CUstreamCaptureMode) -> CUresult {
+        self.call(|s| s.stream_begin_capture(hStream, mode))
+    }
+
+    pub(crate) unsafe fn cuStreamEndCapture(&self, hStream: CUstream, phGraph: *mut CUgraph) -> CUresult {
+        if phGraph.is_null() {
+            return INVALID_VALUE;
+        }
+        let result = self.lock().stream_end_capture(hStream);
+        let (graph, code) = match result {
+            Ok(graph) => (graph, SUCCESS),
+            Err(code) => (std::ptr::null_mut(), code),
+        };
+        // SAFETY: non-null, and the caller guarantees it is valid for a write. A failed capture
+        // returns a NULL graph, as `cuStreamEndCapture` documents.
+        unsafe { phGraph.write(graph) };
+        code
+    }
+
+    pub(crate) unsafe fn cuStreamIsCapturing(
+        &self,
+        hStream: CUstream,
+        captureStatus: *mut CUstreamCaptureStatus,
+    ) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(captureStatus, |s| s.stream_is_capturing(hStream)) }
+    }
+
+    pub(crate) unsafe fn cuStreamGetCaptureInfo_v2(
+        &self,
+        hStream: CUstream,
+        captureStatus_out: *mut CUstreamCaptureStatus,
+        id_out: *mut cuuint64_t,
+        graph_out: *mut CUgraph,
+        dependencies_out: *mut *const CUgraphNode,
+        numDependencies_out: *mut usize,
+    ) -> CUresult {
+        if captureStatus_out.is_null() {
+            return INVALID_VALUE;
+        }
+        let (status, id, graph) = match self.lock().stream_get_capture_info(hStream) {
+            Ok(info) => info,
+            Err(code) => return code,
+        };
+        // SAFETY: each pointer is null or, as the caller guarantees, valid for a write. The
+        // model keeps no graph nodes, so the dependency set it reports is empty.
+        unsafe {
+            captureStatus_out.write(status);
+            if !id_out.is_null() {
+                id_out.write(id);
+            }
+            if !graph_out.is_null() {
+                graph_out.write(graph);
+            }
+            if !dependencies_out.is_null() {
+                dependencies_out.write(std::ptr::null());
+            }
+            if !numDependencies_out.is_null() {
+                numDependencies_out.write(0);
+            }
+        }
+        SUCCESS
+    }
+
+    pub(crate) unsafe fn cuThreadExchangeStreamCaptureMode(&self, mode: *mut CUstreamCaptureMode) -> CUresult {
+        if mode.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller guarantees it holds a mode.
+        let new = unsafe { mode.read() };
+        // SAFETY: forwarded contract.
+        unsafe { self.out(mode, |s| s.thread_exchange_capture_mode(new)) }
+    }
+
+    pub(crate) unsafe fn cuGraphInstantiateWithFlags(
+        &self,
+        phGraphExec: *mut CUgraphExec,
+        hGraph: CUgraph,
+        flags: c_ulonglong,
+    ) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(phGraphExec, |s| s.graph_instantiate(hGraph, flags)) }
+    }
+
+    pub(crate) unsafe fn cuGraphLaunch(&self, hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+        self.call(|s| s.graph_launch(hGraphExec, hStream))
+    }
+
+    pub(crate) unsafe fn cuGraphExecDestroy(&self, hGraphExec: CUgraphExec) -> CUresult {
+        self.call(|s| s.graph_exec_destroy(hGraphExec))
+    }
+
+    pub(crate) unsafe fn cuGraphDestroy(&self, hGraph: CUgraph) -> CUresult {
+        self.call(|s| s.graph_destroy(hGraph))
+    }
+
+    pub(crate) unsafe fn cuDeviceGraphMemTrim(&self, device: CUdevice) -> CUresult {
+        self.call(|s| s.device_graph_mem_trim(device))
+    }
+
+    pub(crate) unsafe fn cuDeviceGetGraphMemAttribute(
+        &self,
+        device: CUdevice,
+        attr: CUgraphMem_attribute,
+        value: *mut c_void,
+    ) -> CUresult {
+        // SAFETY: forwarded contract: every graph memory attribute is a `cuuint64_t`.
+        unsafe { self.out(value.cast::<u64>(), |s| s.device_get_graph_mem_attribute(device, attr)) }
+    }
+
+    pub(crate) unsafe fn cuDeviceSetGraphMemAttribute(
+        &self,
+        device: CUdevice,
+        attr: CUgraphMem_attribute,
+        value: *mut c_void,
+    ) -> CUresult {
+        if value.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and every graph memory attribute is a `cuuint64_t`.
+        let value = unsafe { value.cast::<u64>().read() };
+        self.call(|s| s.device_set_graph_mem_attribute(device, attr, value))
     }
 }
 

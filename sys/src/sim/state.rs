@@ -12,6 +12,11 @@ use super::memory::HostMemory;
 use super::space::{AddressSpace, FreeSpace, Readiness};
 use crate::bindings::*;
 
+// Stream capture and graphs: a child module, so that its hooks below stay one line each.
+#[path = "capture.rs"]
+mod capture;
+use capture::Captures;
+
 pub(crate) type R<T> = Result<T, CUresult>;
 
 /// Alignment and rounding of every allocation inside a pool.
@@ -130,6 +135,8 @@ pub(crate) struct Range {
     segment: u64,
     offset: u64,
     len: usize,
+    /// Host memory may stand behind it (graph allocations never have any).
+    host: bool,
 }
 
 /// A live allocation.
@@ -246,6 +253,9 @@ pub(crate) struct State {
     /// Positions the host has observed complete.
     completed: Clock,
     next_id: u32,
+    /// Capture sequences, graphs, executable graphs and graph memory (`capture.rs`), boxed: most
+    /// drivers never capture.
+    capture: Box<Captures>,
 }
 
 impl State {
@@ -267,6 +277,7 @@ impl State {
             host: None,
             completed: Clock::default(),
             next_id: 0,
+            capture: Box::default(),
         };
         state.host = state.config.host_memory.then(HostMemory::default);
         // Each driver instance and device gets its own slice of a 64-bit address space.
@@ -739,6 +750,7 @@ impl State {
 
     pub(crate) fn ctx_synchronize(&mut self) -> R<()> {
         let ctx = self.current()?;
+        self.capture_forbids_context_wait(ctx)?;
         let mut clock = Clock::default();
         for stream in self.streams.values().filter(|s| s.ctx == ctx) {
             clock.join(&stream.frontier());
@@ -775,6 +787,7 @@ impl State {
 
     pub(crate) fn stream_synchronize(&mut self, raw: CUstream) -> R<()> {
         let id = self.stream(raw)?;
+        self.capture_forbids_wait(id)?;
         let (frontier, device) = (self.streams[&id].frontier(), self.streams[&id].device);
         self.synchronize(&frontier, device);
         Ok(())
@@ -784,6 +797,7 @@ impl State {
     /// query that returns `CUDA_SUCCESS`, it lets later allocations reuse the stream's frees.
     pub(crate) fn stream_query(&mut self, raw: CUstream) -> R<()> {
         let id = self.stream(raw)?;
+        self.capture_forbids_wait(id)?;
         let frontier = self.streams[&id].frontier();
         self.observe(&frontier, false);
         Ok(())
@@ -792,7 +806,10 @@ impl State {
     pub(crate) fn stream_wait_event(&mut self, raw: CUstream, event: CUevent, flags: u32) -> R<()> {
         let id = self.stream(raw)?;
         let event = self.event(event)?;
-        // CU_EVENT_WAIT_EXTERNAL is only valid during stream capture, which is not modelled.
+        if self.capture_wait(id, event, flags)? {
+            return Ok(());
+        }
+        // CU_EVENT_WAIT_EXTERNAL is only valid during stream capture (`capture_wait`).
         if flags != CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT.0 {
             return Err(INVALID_VALUE);
         }
@@ -840,6 +857,11 @@ impl State {
         if self.streams[&id].ctx != self.events[&event].ctx {
             return Err(INVALID_HANDLE);
         }
+        let sequence = self.capture_gate(id)?;
+        self.capture_event_record(event, id, sequence);
+        if sequence.is_some() {
+            return Ok(());
+        }
         let clock = self.op_clock(id);
         self.commit(id, clock);
         let frontier = self.streams[&id].frontier();
@@ -850,6 +872,7 @@ impl State {
     /// Like [`Self::stream_query`]: recorded work is found complete and observed.
     pub(crate) fn event_query(&mut self, raw: CUevent) -> R<()> {
         let id = self.event(raw)?;
+        self.capture_forbids_event(id)?;
         if let Some(clock) = self.events[&id].recorded.clone() {
             self.observe(&clock, false);
         }
@@ -858,6 +881,7 @@ impl State {
 
     pub(crate) fn event_synchronize(&mut self, raw: CUevent) -> R<()> {
         let id = self.event(raw)?;
+        self.capture_forbids_event(id)?;
         if let Some(clock) = self.events[&id].recorded.clone() {
             let device = self.events[&id].device;
             self.synchronize(&clock, device);
@@ -883,6 +907,7 @@ impl State {
     /// `cuMemAlloc`: a synchronous allocation from the device's raw pool.
     pub(crate) fn mem_alloc(&mut self, bytes: usize) -> R<CUdeviceptr> {
         let ctx = self.current()?;
+        self.capture_forbids_unsafe_call()?;
         let raw_pool = self.devices[self.contexts[&ctx].device].raw_pool;
         self.place(raw_pool, bytes as u64, None)
     }
@@ -891,6 +916,10 @@ impl State {
     /// allocation are complete". Empty raw segments go back to the device immediately.
     pub(crate) fn mem_free(&mut self, ptr: CUdeviceptr) -> R<()> {
         self.current()?;
+        self.capture_forbids_unsafe_call()?;
+        if let Some(result) = self.graph_free(ptr) {
+            return result;
+        }
         if !self.allocations.contains_key(&ptr) {
             return Err(INVALID_VALUE);
         }
@@ -904,6 +933,9 @@ impl State {
 
     pub(crate) fn memset_d8_async(&mut self, ptr: CUdeviceptr, value: u8, len: usize, stream: CUstream) -> R<()> {
         let id = self.stream(stream)?;
+        if let Some(sequence) = self.capture_gate(id)? {
+            return self.capture_work(sequence, id, &[(ptr, len)]);
+        }
         let range = self.live_range(ptr, len).ok_or(INVALID_VALUE)?;
         let clock = self.op_clock(id);
         self.commit(id, clock);
@@ -919,18 +951,24 @@ impl State {
     /// anywhere is accepted, as the driver accepts zero-length copies).
     fn live_range(&self, ptr: CUdeviceptr, len: usize) -> Option<Range> {
         if len == 0 {
-            return Some(Range { segment: 0, offset: 0, len: 0 });
+            return Some(Range { segment: 0, offset: 0, len: 0, host: true });
+        }
+        if let Some(start) = self.graph_range(ptr, len) {
+            return Some(Range { segment: start, offset: ptr - start, len, host: false });
         }
         let (&start, allocation) = self.allocations.range(..=ptr).next_back()?;
         let end = ptr.checked_add(len as u64)?;
         if end > start + allocation.size {
             return None;
         }
-        Some(Range { segment: allocation.segment, offset: ptr - allocation.segment, len })
+        Some(Range { segment: allocation.segment, offset: ptr - allocation.segment, len, host: true })
     }
 
     /// The host bytes behind a checked range, on a host-backed device.
     fn host_bytes(&mut self, range: Range) -> Option<&mut [u8]> {
+        if !range.host {
+            return None;
+        }
         let host = self.host.as_mut()?;
         if range.len == 0 {
             return Some(&mut []);
@@ -949,6 +987,9 @@ impl State {
     /// because nothing could be read back.
     pub(crate) fn memcpy_htod_async(&mut self, dst: CUdeviceptr, src: &[u8], stream: CUstream) -> R<()> {
         let id = self.stream(stream)?;
+        if let Some(sequence) = self.capture_gate(id)? {
+            return self.capture_work(sequence, id, &[(dst, src.len())]);
+        }
         let range = self.live_range(dst, src.len()).ok_or(INVALID_VALUE)?;
         let clock = self.op_clock(id);
         self.commit(id, clock);
@@ -961,8 +1002,12 @@ impl State {
     /// See [`State::memcpy_htod_async`].
     pub(crate) fn memcpy_dtoh_async(&mut self, dst: &mut [u8], src: CUdeviceptr, stream: CUstream) -> R<()> {
         let id = self.stream(stream)?;
+        if let Some(sequence) = self.capture_gate(id)? {
+            return self.capture_work(sequence, id, &[(src, dst.len())]);
+        }
         let range = self.live_range(src, dst.len()).ok_or(INVALID_VALUE)?;
-        if !self.host_backed() && !dst.is_empty() {
+        let readable = self.host_backed() && range.host;
+        if !readable && !dst.is_empty() {
             return Err(NOT_SUPPORTED);
         }
         let clock = self.op_clock(id);
@@ -982,6 +1027,9 @@ impl State {
         stream: CUstream,
     ) -> R<()> {
         let id = self.stream(stream)?;
+        if let Some(sequence) = self.capture_gate(id)? {
+            return self.capture_work(sequence, id, &[(src, len), (dst, len)]);
+        }
         let from = self.live_range(src, len).ok_or(INVALID_VALUE)?;
         let to = self.live_range(dst, len).ok_or(INVALID_VALUE)?;
         let clock = self.op_clock(id);
@@ -1018,6 +1066,9 @@ impl State {
     pub(crate) fn mem_alloc_async(&mut self, bytes: usize, stream: CUstream) -> R<CUdeviceptr> {
         self.require_pools()?;
         let id = self.stream(stream)?;
+        if let Some(sequence) = self.capture_gate(id)? {
+            return self.capture_alloc(sequence, id, bytes as u64);
+        }
         let pool = self.devices[self.streams[&id].device].current_pool;
         self.place(pool, bytes as u64, Some(id))
     }
@@ -1030,6 +1081,9 @@ impl State {
     ) -> R<CUdeviceptr> {
         let pool = self.pool(pool)?;
         let id = self.stream(stream)?;
+        if let Some(sequence) = self.capture_gate(id)? {
+            return self.capture_alloc(sequence, id, bytes as u64);
+        }
         self.place(pool, bytes as u64, Some(id))
     }
 
@@ -1038,6 +1092,14 @@ impl State {
     pub(crate) fn mem_free_async(&mut self, ptr: CUdeviceptr, stream: CUstream) -> R<()> {
         self.require_pools()?;
         let id = self.stream(stream)?;
+        if let Some(sequence) = self.capture_gate(id)? {
+            return self.capture_free(sequence, id, ptr);
+        }
+        if let Some(result) = self.graph_free(ptr) {
+            let clock = self.op_clock(id);
+            self.commit(id, clock);
+            return result;
+        }
         if !self.allocations.contains_key(&ptr) {
             return Err(INVALID_VALUE);
         }
@@ -1091,6 +1153,7 @@ impl State {
 
     pub(crate) fn mem_pool_trim_to(&mut self, raw: CUmemoryPool, keep: usize) -> R<()> {
         let id = self.pool(raw)?;
+        self.capture_forbids_unsafe_call()?;
         self.trim(id, keep as u64);
         Ok(())
     }
@@ -1258,8 +1321,9 @@ impl State {
         Ok(self.handle(Kind::Function, function) as CUfunction)
     }
 
-    /// Checks a launch's configuration and enqueues it; the kernel itself does not run.
-    pub(crate) fn launch_kernel(&mut self, function: CUfunction, launch: Launch, stream: CUstream) -> R<()> {
+    /// Checks a launch's configuration and enqueues it; the kernel itself does not run. `false`
+    /// when it was captured into a graph instead of enqueued.
+    pub(crate) fn launch_kernel(&mut self, function: CUfunction, launch: Launch, stream: CUstream) -> R<bool> {
         self.require_init()?;
         decode(self.tag, Kind::Function, function as usize)
             .filter(|id| self.functions.contains_key(id))
@@ -1275,9 +1339,13 @@ impl State {
         {
             return Err(INVALID_VALUE);
         }
+        if let Some(sequence) = self.capture_gate(id)? {
+            self.capture_work(sequence, id, &[])?;
+            return Ok(false);
+        }
         let clock = self.op_clock(id);
         self.commit(id, clock);
-        Ok(())
+        Ok(true)
     }
 }
 
