@@ -7,7 +7,7 @@ repository), loaded with ctypes.
 """
 
 from . import torch
-from ._native import library_path
+from ._library import library_path
 from .errors import (
     AlreadyInitialisedError,
     CudaAlreadyInitialisedError,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Dict, List, Optional, Tuple, Type
 
-from ._native import native
+from ._library import native
 from .errors import (
     CudaAlreadyInitialisedError,
     InvalidArgumentError,
