@@ -9,11 +9,14 @@
 //! - `gpu-bundle DIR`: build the release binaries, peer harness and run script a GPU host without
 //!   a Rust toolchain needs, into `DIR` (at most 64 MiB).
 //! - `soak [ARGS]`: the runtime's long run under driver faults on the simulated device.
+//! - `test [ARGS]`: every test: `cargo test --workspace ARGS`, then the Python package's tests
+//!   with pytest in a virtual environment it makes.
 
 mod bench;
 mod bundle;
 mod codegen;
 mod soak;
+mod test;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -26,7 +29,9 @@ commands:
   bench [--smoke]     run the benchmarks and peers; write benches/results/<date>-<device>.{json,md,svg}
   gpu-bundle DIR      build binaries, peer harness and run.sh for a GPU host into DIR (<= 64 MiB)
   soak [ARGS]         8 threads x 10^6 steps under driver faults on the simulated device (ARGS: --threads N,
-                      --steps N, --faults PLAN); prints operations/s, peak memory and leaks";
+                      --steps N, --faults PLAN); prints operations/s, peak memory and leaks
+  test [ARGS]         cargo test --workspace ARGS, then the Python package's tests (pytest, in a venv
+                      under target/ with the package installed by pip install ./runtime/torch)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,6 +43,7 @@ fn main() -> ExitCode {
         ["bench", "--smoke"] => bench::run(true),
         ["gpu-bundle", dir] => bundle::run(Path::new(dir)),
         ["soak", rest @ ..] => soak::run(rest),
+        ["test", rest @ ..] => test::run(rest),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())
