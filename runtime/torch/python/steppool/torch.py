@@ -198,8 +198,9 @@ def _mempool(name: str) -> Any:
         key = (name, device)
         if key not in _State.pools:
             allocator = torch.cuda.memory.CUDAPluggableAllocator(native().path, ALLOC_FN, FREE_FN)
-            _State.pools[key] = torch.cuda.MemPool(allocator=allocator.allocator())
-        return _State.pools[key]
+            # The pool keeps a plain pointer to the allocator: keep the allocator alive beside it.
+            _State.pools[key] = (allocator, torch.cuda.MemPool(allocator=allocator.allocator()))
+        return _State.pools[key][1]
 
 
 class _Phase:
