@@ -22,8 +22,18 @@ use crate::error::{Error, Result};
 use crate::inner::{Caller, RuntimeInner};
 use crate::phase::Phase;
 use crate::raw_table::within;
-use crate::report::{MicroStepReport, StepReport};
+use crate::report::{MicroStepReport, PoolId, StepReport};
 use crate::stream::Stream;
+
+/// A live raw allocation as [`RawApi::allocation`] finds it: where it lives and its size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RawAllocationInfo {
+    /// The pool that holds it: its device, stream (compare with [`Stream::id`]) and phase.
+    pub pool: PoolId,
+    /// The bytes requested.
+    pub bytes: u64,
+}
 
 /// The raw API of a runtime, from [`Runtime::raw`](crate::Runtime::raw).
 #[derive(Clone, Copy, Debug)]
@@ -103,6 +113,17 @@ impl RawApi<'_> {
         let pool = self.inner.raw.pool_of(ptr).ok_or_else(|| self.unknown(ptr))?;
         let size = pool.lock().raw(ptr).map(|allocation| allocation.bytes).ok_or_else(|| self.unknown(ptr))?;
         within(ptr, len, ptr, size)
+    }
+
+    /// The pool and size of the live raw allocation that starts at `ptr`: what a framework that
+    /// is handed a pointer, a size and a stream back (PyTorch's pluggable allocator) checks them
+    /// against. A pointer that is not the start of a live raw allocation is
+    /// [`Error::UnknownPointer`] (or, in checked mode, [`Error::UseAfterRelease`] for one a
+    /// boundary released).
+    pub fn allocation(&self, ptr: CUdeviceptr) -> Result<RawAllocationInfo> {
+        let pool = self.inner.raw.pool_of(ptr).ok_or_else(|| self.unknown(ptr))?;
+        let bytes = pool.lock().raw(ptr).map(|allocation| allocation.bytes).ok_or_else(|| self.unknown(ptr))?;
+        Ok(RawAllocationInfo { pool: pool.id(), bytes })
     }
 
     fn unknown(&self, ptr: CUdeviceptr) -> Error {

@@ -10,12 +10,15 @@
 //!   a Rust toolchain needs, into `DIR` (at most 64 MiB).
 //! - `soak [ARGS]`: the runtime's long run under driver faults on the simulated device.
 //! - `loom`: the boundary protocol model-checked with loom, in `target/loom`.
+//! - `test [ARGS]`: every test: `cargo test --workspace ARGS`, then the Python package's tests
+//!   with pytest in a virtual environment it makes.
 
 mod bench;
 mod bundle;
 mod codegen;
 mod loom;
 mod soak;
+mod test;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -30,7 +33,9 @@ commands:
   soak [ARGS]         8 threads x 10^6 steps under driver faults on the simulated device (ARGS: --threads N,
                       --steps N, --faults PLAN); prints operations/s, peak memory and leaks
   loom                the boundary protocol model-checked: steppool built with --cfg loom in target/loom,
-                      every interleaving of runtime/tests/loom_boundary.rs";
+                      every interleaving of runtime/tests/loom_boundary.rs
+  test [ARGS]         cargo test --workspace ARGS, then the Python package's tests (pytest, in a venv
+                      under target/ with the package installed by pip install ./runtime/torch)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,6 +48,7 @@ fn main() -> ExitCode {
         ["gpu-bundle", dir] => bundle::run(Path::new(dir)),
         ["soak", rest @ ..] => soak::run(rest),
         ["loom"] => loom::run(),
+        ["test", rest @ ..] => test::run(rest),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())

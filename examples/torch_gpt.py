@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""A small GPT trained with variable sequence lengths and periodic evaluation, under one of four
+CUDA allocators, printing per step the memory PyTorch reserved and allocated and the step time,
+then one comparison table.
+
+    python examples/torch_gpt.py                       # every allocator, one process each
+    python examples/torch_gpt.py --allocator steppool  # one allocator
+
+Allocators: ``native`` (PyTorch's caching allocator), ``expandable``
+(``expandable_segments:True``), ``async`` (``backend:cudaMallocAsync``), ``steppool``
+(``steppool.torch.use()``: forward activations in a step-scoped phase, released at each step
+boundary; the rest in the persistent phase ``untagged``). An allocator is chosen before CUDA
+starts, so each runs in a process of its own, on the same seed.
+
+Needs a CUDA build of PyTorch and a GPU; steppool from ``pip install ./runtime/torch``.
+Under steppool, PyTorch's own memory statistics are not available (a pluggable allocator has
+none); the figures come from ``steppool.torch.memory_reserved()`` and its siblings, whose peak
+is the sum of the pools' high-water marks, an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+ALLOCATORS = ("native", "expandable", "async", "steppool")
+ENVIRONMENTS = {
+    "native": {},
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    "steppool": {},
+}
+MIB = 1 << 20
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--allocator", choices=ALLOCATORS + ("all",), default="all")
+    parser.add_argument("--strategy", default="planned", help="steppool's strategy for step phases")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--min-len", type=int, default=128)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-out", help="write this run's summary as JSON here (used by --allocator all)")
+    return parser.parse_args()
+
+
+def run_all(args: argparse.Namespace) -> int:
+    summaries: List[Dict[str, Any]] = []
+    for allocator in ALLOCATORS:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+            path = out.name
+        command = [sys.executable, os.path.abspath(__file__), "--allocator", allocator, "--json-out", path]
+        for name in ("strategy", "steps", "eval_every", "layers", "hidden", "heads", "vocab", "batch",
+                     "min_len", "max_len", "seed"):
+            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        print(f"\n== {allocator}", flush=True)
+        result = subprocess.run(command, env={**os.environ, **ENVIRONMENTS[allocator]})
+        if result.returncode == 0:
+            with open(path) as file:
+                summaries.append(json.load(file))
+        else:
+            summaries.append({"allocator": allocator, "failed": f"exit code {result.returncode}"})
+        os.unlink(path)
+    print()
+    print(f"{'allocator':<12}{'peak reserved':>16}{'peak allocated':>16}{'step time':>12}{'vs native':>11}  result")
+    native = next((s for s in summaries if s["allocator"] == "native" and "failed" not in s), None)
+    for summary in summaries:
+        if "failed" in summary:
+            print(f"{summary['allocator']:<12}{'':>16}{'':>16}{'':>12}{'':>11}  {summary['failed']}")
+            continue
+        relative = ""
+        if native is not None and native["step_ms"] > 0:
+            relative = f"{100 * (summary['step_ms'] / native['step_ms'] - 1):+.1f} %"
+        print(
+            f"{summary['allocator']:<12}{summary['peak_reserved'] / MIB:>12.1f} MiB{summary['peak_allocated'] / MIB:>12.1f} MiB"
+            f"{summary['step_ms']:>9.2f} ms{relative:>11}  {summary['result']}"
+        )
+    print("(peak reserved under steppool: the sum of its pools' high-water marks, an upper bound; step time: "
+          "median after the first 5 steps)")
+    return 0 if all("failed" not in s for s in summaries) else 1
+
+
+def run_one(args: argparse.Namespace) -> int:
+    try:
+        import torch
+        from torch import nn
+    except ImportError:
+        print("torch_gpt.py needs PyTorch with CUDA: pip install torch", file=sys.stderr)
+        return 2
+    sp = None
+    if args.allocator == "steppool":
+        import steppool.torch as sp  # noqa: PLC0415 - only this allocator needs it
+
+        sp.use(strategy=args.strategy, device="cuda")
+    if not torch.cuda.is_available():
+        print("torch_gpt.py needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda")
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1 = nn.LayerNorm(args.hidden)
+            self.attn = nn.MultiheadAttention(args.hidden, args.heads, batch_first=True)
+            self.norm2 = nn.LayerNorm(args.hidden)
+            self.mlp = nn.Sequential(nn.Linear(args.hidden, 4 * args.hidden), nn.GELU(), nn.Linear(4 * args.hidden, args.hidden))
+
+        def forward(self, x: Any) -> Any:
+            length = x.shape[1]
+            mask = torch.triu(torch.ones(length, length, device=x.device, dtype=torch.bool), diagonal=1)
+            h = self.norm1(x)
+            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+            return x + self.mlp(self.norm2(x))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(args.vocab, args.hidden)
+            self.position = nn.Embedding(args.max_len, args.hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
+            self.norm = nn.LayerNorm(args.hidden)
+            self.head = nn.Linear(args.hidden, args.vocab, bias=False)
+
+        def forward(self, tokens: Any) -> Any:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = self.embed(tokens) + self.position(positions)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    model = GPT().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    generator = torch.Generator().manual_seed(args.seed)
+
+    def batch(length: int) -> Any:
+        return torch.randint(0, args.vocab, (args.batch, length + 1), generator=generator).to(device)
+
+    def phase(name: str) -> Any:
+        if sp is None:
+            return _Nothing()
+        return sp.phase(name, scope="step")
+
+    def memory() -> Dict[str, int]:
+        if sp is not None:
+            return {"reserved": sp.memory_reserved(), "max_reserved": sp.max_memory_reserved(),
+                    "allocated": sp.memory_allocated()}
+        return {"reserved": torch.cuda.memory_reserved(), "max_reserved": torch.cuda.max_memory_reserved(),
+                "allocated": torch.cuda.memory_allocated()}
+
+    step_times: List[float] = []
+    peak_allocated = 0
+    result = f"completed {args.steps} steps"
+    print(f"{'step':>5} {'kind':>5} {'len':>5} {'reserved':>12} {'max reserved':>14} {'allocated':>12} {'time':>10}  loss")
+    try:
+        for step in range(args.steps):
+            if sp is not None:
+                sp.step()
+            evaluating = step > 0 and step % args.eval_every == 0
+            length = int(torch.randint(args.min_len, args.max_len + 1, (1,), generator=generator))
+            tokens = batch(length)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            if evaluating:
+                model.eval()
+                with torch.no_grad(), phase("evaluation"):
+                    logits = model(tokens[:, :-1])
+                    loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+                    del logits
+                model.train()
+            else:
+                with phase("activations"):
+                    logits = model(tokens[:, :-1])
+                    loss_tensor = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                    del logits
+                    loss_tensor.backward()
+                    loss = loss_tensor.item()
+                    del loss_tensor
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            del tokens
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if not evaluating:
+                step_times.append(elapsed)
+            numbers = memory()
+            peak_allocated = max(peak_allocated, numbers["allocated"])
+            print(f"{step:>5} {'eval' if evaluating else 'train':>5} {length:>5} {numbers['reserved'] / MIB:>8.1f} MiB"
+                  f" {numbers['max_reserved'] / MIB:>10.1f} MiB {numbers['allocated'] / MIB:>8.1f} MiB"
+                  f" {elapsed * 1000:>7.2f} ms  {loss:.3f}", flush=True)
+            if not math.isfinite(loss):
+                result = f"loss diverged at step {step}"
+                break
+    except torch.cuda.OutOfMemoryError as error:
+        result = f"OOM at step {step}"
+        if sp is not None and sp.last_failure() is not None:
+            result += f" ({sp.last_failure().verdict})"
+        print(f"out of memory: {error}", file=sys.stderr)
+    if sp is not None:
+        sp.step()
+    times = sorted(step_times[5:] or step_times)
+    summary = {
+        "allocator": args.allocator,
+        "peak_reserved": memory()["max_reserved"],
+        "peak_allocated": peak_allocated,
+        "step_ms": 1000 * times[len(times) // 2] if times else 0.0,
+        "result": result,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+    }
+    if args.json_out:
+        with open(args.json_out, "w") as file:
+            json.dump(summary, file)
+    return 0
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+
+def main() -> int:
+    args = parse()
+    return run_all(args) if args.allocator == "all" else run_one(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+//! `cargo xtask test [CARGO TEST ARGS]`: every test of the repository. `cargo test --workspace`
+//! (with ARGS), then the Python package's tests: a virtual environment under the target folder
+//! (`python-venv/`, made once), pytest from PyPI, the package installed from `runtime/torch` the
+//! way a user installs it (`pip install ./runtime/torch`, here with cargo's dev profile unless
+//! `SETUPTOOLS_RUST_CARGO_PROFILE` says otherwise, so it reuses the build the Rust tests made),
+//! and pytest over `runtime/torch/python/tests` on the simulated device.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::bench::{cargo, status};
+use crate::{project_root, target_dir};
+
+/// The Python interpreter that makes the virtual environment: `PYTHON`, else `python3`.
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+/// Runs the Rust tests with `args`, then the Python package's.
+pub(crate) fn run(args: &[&str]) -> Result<()> {
+    let root = project_root();
+    status(
+        Command::new(cargo()).current_dir(&root).args(["test", "--workspace"]).args(args),
+        "cargo test --workspace",
+    )?;
+    let venv = target_dir().join("python-venv");
+    let bin = venv.join("bin");
+    if !bin.join("python").exists() {
+        status(Command::new(python()).args(["-m", "venv"]).arg(&venv), "making the virtual environment")?;
+    }
+    let pip = |what: &str, args: &[&str]| {
+        status(
+            Command::new(bin.join("python"))
+                .current_dir(&root)
+                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+                .args(args)
+                .env("SETUPTOOLS_RUST_CARGO_PROFILE", profile()),
+            what,
+        )
+    };
+    pip("installing pytest", &["pytest>=7"])?;
+    pip("installing the steppool package (pip install ./runtime/torch)", &["./runtime/torch"])?;
+    // From outside the source folder, so the installed package is the one imported.
+    let tests = root.join("runtime/torch/python/tests");
+    status(
+        Command::new(bin.join("python"))
+            .current_dir(target_dir())
+            .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
+            .arg(&tests)
+            .env("STEPPOOL_DEVICE", "sim"),
+        "the Python package's tests",
+    )
+    .with_context(|| format!("pytest over {}", display(&tests)))
+}
+
+fn profile() -> String {
+    std::env::var("SETUPTOOLS_RUST_CARGO_PROFILE").unwrap_or_else(|_| "dev".to_owned())
+}
+
+fn display(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
