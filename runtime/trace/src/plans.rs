@@ -307,10 +307,12 @@ impl PlanFile {
     /// Reads and [validates](PlanFile::validate) a plan file.
     #[cfg(feature = "jsonl")]
     pub fn from_json(text: &str) -> Result<Self, PlanFileError> {
-        let json = |error: serde_json::Error| PlanFileError::Json {
-            line: error.line(),
-            column: error.column(),
-            message: error.to_string(),
+        let json = |error: serde_json::Error| {
+            let (line, column) = (error.line(), error.column());
+            let message = error.to_string();
+            let position = format!(" at line {line} column {column}");
+            let message = message.strip_suffix(&position).unwrap_or(&message).to_owned();
+            PlanFileError::Json { line, column, message }
         };
         // The header first, so that another format or version is named as such rather than by
         // the first field it lacks.
@@ -458,7 +460,7 @@ mod tests {
         match PlanFile::from_json(&text) {
             Err(PlanFileError::Json { line, message, .. }) => {
                 assert_eq!(line, 14, "{message}");
-                assert!(message.contains("ofset"), "{message}");
+                assert_eq!(message, "unknown field `ofset`, expected one of `size`, `start`, `end`, `offset`");
             }
             other => panic!("{other:?}"),
         }
