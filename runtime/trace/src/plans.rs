@@ -418,6 +418,8 @@ pub enum PlanFileError {
 
 #[cfg(all(test, feature = "jsonl"))]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn block(size: u64, start: u32, end: Option<u32>, offset: u64) -> PlannedBlock {
@@ -519,5 +521,59 @@ mod tests {
             PlanFile::from_json(&file.to_json()),
             Err(PlanFileError::DuplicatePhase { phase: "step".to_owned() })
         );
+    }
+
+    /// A plan packed from a random sequence of allocations and frees, as the planned strategy
+    /// packs a recorded scope.
+    fn packed() -> impl Strategy<Value = SavedPlan> {
+        prop::collection::vec((1u64..64, any::<bool>(), any::<prop::sample::Index>()), 1..80).prop_map(|ops| {
+            let mut blocks: Vec<Block> = Vec::new();
+            let mut live: Vec<usize> = Vec::new();
+            for (position, (size, allocate, pick)) in ops.into_iter().enumerate() {
+                if allocate || live.is_empty() {
+                    live.push(blocks.len());
+                    blocks.push(Block { size: size * ALIGNMENT, start: position as u32, end: Block::NEVER_FREED });
+                } else {
+                    blocks[live.swap_remove(pick.index(live.len()))].end = position as u32;
+                }
+            }
+            let packing = packing::pack(&blocks);
+            SavedPlan {
+                key: PlanKey::Sizes(blocks.iter().take(4).map(|b| b.size).collect()),
+                bytes: packing.size,
+                varies: false,
+                blocks: blocks
+                    .iter()
+                    .zip(&packing.offsets)
+                    .map(|(b, &offset)| PlannedBlock {
+                        size: b.size,
+                        start: b.start,
+                        end: (b.end != Block::NEVER_FREED).then_some(b.end),
+                        offset,
+                    })
+                    .collect(),
+            }
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn packed_plans_are_valid_and_read_back_unchanged(plan in packed(), shift in 0u64..4) {
+            let file = PlanFile::new(vec![PhasePlans { phase: "p".to_owned(), plans: vec![plan.clone()] }]);
+            prop_assert_eq!(PlanFile::from_json(&file.to_json()), Ok(file.clone()));
+            // Any block moved onto a block alive at the same time is refused.
+            let blocks = plan.packer_blocks();
+            if let Some((a, b)) = (0..blocks.len())
+                .flat_map(|a| (0..blocks.len()).map(move |b| (a, b)))
+                .find(|&(a, b)| a != b && blocks[a].overlaps_in_time(&blocks[b]))
+            {
+                let mut moved = file.clone();
+                let block = &mut moved.phases[0].plans[0].blocks[b];
+                // Inside `a`'s range: a quarter step of it at a time.
+                block.offset = plan.blocks[a].offset + plan.blocks[a].size / ALIGNMENT * shift / 4 * ALIGNMENT;
+                let refused = PlanFile::from_json(&moved.to_json());
+                prop_assert!(matches!(refused, Err(PlanFileError::Invalid { plan: 0, .. })), "{:?}", refused);
+            }
+        }
     }
 }
