@@ -7,7 +7,8 @@
 //! ```text
 //! steppool inspect TRACE [--json FILE]
 //! steppool replay TRACE [--capacity SIZE] [--strategy NAME|all] [--arena-slab SIZE] [--no-bisect]
-//!                       [--json FILE] [--svg FILE]
+//!                       [--json FILE] [--svg FILE] [--plan PLAN]
+//! steppool plan TRACE -o PLAN [--capacity SIZE]
 //! steppool convert TRACE OUTPUT.jsonl
 //! steppool synth PATTERN OUTPUT.jsonl [--scale X] [--steps N] [--seed N] [--no-micro-steps]
 //! ```

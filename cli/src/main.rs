@@ -65,6 +65,22 @@ enum Command {
         /// Draw the reserved-vs-live timeline of each strategy into this SVG file.
         #[arg(long, value_name = "FILE")]
         svg: Option<PathBuf>,
+        /// Saved plans (from `steppool plan` or `Runtime::saved_plans`): also replay
+        /// `planned-loaded`, the planned strategy starting with them, planned from its first step.
+        #[arg(long, value_name = "PLAN")]
+        plan: Option<PathBuf>,
+    },
+    /// Replay the trace under the planned strategy and save the plans its step phase kept, for a
+    /// later run to load (`Runtime::load_plans`, `steppool replay --plan`).
+    Plan {
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace.
+        trace: PathBuf,
+        /// The plan file to write (JSON, format `steppool-plans`).
+        #[arg(short, long, value_name = "PLAN")]
+        output: PathBuf,
+        /// Memory of each simulated device; default: the trace's device, or 80 GiB.
+        #[arg(long, value_name = "SIZE", value_parser = size)]
+        capacity: Option<u64>,
     },
     /// Generate a trace of a workload pattern (steppool format) at the real models' sizes times
     /// --scale: bert_static, gpt2_varlen, llama_accum, resnet_varbatch, moe_routing,
@@ -144,8 +160,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 write(&path, serde_json::to_string_pretty(&inspection)? + "\n")?;
             }
         }
-        Command::Replay { trace, capacity, strategy, arena_slab, no_bisect, json, svg } => {
+        Command::Replay { trace, capacity, strategy, arena_slab, no_bisect, json, svg, plan } => {
             refuse_sidecar(&trace, json.as_deref())?;
+            let plans = plan.as_deref().map(read_plans).transpose()?;
             if let Some(slab) = arena_slab
                 && let Err(error) = steppool::PhaseSpec::new("arena", steppool::Scope::Step)
                     .strategy(steppool::Strategy::Arena { slab_bytes: slab })
@@ -153,7 +170,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             {
                 anyhow::bail!("--arena-slab: {error}");
             }
-            let strategies = replay::select(&strategy)?;
+            let mut strategies = replay::select(&strategy)?;
+            if plans.is_some() {
+                // Right after `planned`, or last when it was not selected.
+                let at = strategies
+                    .iter()
+                    .position(|s| s.name() == replay::PLANNED.name)
+                    .map_or(strategies.len(), |i| i + 1);
+                strategies.insert(at, replay::Allocator::Steppool(&replay::PLANNED_LOADED));
+            }
             let trace = read::read_trace(&trace)?;
             let analysis = analysis::analyse(&trace)?;
             let inspection = report::inspect(&trace, &analysis);
@@ -163,6 +188,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let mut options = ReplayOptions::new(capacity);
             options.arena_slab = arena_slab;
             options.bisect = !no_bisect;
+            options.plans = plans.map(std::sync::Arc::new);
             let progress = Progress::new(analysis.ops.len() as u64);
             let results = replay::replay(&trace, &analysis, &strategies, &options, &progress)?;
             progress.bar.finish_and_clear();
@@ -195,6 +221,44 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 write(&path, svg::timeline_svg(&trace, &results))?;
             }
         }
+        Command::Plan { trace: path, output, capacity } => {
+            let trace = read::read_trace(&path)?;
+            let analysis = analysis::analyse(&trace)?;
+            let capacity = capacity.unwrap_or_else(|| {
+                trace.devices.iter().filter_map(|d| d.total_bytes).max().unwrap_or(steppool_sys::sim::DEFAULT_CAPACITY)
+            });
+            let progress = Progress::new(analysis.ops.len() as u64);
+            let (run, plans) = replay::record_plans(&trace, &analysis, &ReplayOptions::new(capacity), &progress)?;
+            progress.bar.finish_and_clear();
+            if let Some(failure) = &run.failure {
+                anyhow::bail!(
+                    "{}: the planned replay stopped at {} on a device of {}: {}; give a larger --capacity",
+                    path.display(),
+                    failure.location,
+                    Bytes(capacity),
+                    failure.message
+                );
+            }
+            write(&output, plans.to_json())?;
+            let mut text = format!("wrote {}: plans of the planned replay of {}\n", output.display(), path.display());
+            for phase in &plans.phases {
+                for plan in &phase.plans {
+                    let bound = plan.lower_bound();
+                    text += &format!(
+                        "  phase {}: {} allocations in a slab of {} ({:.3}x its peak of live bytes, {})\n",
+                        phase.phase,
+                        plan.blocks.len(),
+                        Bytes(plan.bytes),
+                        if bound == 0 { 1.0 } else { plan.bytes as f64 / bound as f64 },
+                        Bytes(bound)
+                    );
+                }
+            }
+            if plans.phases.is_empty() {
+                text += "  no plans: the trace has no step-scoped allocations\n";
+            }
+            out(&text)?;
+        }
         Command::Synth { pattern, output, scale, steps, seed, no_micro_steps } => {
             let pattern = steppool_cli::patterns::Pattern::from_name(&pattern)?;
             let options = steppool_cli::patterns::PatternOptions { steps, seed, scale, micro_steps: !no_micro_steps };
@@ -220,6 +284,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Reads and checks a plan file.
+fn read_plans(path: &Path) -> anyhow::Result<steppool_trace::plans::PlanFile> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let plans = steppool_trace::plans::PlanFile::from_json(&text).with_context(|| format!("{}", path.display()))?;
+    if plans.phase(replay::STEP_PHASE).is_none() {
+        anyhow::bail!(
+            "{}: no plans for phase `{}`, the step phase of the planned replay (the file has {:?})",
+            path.display(),
+            replay::STEP_PHASE,
+            plans.phases.iter().map(|p| p.phase.as_str()).collect::<Vec<_>>()
+        );
+    }
+    Ok(plans)
 }
 
 /// Prints to stdout, returning a broken pipe as an error rather than panicking.

@@ -41,12 +41,15 @@
 //! no step boundaries (PyTorch has none); they are compared, never recommended.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use steppool::sys::CUmemoryPool;
 use steppool::sys::sim::{DEFAULT_GRANULE, MAX_CAPACITY, SimConfig};
 use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, Verdict, fragmentation_ratio};
 
 use steppool_trace::analysis::{Analysis, Op, PhaseFacts, ReplayPhase, location_of};
+use steppool_trace::plans::PlanFile;
+use steppool_trace::recommend::{Candidate, recommend};
 use steppool_trace::{Location, Trace};
 
 use crate::breakdown::{Breakdown, Live, Range, Snapshot, breakdown};
@@ -85,12 +88,15 @@ pub const STRATEGIES: &[StrategyDef] = &[
         summary: "phase pools, with step and micro-step phases as bump arenas reset at their boundary",
         layout: arena,
     },
-    StrategyDef {
-        name: "planned",
-        summary: "persistent allocations packed in chunks; every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
-        layout: planned,
-    },
+    PLANNED,
 ];
+
+/// `planned`: persistent allocations in chunks, the rest in one plan per step.
+pub const PLANNED: StrategyDef = StrategyDef {
+    name: "planned",
+    summary: "persistent allocations packed in chunks; every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
+    layout: planned,
+};
 
 fn default_pool(_: &ReplayPhase, _: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
     // PhaseSpec's release threshold defaults to u64::MAX, as PyTorch and RMM set it on the
@@ -112,6 +118,26 @@ fn arena(phase: &ReplayPhase, facts: &PhaseFacts, options: &ReplayOptions) -> Ph
     }
 }
 
+/// The phase the `planned` layout serves every step- and micro-step-scoped allocation from: the
+/// phase whose plans `steppool plan` saves and [`PLANNED_LOADED`] loads.
+pub const STEP_PHASE: &str = "step";
+
+/// `planned`, its step phase starting with saved plans ([`ReplayOptions::plans`]): planned from
+/// the first step. Replayed only when plans are given (`steppool replay --plan`).
+pub const PLANNED_LOADED: StrategyDef = StrategyDef {
+    name: "planned-loaded",
+    summary: "planned, starting with the saved plans of --plan: the first step is served from them, with no recording step",
+    layout: planned_loaded,
+};
+
+fn planned_loaded(phase: &ReplayPhase, facts: &PhaseFacts, options: &ReplayOptions) -> PhaseSpec {
+    let spec = planned(phase, facts, options);
+    match options.plans.as_ref().and_then(|file| file.phase(STEP_PHASE)) {
+        Some(saved) if spec.name == STEP_PHASE => spec.plans(saved.clone()),
+        _ => spec,
+    }
+}
+
 fn planned(phase: &ReplayPhase, facts: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
     match phase.scope {
         // Long-lived allocations of every persistent phase share one pool, packed in chunks.
@@ -119,7 +145,7 @@ fn planned(phase: &ReplayPhase, facts: &PhaseFacts, _: &ReplayOptions) -> PhaseS
             .strategy(Strategy::Chunked { chunk_bytes: default_chunk(facts) }),
         // One plan for the whole step: every step- and micro-step-scoped allocation (each freed
         // within its micro-step, which the trace does) in one lifetime-aware packing.
-        Scope::Step | Scope::MicroStep => PhaseSpec::new("step", Scope::Step).strategy(Strategy::PLANNED),
+        Scope::Step | Scope::MicroStep => PhaseSpec::new(STEP_PHASE, Scope::Step).strategy(Strategy::PLANNED),
     }
 }
 
@@ -130,12 +156,10 @@ pub fn default_chunk(facts: &PhaseFacts) -> u64 {
     (facts.peak_live / 16).next_multiple_of(DEFAULT_GRANULE).clamp(DEFAULT_GRANULE, 64 << 20)
 }
 
-/// The arena slab for a phase when none is given: an eighth of the phase's peak of live bytes,
-/// rounded up to the 2 MiB granule, between 2 MiB and 256 MiB. Eight slabs keep the unused tail of
-/// each slab (at most the largest allocation that did not fit) small against the peak, and the
-/// bounds keep tiny phases from taking many slabs and large ones from stranding a huge tail.
+/// The arena slab for a phase when none is given: [`Strategy::arena_slab`] of its peak of live
+/// bytes (an eighth of it, 2 MiB to 256 MiB), as the runtime's automatic strategy sizes arenas.
 pub fn default_slab(facts: &PhaseFacts) -> u64 {
-    (facts.peak_live / 8).next_multiple_of(DEFAULT_GRANULE).clamp(DEFAULT_GRANULE, 256 << 20)
+    Strategy::arena_slab(facts.peak_live)
 }
 
 /// A model of PyTorch's caching allocator the replay compares with.
@@ -209,7 +233,7 @@ pub fn select(name: &str) -> Result<Vec<Allocator>> {
 }
 
 /// Settings of a replay.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplayOptions {
     /// Capacity of each simulated device, in bytes.
     pub capacity: u64,
@@ -219,12 +243,15 @@ pub struct ReplayOptions {
     pub bisect: bool,
     /// Points in each run's timeline.
     pub timeline_points: usize,
+    /// Saved plans for [`PLANNED_LOADED`]: its step phase starts with the plans of the file's
+    /// phase named [`STEP_PHASE`].
+    pub plans: Option<Arc<PlanFile>>,
 }
 
 impl ReplayOptions {
     /// A replay on devices of `capacity` bytes, with bisection and a 1000-point timeline.
     pub fn new(capacity: u64) -> Self {
-        Self { capacity, arena_slab: None, bisect: true, timeline_points: 1000 }
+        Self { capacity, arena_slab: None, bisect: true, timeline_points: 1000, plans: None }
     }
 }
 
@@ -355,15 +382,21 @@ impl StrategyResult {
     }
 }
 
-/// The strategy a replay recommends: of steppool's strategies (never a PyTorch model) whose run
+/// The strategy a replay recommends, by [the rule](steppool_trace::recommend) the runtime's
+/// automatic strategy uses too: of steppool's strategies (never a PyTorch model) whose run
 /// completed, the one with the least whole-run peak reserved, the earlier in report order on
 /// ties; `None` when none completed.
 pub fn recommended(results: &[StrategyResult]) -> Option<&'static str> {
-    results
+    let steppool: Vec<&StrategyResult> = results.iter().filter(|r| !is_torch(r.run.strategy)).collect();
+    let candidates: Vec<Candidate<'_>> = steppool
         .iter()
-        .filter(|r| r.run.completed() && !is_torch(r.run.strategy))
-        .min_by_key(|r| r.run.peak_reserved_bytes)
-        .map(|r| r.run.strategy)
+        .map(|r| Candidate {
+            name: r.run.strategy,
+            completed: r.run.completed(),
+            peak_reserved: r.run.peak_reserved_bytes,
+        })
+        .collect();
+    recommend(&candidates).map(|index| steppool[index].run.strategy)
 }
 
 /// Whether `name` is one of the PyTorch models.
@@ -495,7 +528,7 @@ pub fn run_probed(
     probe: Option<usize>,
 ) -> Result<(Run, Option<Snapshot>)> {
     match allocator {
-        Allocator::Steppool(def) => run_steppool(trace, analysis, def, capacity, options, observer, probe),
+        Allocator::Steppool(def) => run_steppool(trace, analysis, def, capacity, options, observer, probe, None),
         Allocator::Torch(def) => Ok(run_torch(trace, analysis, def, capacity, options, observer, probe)),
     }
 }
@@ -551,6 +584,21 @@ impl Peaks {
     }
 }
 
+/// Replays `analysis` under the `planned` strategy and returns the run with the plans its phases
+/// kept at the end ([`Runtime::saved_plans`]): what `steppool plan` writes.
+pub fn record_plans(
+    trace: &Trace,
+    analysis: &Analysis,
+    options: &ReplayOptions,
+    observer: &dyn Observer,
+) -> Result<(Run, PlanFile)> {
+    let mut saved = PlanFile::default();
+    let (run, _) =
+        run_steppool(trace, analysis, &PLANNED, options.capacity, options, observer, None, Some(&mut saved))?;
+    Ok((run, saved))
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_steppool(
     trace: &Trace,
     analysis: &Analysis,
@@ -559,6 +607,7 @@ fn run_steppool(
     options: &ReplayOptions,
     observer: &dyn Observer,
     probe: Option<usize>,
+    saved: Option<&mut PlanFile>,
 ) -> Result<(Run, Option<Snapshot>)> {
     let device_count = device_count(trace, analysis);
     let config = SimConfig { capacities: vec![capacity; device_count], ..SimConfig::with_capacity(capacity) };
@@ -739,6 +788,9 @@ fn run_steppool(
         peak_op: peaks.op,
         timeline,
     };
+    if let Some(saved) = saved {
+        *saved = runtime.saved_plans();
+    }
     Ok((run, snapshot))
 }
 

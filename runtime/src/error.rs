@@ -181,6 +181,15 @@ pub enum Error {
         /// The step that released it.
         step: u64,
     },
+    /// Saved plans name a phase the runtime does not have.
+    #[error("the plans name phase `{name}`, which this runtime does not have: declare it first")]
+    NoPhaseNamed {
+        /// The name.
+        name: String,
+    },
+    /// A plan file that cannot be used (its format, version, or a plan that is not valid).
+    #[error("plan file: {0}")]
+    InvalidPlans(#[from] steppool_trace::plans::PlanFileError),
     /// A plan key was set for a phase that does not use the planned strategy.
     #[error("phase `{phase}` uses the {strategy} strategy: plan keys select plans of planned phases")]
     NotPlanned {

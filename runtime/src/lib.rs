@@ -126,6 +126,8 @@ pub use report::{
 };
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use step::{MicroStep, Step};
+/// Saved plans: the model and file format of [`Runtime::saved_plans`] and [`Runtime::load_plans`].
+pub use steppool_trace::plans::{PhasePlans, PlanFile, PlanFileError};
 pub use stream::{Event, Stream};
 pub use telemetry_handle::Telemetry;
 pub use warning::{Warning, WarningKind, WarningRule};

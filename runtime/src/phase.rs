@@ -7,6 +7,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
+use steppool_trace::plans::{PhasePlans, PlanKey};
+
 /// How long a phase's allocations live; defined with the trace model, so that the runtime, its
 /// traces and their readers share one type and one spelling (`micro_step`).
 pub use steppool_trace::Scope;
@@ -64,6 +66,14 @@ pub enum Strategy {
         /// How many first sizes of a scope select its plan, 1 to 64.
         signature_len: u32,
     },
+    /// Chosen by the phase pool from its first scope: served directly and recorded, then each of
+    /// `Direct`, an arena (slabs of [`Strategy::arena_slab`] of the recorded peak) and [`Strategy::PLANNED`] is
+    /// tried on the recording over a simulated device, and the one that reserves least from its
+    /// second scope on serves every later scope (the rule `steppool replay` recommends by:
+    /// `steppool_trace::recommend`). A chosen planned strategy starts with the plan packed from
+    /// the recording. For step- or micro-step-scoped phases; the choice is in
+    /// [`PoolStats::chosen`](crate::PoolStats::chosen).
+    Auto,
 }
 
 impl Strategy {
@@ -73,14 +83,25 @@ impl Strategy {
     /// Planned slabs keeping 8 plans, selected by the first 4 sizes of a scope.
     pub const PLANNED: Strategy = Strategy::Planned { max_plans: 8, signature_len: 4 };
 
-    /// `direct`, `arena`, `chunked` or `planned`.
+    /// `direct`, `arena`, `chunked`, `planned` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Direct => "direct",
             Strategy::Arena { .. } => "arena",
             Strategy::Chunked { .. } => "chunked",
             Strategy::Planned { .. } => "planned",
+            Strategy::Auto => "auto",
         }
+    }
+
+    /// The arena slab for a phase whose peak of live bytes is `peak_live`: an eighth of it,
+    /// rounded up to the 2 MiB granule, between 2 MiB and 256 MiB. Eight slabs keep the unused
+    /// tail of each slab (at most the largest allocation that did not fit) small against the
+    /// peak, and the bounds keep tiny phases from taking many slabs and large ones from stranding
+    /// a huge tail. `steppool replay` and the automatic strategy both size arenas so.
+    pub fn arena_slab(peak_live: u64) -> u64 {
+        const GRANULE: u64 = 2 << 20;
+        (peak_live / 8).next_multiple_of(GRANULE).clamp(GRANULE, 256 << 20)
     }
 }
 
@@ -134,6 +155,12 @@ pub struct PhaseSpec {
     /// Most bytes its live allocations may hold, summed over devices and streams; a request past
     /// it fails with [`Error::BudgetExceeded`](crate::Error::BudgetExceeded).
     pub budget: Option<u64>,
+    /// Plans saved from an earlier run ([`Runtime::saved_plans`](crate::Runtime::saved_plans), or
+    /// `steppool plan` from a trace), for a [`Planned`](Strategy::Planned) phase: each of its
+    /// pools starts with them, so a scope they select is served from its first allocation, with
+    /// no recording scope. Checked by [`PhaseSpec::validate`]; the phase name they carry is not
+    /// compared with the spec's.
+    pub plans: Option<Arc<PhasePlans>>,
 }
 
 impl PhaseSpec {
@@ -145,7 +172,21 @@ impl PhaseSpec {
             Scope::Persistent => TrimPolicy::Never,
             Scope::Step | Scope::MicroStep => TrimPolicy::KeepRecentPeak { steps: 8 },
         };
-        Self { name: name.into(), scope, strategy: Strategy::Direct, release_threshold: u64::MAX, trim, budget: None }
+        Self {
+            name: name.into(),
+            scope,
+            strategy: Strategy::Direct,
+            release_threshold: u64::MAX,
+            trim,
+            budget: None,
+            plans: None,
+        }
+    }
+
+    /// Starting with these saved plans (see [`PhaseSpec::plans`](PhaseSpec#structfield.plans)).
+    pub fn plans(mut self, plans: PhasePlans) -> Self {
+        self.plans = Some(Arc::new(plans));
+        self
     }
 
     /// With this strategy.
@@ -173,7 +214,10 @@ impl PhaseSpec {
     }
 
     /// Checks what a runtime relies on: a name, arena slabs and chunks of 512 bytes to 64 TiB, and planned
-    /// phases that are step- or micro-step-scoped, with 1 to 1024 plans selected by 1 to 64 sizes.
+    /// phases that are step- or micro-step-scoped, with 1 to 1024 plans selected by 1 to 64 sizes;
+    /// saved plans only on a planned phase, no more than it keeps, each keyed by as many sizes as
+    /// the phase's signature reads (or by a user key), and each valid and overlap-free
+    /// ([`PhasePlans::validate`]).
     pub fn validate(&self) -> Result<(), InvalidPhaseSpec> {
         let invalid = |reason: String| Err(InvalidPhaseSpec { phase: self.name.clone(), reason });
         if self.name.is_empty() {
@@ -189,6 +233,12 @@ impl PhaseSpec {
         {
             return invalid(format!("chunks of {chunk_bytes} bytes: use 512 bytes to 64 TiB"));
         }
+        if self.strategy == Strategy::Auto && self.scope == Scope::Persistent {
+            return invalid(
+                "the automatic strategy chooses from a recorded scope: make the phase step- or micro-step-scoped"
+                    .to_owned(),
+            );
+        }
         if let Strategy::Planned { max_plans, signature_len } = self.strategy {
             if self.scope == Scope::Persistent {
                 return invalid(
@@ -203,6 +253,32 @@ impl PhaseSpec {
                 return invalid(format!(
                     "planned strategy with a signature of {signature_len} sizes: use 1 to {MAX_SIGNATURE}"
                 ));
+            }
+        }
+        if let Some(saved) = &self.plans {
+            let Strategy::Planned { max_plans, signature_len } = self.strategy else {
+                return invalid(format!(
+                    "saved plans are for the planned strategy, and the phase uses the {} strategy",
+                    self.strategy.name()
+                ));
+            };
+            if saved.plans.len() > max_plans as usize {
+                return invalid(format!("{} saved plans for a phase that keeps {max_plans}", saved.plans.len()));
+            }
+            for (index, plan) in saved.plans.iter().enumerate() {
+                let expected = (signature_len as usize).min(plan.blocks.len());
+                if let PlanKey::Sizes(sizes) = &plan.key
+                    && sizes.len() != expected
+                {
+                    return invalid(format!(
+                        "saved plan {index} is keyed by {} sizes; this phase's signature reads {expected} of its {} allocations",
+                        sizes.len(),
+                        plan.blocks.len()
+                    ));
+                }
+            }
+            if let Err(error) = saved.validate() {
+                return invalid(format!("saved plans: {error}"));
             }
         }
         Ok(())

@@ -522,6 +522,11 @@ impl PoolGuard<'_> {
         Ok(pool_metrics(self.pool, state.totals, state.allocator.free_space()))
     }
 
+    /// The plans its strategy keeps, as a plan file saves them (none unless it is planned).
+    pub(crate) fn saved_plans(&self) -> Vec<steppool_trace::plans::SavedPlan> {
+        self.state.allocator.saved_plans()
+    }
+
     /// The pool's numbers over the current step.
     pub(crate) fn stats(&self) -> Result<PoolStats> {
         let pool = self.pool;
@@ -543,6 +548,7 @@ impl PoolGuard<'_> {
             largest_request: c.largest_request,
             free_space: self.state.allocator.free_space(),
             plan: self.state.allocator.plan_stats(),
+            chosen: self.state.allocator.chosen(),
         })
     }
 }

@@ -54,6 +54,9 @@ pub struct PoolStats {
     pub free_space: Option<FreeSpace>,
     /// The planned strategy's hit rate, deviations, slab and plans over the step.
     pub plan: Option<PlanStats>,
+    /// The strategy an [`Auto`](Strategy::Auto) pool chose at the end of its first scope; `None`
+    /// before that and for the other strategies.
+    pub chosen: Option<Strategy>,
 }
 
 /// The sum of a phase's pools over a step.
@@ -315,15 +318,9 @@ impl FreeSpace {
     }
 }
 
-/// What a plan is keyed by.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum PlanKey {
-    /// A key the user gave with [`Runtime::set_plan_key`](crate::Runtime::set_plan_key) (a sequence-length bucket, say).
-    User(u64),
-    /// The first sizes of the scope, rounded up to the 512-byte alignment.
-    Sizes(Vec<u64>),
-}
+/// What a plan is keyed by: defined with the plan file format, so that a plan the runtime keeps
+/// and one it saves or loads have one key type.
+pub use steppool_trace::plans::PlanKey;
 
 /// One plan a phase pool keeps.
 #[derive(Clone, Debug, PartialEq, Eq)]

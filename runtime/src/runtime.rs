@@ -5,6 +5,7 @@
 use std::sync::{Arc, PoisonError};
 
 use steppool_sys::{Driver, Selection};
+use steppool_trace::plans::{PhasePlans, PlanFile};
 
 use crate::buffer::Buffer;
 use crate::device::Device;
@@ -199,6 +200,59 @@ impl Runtime {
             return Err(Error::NotPlanned { phase: entry.spec.name.clone(), strategy: entry.spec.strategy.name() });
         }
         *entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner) = key;
+        Ok(())
+    }
+
+    /// The plans the runtime's [`Planned`](Strategy::Planned) phases keep, per phase by name,
+    /// most recently used first: what a later run loads ([`Runtime::load_plans`],
+    /// [`PhaseSpec::plans`](PhaseSpec#structfield.plans)) to be planned from its first step.
+    /// A phase with pools on several streams or devices gets each pool's plans, one per key (the
+    /// pool created first wins), at most the phase's `max_plans`; a pool that is gone (its stream
+    /// dropped) took its plans with it. Taken between boundaries, like [`Runtime::stats`]. Write
+    /// it with [`PlanFile::to_json`] (feature `trace`).
+    pub fn saved_plans(&self) -> PlanFile {
+        let _steps = self.inner.control.lock();
+        let pools = self.inner.registry.pools();
+        let mut phases = Vec::new();
+        for entry in self.inner.registry.phases().iter() {
+            let Strategy::Planned { max_plans, .. } = entry.spec.strategy else { continue };
+            let mut saved = PhasePlans { phase: entry.spec.name.clone(), plans: Vec::new() };
+            for pool in pools.iter().filter(|pool| pool.phase() == entry.phase) {
+                for plan in pool.lock().saved_plans() {
+                    if saved.plans.len() < max_plans as usize && saved.plans.iter().all(|p| p.key != plan.key) {
+                        saved.plans.push(plan);
+                    }
+                }
+            }
+            if !saved.plans.is_empty() {
+                phases.push(saved);
+            }
+        }
+        PlanFile::new(phases)
+    }
+
+    /// Loads saved plans into the phases they name, before their first allocation: each named
+    /// phase's spec gets its plans ([`PhaseSpec::plans`](PhaseSpec#structfield.plans)). The file
+    /// is checked first ([`PlanFile::validate`]: format, version, every plan overlap-free), and
+    /// every phase must exist, use the planned strategy and not be in use yet, or nothing is
+    /// loaded: [`Error::InvalidPlans`], [`Error::NoPhaseNamed`], [`Error::InvalidPhaseSpec`],
+    /// [`Error::PhaseInUse`].
+    pub fn load_plans(&self, file: &PlanFile) -> Result<()> {
+        file.validate()?;
+        let mut specs = Vec::with_capacity(file.phases.len());
+        for saved in &file.phases {
+            let phase =
+                self.phase_named(&saved.phase).ok_or_else(|| Error::NoPhaseNamed { name: saved.phase.clone() })?;
+            let spec = self.phase_spec(phase)?.plans(saved.clone());
+            spec.validate()?;
+            if self.inner.registry.phase(phase)?.in_use.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(Error::PhaseInUse { phase: saved.phase.clone() });
+            }
+            specs.push((phase, spec));
+        }
+        for (phase, spec) in specs {
+            self.set_phase_spec(phase, spec)?;
+        }
         Ok(())
     }
 

@@ -10,9 +10,14 @@
 //! - [`Chunked`]: best fit in chunks taken from the pool, for long-lived allocations (see
 //!   `chunks.rs`, which the planned strategy's unplanned allocations use too).
 //! - [`Planned`]: the scope's sequence is recorded and packed; later scopes are served at the
-//!   planned offsets of one slab (see `planned.rs`; the packing is `steppool_trace::packing`).
+//!   planned offsets of one slab (see `planned.rs`; the packing is `steppool_trace::packing`),
+//!   or from plans saved by an earlier run (`steppool_trace::plans`).
+//! - [`Auto`]: the first scope is served directly and recorded; each of the others is tried on
+//!   the recording over a simulated device, and the pool goes on with the one
+//!   `steppool_trace::recommend` chooses (see `auto.rs`).
 
 mod arena;
+mod auto;
 mod chunked;
 mod chunks;
 mod direct;
@@ -22,8 +27,10 @@ use std::fmt;
 use std::sync::Arc;
 
 use steppool_sys::CUdeviceptr;
+use steppool_trace::plans::SavedPlan;
 
 pub(crate) use arena::Arena;
+pub(crate) use auto::Auto;
 pub(crate) use chunked::Chunked;
 pub(crate) use direct::Direct;
 pub(crate) use planned::Planned;
@@ -76,6 +83,16 @@ pub(crate) trait Allocator: Send + fmt::Debug {
     /// A step begins: counters kept per step start over.
     fn begin_step(&mut self) {}
 
+    /// The plans the strategy keeps, as a plan file saves them (the planned strategy's).
+    fn saved_plans(&self) -> Vec<SavedPlan> {
+        Vec::new()
+    }
+
+    /// The strategy an [`Auto`](Strategy::Auto) phase pool chose, once it has.
+    fn chosen(&self) -> Option<Strategy> {
+        None
+    }
+
     /// The planned strategy's numbers over the current step.
     fn plan_stats(&self) -> Option<PlanStats> {
         None
@@ -106,8 +123,10 @@ pub(crate) fn allocator(entry: &Arc<PhaseEntry>) -> Box<dyn Allocator> {
         Strategy::Direct => Box::new(Direct),
         Strategy::Arena { slab_bytes } => Box::new(Arena::new(slab_bytes)),
         Strategy::Chunked { chunk_bytes } => Box::new(Chunked::new(chunk_bytes)),
-        Strategy::Planned { max_plans, signature_len } => {
-            Box::new(Planned::new(entry.clone(), max_plans, signature_len))
-        }
+        Strategy::Auto => Box::new(Auto::new(entry.clone())),
+        Strategy::Planned { max_plans, signature_len } => match &entry.spec.plans {
+            Some(saved) => Box::new(Planned::with_plans(entry.clone(), max_plans, signature_len, &saved.plans)),
+            None => Box::new(Planned::new(entry.clone(), max_plans, signature_len)),
+        },
     }
 }

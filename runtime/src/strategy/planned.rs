@@ -62,6 +62,7 @@ use std::sync::{Arc, PoisonError};
 
 use steppool_sys::CUdeviceptr;
 use steppool_trace::packing::{self as plan, Block};
+use steppool_trace::plans::{PlannedBlock, SavedPlan};
 
 use super::Allocator;
 use super::chunks::{Chunks, GRANULE, PointerMap};
@@ -288,6 +289,58 @@ impl Planned {
             counters: Counters::default(),
             given_back: 0,
         }
+    }
+
+    /// As [`Planned::new`], starting with `saved` plans (checked by [`PhaseSpec::validate`]:
+    /// overlap-free, keys of the phase's signature length), the first `max_plans` of them: a
+    /// scope whose first sizes (or user key) select one is served from it from its first
+    /// allocation, with no recording scope before it.
+    ///
+    /// [`PhaseSpec::validate`]: crate::PhaseSpec::validate
+    pub(crate) fn with_plans(entry: Arc<PhaseEntry>, max_plans: u32, signature_len: u32, saved: &[SavedPlan]) -> Self {
+        let mut planned = Self::new(entry, max_plans, signature_len);
+        for saved in saved.iter().take(planned.max_plans) {
+            let blocks = saved.packer_blocks();
+            let mut by_end: Vec<u32> =
+                (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
+            by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
+            planned.plans.push(Plan {
+                key: saved.key.clone(),
+                sizes: blocks.iter().map(|b| b.size).collect(),
+                offsets: saved.blocks.iter().map(|b| b.offset).collect(),
+                starts: blocks.iter().map(|b| b.start).collect(),
+                ends: blocks.iter().map(|b| b.end).collect(),
+                by_end,
+                bytes: saved.bytes,
+                lower_bound: plan::lower_bound(&blocks),
+                last_used: 0,
+                scopes: 0,
+                varies: saved.varies,
+            });
+        }
+        planned
+    }
+
+    /// The plans kept, most recently used first, as a plan file saves them.
+    pub(crate) fn saved_plans(&self) -> Vec<SavedPlan> {
+        let mut plans: Vec<&Plan> = self.plans.iter().collect();
+        plans.sort_by_key(|plan| std::cmp::Reverse(plan.last_used));
+        plans
+            .into_iter()
+            .map(|plan| SavedPlan {
+                key: plan.key.clone(),
+                bytes: plan.bytes,
+                varies: plan.varies,
+                blocks: (0..plan.sizes.len())
+                    .map(|i| PlannedBlock {
+                        size: plan.sizes[i],
+                        start: plan.starts[i],
+                        end: (plan.ends[i] != Block::NEVER_FREED).then_some(plan.ends[i]),
+                        offset: plan.offsets[i],
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 
     /// Begins a scope's bookkeeping at its first allocation: reads the user's key.
@@ -886,6 +939,10 @@ impl Allocator for Planned {
         Some(super::PlanView { sizes: plan.sizes.clone(), offsets: plan.offsets.clone(), bytes: plan.bytes })
     }
 
+    fn saved_plans(&self) -> Vec<SavedPlan> {
+        Planned::saved_plans(self)
+    }
+
     fn plan_stats(&self) -> Option<PlanStats> {
         let c = self.counters;
         let mut plans: Vec<&Plan> = self.plans.iter().collect();
@@ -1161,6 +1218,28 @@ mod tests {
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned), (2, 0), "served from its plan after the growth");
         assert_eq!(run(&mut planned, &small), 3 << 20);
+    }
+
+    #[test]
+    fn saved_plans_serve_the_first_scope_of_a_new_allocator() {
+        let (mut source, mut recorded) = (FakeSource::new(1 << 20), planned());
+        let first = scope(&mut recorded, &mut source);
+        let saved = recorded.saved_plans();
+        assert_eq!(saved.len(), 1);
+        assert_eq!(saved[0].blocks.iter().map(|b| b.size).collect::<Vec<_>>(), [4096, 8192, 2048]);
+        let (mut source, mut loaded) = (FakeSource::new(1 << 20), {
+            let entry = PhaseEntry::new(Phase(0), PhaseSpec::new("p", Scope::Step).strategy(Strategy::PLANNED));
+            Planned::with_plans(entry, 8, 2, &saved)
+        });
+        let ptrs = scope(&mut loaded, &mut source);
+        let stats = loaded.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.replans), (3, 0, 0), "no recording scope");
+        assert_eq!(source.allocs, 1, "the slab alone was taken");
+        let slab = *source.live.keys().next().unwrap();
+        let offsets: Vec<u64> = ptrs.iter().map(|&p| p - slab).collect();
+        assert_eq!(offsets, saved[0].blocks.iter().map(|b| b.offset).collect::<Vec<_>>(), "at the saved offsets");
+        assert_eq!(loaded.saved_plans()[0].blocks, saved[0].blocks, "and saved again unchanged");
+        assert_eq!(first.len(), 3);
     }
 
     #[test]

@@ -72,6 +72,7 @@ pub fn step_json(report: &StepReport) -> Value {
                     "plans": plan.plans.len(),
                     "overhead": plan.overhead(),
                 })),
+                "chosen_strategy": p.chosen.map(|strategy| strategy.name()),
             })
         })
         .collect();

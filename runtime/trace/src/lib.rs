@@ -12,6 +12,7 @@
 //! | steppool trace (JSON lines, versioned) | [`jsonl`] | yes (feature `jsonl`) | yes (feature `jsonl`): the runtime's recorder, `steppool convert` |
 //! | RMM `logging_resource_adaptor` CSV | [`rmm`] | yes | no |
 //! | PyTorch memory snapshot pickle | [`pytorch`] | yes (feature `pytorch`) | [`pytorch::Snapshot`]: the runtime's snapshot exporter |
+//! | steppool plan file (JSON, versioned) | [`plans`] | yes (feature `jsonl`) | yes (feature `jsonl`): `Runtime::saved_plans`, `steppool plan` |
 //!
 //! [`read::read_trace`] (feature `read`) recognizes the format by content and finds the step
 //! boundaries (the trace's own, a sidecar's, or [inferred](steps::infer)). [`analysis::analyse`]
@@ -42,9 +43,11 @@ mod error;
 #[cfg(feature = "jsonl")]
 pub mod jsonl;
 pub mod packing;
+pub mod plans;
 pub mod pytorch;
 #[cfg(feature = "read")]
 pub mod read;
+pub mod recommend;
 pub mod rmm;
 mod scope;
 pub mod steps;

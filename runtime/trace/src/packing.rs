@@ -220,20 +220,55 @@ fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
     Packing { offsets, size }
 }
 
+/// Why a packing is not valid for its blocks: what [`first_conflict`] finds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Conflict {
+    /// There are not as many offsets as blocks.
+    Count {
+        /// Blocks.
+        blocks: usize,
+        /// Offsets.
+        offsets: usize,
+    },
+    /// Block `block` is empty or ends no later than it starts.
+    Malformed {
+        /// Its index.
+        block: usize,
+    },
+    /// Block `block` reaches past the slab's end.
+    OutsideSlab {
+        /// Its index.
+        block: usize,
+    },
+    /// Blocks `first` and `second` are alive at the same time and share bytes.
+    Overlap {
+        /// The one allocated (or placed, on ties) first.
+        first: usize,
+        /// The other.
+        second: usize,
+    },
+}
+
 /// Checks a packing independently of how it was made: every block inside the slab, and no two
 /// blocks alive at the same time overlapping. A sweep over time with the live blocks by offset.
 pub fn is_valid(blocks: &[Block], packing: &Packing) -> bool {
+    first_conflict(blocks, packing).is_none()
+}
+
+/// What makes a packing invalid, the first found by [`is_valid`]'s sweep; `None` when valid.
+pub fn first_conflict(blocks: &[Block], packing: &Packing) -> Option<Conflict> {
     if packing.offsets.len() != blocks.len() {
-        return false;
+        return Some(Conflict::Count { blocks: blocks.len(), offsets: packing.offsets.len() });
     }
     let mut events: Vec<(u32, bool, usize)> = Vec::with_capacity(blocks.len() * 2);
     for (id, block) in blocks.iter().enumerate() {
         if block.size == 0 || block.start >= block.end {
-            return false;
+            return Some(Conflict::Malformed { block: id });
         }
         match packing.offsets[id].checked_add(block.size) {
             Some(end) if end <= packing.size => {}
-            _ => return false,
+            _ => return Some(Conflict::OutsideSlab { block: id }),
         }
         events.push((block.start, true, id));
         if block.end != Block::NEVER_FREED {
@@ -241,22 +276,27 @@ pub fn is_valid(blocks: &[Block], packing: &Packing) -> bool {
         }
     }
     events.sort_unstable();
-    let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+    // Live blocks by offset: (end, id).
+    let mut live: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
     for (_, allocation, id) in events {
         let (offset, end) = (packing.offsets[id], packing.offsets[id] + blocks[id].size);
         if !allocation {
             live.remove(&offset);
             continue;
         }
-        if live.range(..=offset).next_back().is_some_and(|(_, &below_end)| below_end > offset) {
-            return false;
+        if let Some((_, &(below_end, below))) = live.range(..=offset).next_back()
+            && below_end > offset
+        {
+            return Some(Conflict::Overlap { first: below, second: id });
         }
-        if live.range(offset..).next().is_some_and(|(&above, _)| above < end) {
-            return false;
+        if let Some((&above, &(_, other))) = live.range(offset..).next()
+            && above < end
+        {
+            return Some(Conflict::Overlap { first: other, second: id });
         }
-        live.insert(offset, end);
+        live.insert(offset, (end, id));
     }
-    true
+    None
 }
 
 #[cfg(test)]
@@ -323,6 +363,14 @@ mod tests {
         assert!(!is_valid(&blocks, &Packing { offsets: vec![0, 512], size: 1536 }));
         assert!(!is_valid(&blocks, &Packing { offsets: vec![0, 1024], size: 1024 }));
         assert!(is_valid(&blocks, &Packing { offsets: vec![0, 1024], size: 1536 }));
+        assert_eq!(
+            first_conflict(&blocks, &Packing { offsets: vec![0, 512], size: 1536 }),
+            Some(Conflict::Overlap { first: 0, second: 1 })
+        );
+        assert_eq!(
+            first_conflict(&blocks, &Packing { offsets: vec![0, 1024], size: 1024 }),
+            Some(Conflict::OutsideSlab { block: 1 })
+        );
         // Once the first is freed, the same range may serve the next.
         let blocks = [block(1024, 0, 1), block(1024, 2, 3)];
         assert!(is_valid(&blocks, &Packing { offsets: vec![0, 0], size: 1024 }));

@@ -1,0 +1,98 @@
+//! `steppool plan` and `steppool replay --plan`, end to end through the binary: the plans of a
+//! planned replay are written, read back, and replayed from the first step; bad plan files are
+//! refused with the line and field at fault.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use steppool_trace::plans::PlanFile;
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+}
+
+fn steppool(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_steppool")).args(args).output().expect("the binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn plans_are_saved_from_a_trace_and_replayed_from_the_first_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = data("t5_varlen_train.csv");
+    let plan = dir.path().join("t5.plan.json");
+    let output = steppool(&["plan", trace.to_str().unwrap(), "-o", plan.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    assert!(stdout.contains("phase step: 2672 allocations in a slab of"), "{stdout}");
+
+    // The file is a valid plan file: the step phase, a plan per sequence length seen.
+    let file = PlanFile::from_json(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let step = file.phase("step").expect("the step phase's plans");
+    assert!(step.plans.len() >= 2, "variable lengths give several plans: {}", step.plans.len());
+    assert!(step.plans.iter().all(|p| p.bytes >= p.lower_bound() && p.blocks.len() == 2672));
+
+    let json = dir.path().join("replay.json");
+    let output = steppool(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--strategy",
+        "planned",
+        "--plan",
+        plan.to_str().unwrap(),
+        "--no-bisect",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    assert!(stdout.contains("planned-loaded"), "{stdout}");
+    let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let result =
+        |name: &str| document["results"].as_array().unwrap().iter().find(|r| r["strategy"] == name).unwrap().clone();
+    let (recorded, loaded) = (result("planned"), result("planned-loaded"));
+    let bytes = |r: &serde_json::Value, field: &str| r[field].as_u64().unwrap();
+    // With the plans of every shape from the first step, no step is recorded in chunks beside
+    // the slab, and the largest shape's slab is not taken after a smaller one's: less is
+    // reserved over the whole run and from the second step on.
+    assert!(bytes(&loaded, "peak_reserved_bytes") < bytes(&recorded, "peak_reserved_bytes"), "{loaded} vs {recorded}");
+    assert!(bytes(&loaded, "steady_peak_reserved_bytes") <= bytes(&recorded, "steady_peak_reserved_bytes"));
+}
+
+#[test]
+fn bad_plan_files_are_refused_with_the_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = data("vit_static_train.csv");
+    let plan = dir.path().join("vit.plan.json");
+    assert!(steppool(&["plan", trace.to_str().unwrap(), "-o", plan.to_str().unwrap()]).status.success());
+    let good = std::fs::read_to_string(&plan).unwrap();
+    let replay = |contents: &str| {
+        let bad = dir.path().join("bad.plan.json");
+        std::fs::write(&bad, contents).unwrap();
+        let args = ["replay", trace.to_str().unwrap(), "--strategy", "planned", "--plan", bad.to_str().unwrap()];
+        let output = steppool(&args);
+        assert!(!output.status.success());
+        text(&output.stderr)
+    };
+    let stderr = replay(&good.replacen("\"offset\":", "\"ofset\":", 1));
+    assert!(stderr.contains("bad.plan.json: line 13, column") && stderr.contains("unknown field `ofset`"), "{stderr}");
+    // The second block moved onto the first while both are alive.
+    let file = PlanFile::from_json(&good).unwrap();
+    let first = file.phases[0].plans[0].blocks[0];
+    let second = file.phases[0].plans[0].blocks[1];
+    let moved = good.replacen(
+        &format!("\"start\":{},\"end\":{},\"offset\":{}", second.start, second.end.unwrap(), second.offset),
+        &format!("\"start\":{},\"end\":{},\"offset\":{}", second.start, second.end.unwrap(), first.offset),
+        1,
+    );
+    let stderr = replay(&moved);
+    assert!(
+        stderr.contains("phase `step`, plan 0: block 0") && stderr.contains("overlap while both are alive"),
+        "{stderr}"
+    );
+    let stderr = replay(&good.replace("\"phase\": \"step\"", "\"phase\": \"activations\""));
+    assert!(stderr.contains("no plans for phase `step`"), "{stderr}");
+}
