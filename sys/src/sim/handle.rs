@@ -14,6 +14,8 @@ pub(crate) enum Kind {
     Pool = 4,
     Module = 5,
     Function = 6,
+    /// A physical allocation of `cuMemCreate` (`vmm.rs`).
+    Physical = 16,
 }
 
 const TAG: usize = 0x5E;
