@@ -23,8 +23,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use steppool_sys::handle::{EventHandle, PoolHandle};
 use std::collections::BTreeMap;
+use steppool_sys::handle::{EventHandle, PoolHandle};
 
 use steppool_sys::{
     CUdevice, CUdeviceptr, CUevent_flags, CUmemGenericAllocationHandle, CUmemPool_attribute, CUmemoryPool, PoolProps,

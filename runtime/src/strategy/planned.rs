@@ -539,7 +539,8 @@ impl Planned {
         if self.slab_refused {
             return Ok(None);
         }
-        let tail = online.by_offset.iter().next_back().filter(|&(&at, &len)| at + len == slab.size).map_or(0, |(_, &len)| len);
+        let tail =
+            online.by_offset.iter().next_back().filter(|&(&at, &len)| at + len == slab.size).map_or(0, |(_, &len)| len);
         if !self.grow_slab(source, slab.size + (size - tail))? {
             return Ok(None);
         }
@@ -615,14 +616,8 @@ impl Planned {
             let desired = need.max(self.desired_slab());
             self.ensure_slab(source, desired)?;
         }
-        // A scope without a plan (a recording, a new shape) is served online from a growable
-        // slab, which grows at its end as the scope needs: the slab and the scope's memory are
-        // one range, not a slab and fallback chunks beside it.
-        if self.plan.is_none() && self.online.is_none() && !self.slab_refused && self.growable_slab(source)? {
-            let slab = self.slab.expect("a growable slab");
-            self.go_online(slab);
-        }
-        if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
+        // (A growable slab with nothing mapped is no slab here: the scope is recorded in chunks.)
+        if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab.filter(|slab| slab.size > 0)) {
             if self.slab_live.is_empty() && self.late.is_empty() {
                 // A new shape from its first allocation, the slab empty: the slab goes back and
                 // the scope is recorded in chunks, like a first step, rather than best-fit in the
@@ -630,11 +625,20 @@ impl Planned {
                 // training steps: its large buffers fit none of the training plan's holes, and
                 // the slab and the chunks would both be held). The stream is waited for so the
                 // trim returns the slab to the device before the chunks are taken.
-                self.slab = None;
-                self.online = None;
-                source.free(slab.base, slab.size)?;
-                source.synchronize()?;
-                source.trim_to(0)?;
+                //
+                // A growable slab has no such cost: the new shape is served best-fit from its
+                // start (nothing lives in it, so there are no holes), pages are mapped at its end
+                // as the scope needs them and the free ones there go back as the scope frees them
+                // (see `release_free_tail`), and the slab ends the scope sized by the new plan.
+                if slab.growable {
+                    self.go_online(slab);
+                } else {
+                    self.slab = None;
+                    self.online = None;
+                    source.free(slab.base, slab.size)?;
+                    source.synchronize()?;
+                    source.trim_to(0)?;
+                }
             } else {
                 self.go_online(slab);
             }
@@ -680,7 +684,7 @@ impl Planned {
                 // from the slab's free ranges, then the fallback chunks, so a scope that leaves
                 // its plan holds the slab and little beside it, not the slab and a second copy
                 // of itself in chunks.
-                if let Some(slab) = self.slab {
+                if let Some(slab) = self.slab.filter(|slab| slab.size > 0) {
                     self.go_online(slab);
                     if let Some(offset) = self.take_online(source, size)? {
                         let slab = self.slab.expect("an online scope has a slab");
@@ -1006,7 +1010,11 @@ impl Allocator for Planned {
         let mut outcome = self.fallback.release_all(source);
         self.online = None;
         if let Some(slab) = self.slab.take() {
-            outcome = outcome.and(if slab.growable { source.free_range(slab.base) } else { source.free(slab.base, slab.size) });
+            outcome = outcome.and(if slab.growable {
+                source.free_range(slab.base)
+            } else {
+                source.free(slab.base, slab.size)
+            });
         }
         self.close_scope();
         outcome
@@ -1311,20 +1319,20 @@ mod tests {
     }
 
     #[test]
-    fn with_ranges_the_recording_is_served_in_one_range_that_grows_at_its_end() {
+    fn with_ranges_the_slab_is_a_range_mapped_to_the_plan_after_a_recording_in_chunks() {
         let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
-        let (ptrs, slab) = live_scope(&mut planned, &mut source, &[MIB, MIB, 3 * MIB, 4 * MIB]);
-        assert_eq!(source.allocs, 0, "no pool allocation: no fallback chunk, no second slab");
+        let (_, slab) = live_scope(&mut planned, &mut source, &[MIB, MIB, 3 * MIB, 4 * MIB]);
+        assert!(source.allocs > 0, "the first scope is recorded in fallback chunks");
+        assert!(source.live.is_empty(), "which went back at its end");
         assert!(slab.growable);
         assert_eq!(source.ranges.len(), 1);
-        assert_eq!(ptrs[0], slab.base, "the recording starts at the range's base");
-        assert_eq!(ptrs[1] - ptrs[0], MIB, "end to end, as the range grew");
-        assert_eq!(ptrs[3] - ptrs[2], 3 * MIB);
         assert_eq!(slab.size, 10 * MIB, "the plan's 9 MiB, rounded up to a page");
-        assert_eq!(source.mapped(), 10 * MIB);
+        assert_eq!(source.held(), 10 * MIB);
+        let allocs = source.allocs;
         let (again, _) = live_scope(&mut planned, &mut source, &[MIB, MIB, 3 * MIB, 4 * MIB]);
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned, stats.deviations), (4, 0, 0), "then served from its plan");
+        assert_eq!(source.allocs, allocs);
         assert!(again.iter().all(|&p| p >= slab.base && p < slab.base + slab.size));
     }
 
@@ -1333,49 +1341,58 @@ mod tests {
         let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
         let key = [512, 512];
         let (_, small) = live_scope(&mut planned, &mut source, &[key[0], key[1], 4 * MIB]);
-        // Same key, a larger last size (a longer sequence): the entry is larger than planned and
-        // past the slab's end, so the slab grows under it at the same addresses.
+        let allocs = source.allocs;
+        // Same key, a larger last size (a longer sequence): the entry's grown range is not clear,
+        // so the scope goes on best-fit in the slab, which grows at its end to hold it.
         let (ptrs, grown) = live_scope(&mut planned, &mut source, &[key[0], key[1], 20 * MIB]);
         assert_eq!(grown.base, small.base, "the same range");
-        assert_eq!(source.allocs, 0, "nothing taken from the pool");
+        assert_eq!(source.allocs, allocs, "nothing taken from the pool: no second slab, no chunk");
         assert!(ptrs[2] >= grown.base && ptrs[2] < grown.base + RANGE_LIMIT, "in the range");
         assert!(grown.size >= 20 * MIB, "the new plan's slab holds the larger entry");
-        // A smaller scope of another shape: recorded in the range, and the pages past its plan go
-        // back at the boundary.
+        // A smaller scope of another shape: served in the range, recorded, and the pages past
+        // its plan go back at the boundary.
         let shrinks = source.shrinks;
         let (_, after) = live_scope(&mut planned, &mut source, &[1024, 1024, 4 * MIB]);
         assert_eq!(after.base, small.base);
+        assert_eq!(source.allocs, allocs);
         assert!(source.shrinks > shrinks, "pages given back");
         assert!(after.size < grown.size && source.mapped() == after.size, "{} mapped", source.mapped());
     }
 
     #[test]
-    fn a_recording_gives_back_the_free_end_of_its_range_while_it_runs() {
+    fn a_new_shape_gives_back_the_free_end_of_the_range_while_it_runs() {
         let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
+        live_scope(&mut planned, &mut source, &[MIB, MIB, 14 * MIB]);
+        assert_eq!(source.mapped(), 16 * MIB);
+        // A new shape (its first size is larger than the plan's): served online from the range.
         planned.begin_step();
         let ptrs: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
-        assert_eq!(source.mapped(), 16 * MIB);
+        assert_eq!(source.mapped(), 16 * MIB, "it fits the pages mapped");
         // Freed from the top (as a backward pass frees activations): once an eighth of the range
         // is free at its end, its pages go back while the scope goes on.
+        let syncs = source.syncs;
         planned.free(&mut source, ptrs[7], 2 * MIB).unwrap();
         assert_eq!(source.mapped(), 14 * MIB, "the free page at the end went back");
+        assert_eq!(source.syncs, syncs + 1, "after a wait for the stream");
         for &ptr in ptrs[..7].iter().rev() {
             planned.free(&mut source, ptr, 2 * MIB).unwrap();
         }
         assert!(source.mapped() <= 2 * MIB, "{} still mapped", source.mapped());
         planned.reset(&mut source, u64::MAX).unwrap();
-        assert_eq!(planned.slab.unwrap().size, 16 * MIB, "the plan's slab is mapped for the next scope");
+        assert_eq!(planned.slab.unwrap().size, 16 * MIB, "the new plan's slab is mapped for the next scope");
+        assert_eq!(source.allocs, 2, "only the first recording took chunks");
     }
 
     #[test]
     fn with_ranges_a_new_shape_is_recorded_in_the_same_range() {
         let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
         let (_, first) = live_scope(&mut planned, &mut source, &[4 * MIB, 4 * MIB]);
+        let allocs = source.allocs;
         // Another shape (an evaluation pass): served online from the same range, and recorded.
         let (ptrs, second) = live_scope(&mut planned, &mut source, &[MIB, 2 * MIB]);
         assert_eq!(second.base, first.base);
         assert_eq!(ptrs[0], first.base, "best fit from the range's start");
-        assert_eq!(source.allocs, 0);
+        assert_eq!(source.allocs, allocs, "no chunk");
         assert_eq!((planned.plans.len(), second.size), (2, 4 * MIB), "recorded; the slab is its plan's");
         planned.release_all(&mut source).unwrap();
         assert_eq!((source.held(), source.ranges.len()), (0, 0), "the range is given back whole");

@@ -255,7 +255,7 @@ pub(crate) struct State {
     completed: Clock,
     next_id: u32,
     /// Reserved address ranges and physical allocations (`vmm.rs`).
-    pub(crate) vmm: Vmm,
+    pub(crate) vmm: Box<Vmm>,
 }
 
 impl State {
@@ -278,7 +278,7 @@ impl State {
             host: None,
             completed: Clock::default(),
             next_id: 0,
-            vmm: Vmm::new(id, config_host_memory),
+            vmm: Box::new(Vmm::new(id, config_host_memory)),
         };
         state.host = state.config.host_memory.then(HostMemory::default);
         // Each driver instance and device gets its own slice of a 64-bit address space.

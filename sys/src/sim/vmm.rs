@@ -172,7 +172,7 @@ impl Vmm {
 
 /// Whether `value` is a multiple of `granule`.
 fn aligned(value: u64, granule: u64) -> bool {
-    value % granule == 0
+    value.is_multiple_of(granule)
 }
 
 impl State {
