@@ -33,7 +33,9 @@
 //! [`Runtime::pool_handle`] and the simulated device's
 //! [`pool_layout`](steppool::sys::sim::Sim::pool_layout) for steppool's strategies (every pool of
 //! every phase and stream, its segments, with the live allocations at the addresses the runtime
-//! returned), and from the model's own blocks for the PyTorch models. Replays are deterministic,
+//! returned; each run of adjacent pages mapped into a range that grows in place,
+//! [`mapped_ranges`](steppool::sys::sim::Sim::mapped_ranges), as one range of a pool of its own),
+//! and from the model's own blocks for the PyTorch models. Replays are deterministic,
 //! so the second run reaches the same state.
 //!
 //! **PyTorch models** ([`TORCH_MODELS`]) replay the same operations through
@@ -774,6 +776,23 @@ fn steppool_snapshot(
                 pool,
             }));
         }
+    }
+    // Pages mapped into ranges that grow in place (planned slabs and persistent chunks on a
+    // device with virtual memory management): each run of adjacent pages is one range, of a pool
+    // of its own.
+    let mut runs: Vec<(usize, u64, u64)> = Vec::new();
+    for mapped in sim.mapped_ranges() {
+        match runs.last_mut() {
+            Some((device, base, size)) if *device == mapped.device && *base + *size == mapped.base => {
+                *size += mapped.size
+            }
+            _ => runs.push((mapped.device, mapped.base, mapped.size)),
+        }
+    }
+    for (device, base, size) in runs {
+        let pool = pools.len();
+        pools.insert(base as CUmemoryPool, pool);
+        ranges.push(Range { device: device as u32, base, size, granule, pool });
     }
     let live = analysis
         .allocations

@@ -693,8 +693,28 @@ impl Planned {
                         return Ok(ptr);
                     }
                 }
-                let ptr = self.allocate_from_pool(source, size)?;
-                Ok(ptr)
+                match self.allocate_from_pool(source, size) {
+                    // The pool cannot place a chunk (the device is full, or its free memory is in
+                    // pieces): the scope goes on best-fit in a growable slab, whose pages need no
+                    // contiguous memory.
+                    Err(Error::Driver(error))
+                        if error.is_out_of_memory() && !self.slab_refused && self.growable_slab(source)? =>
+                    {
+                        let slab = self.slab.expect("a growable slab");
+                        if self.online.is_none() {
+                            self.go_online(slab);
+                        }
+                        match self.take_online(source, size)? {
+                            Some(offset) => {
+                                let ptr = slab.base + offset;
+                                self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+                                Ok(ptr)
+                            }
+                            None => Err(Error::Driver(error)),
+                        }
+                    }
+                    other => other,
+                }
             }
         }
     }
@@ -988,6 +1008,8 @@ impl Allocator for Planned {
     /// size) when it next serves from a plan.
     /// Fallback chunks with nothing handed out go back too.
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
+        // Memory is being freed for a retry: a slab refused before may be had now.
+        self.slab_refused = false;
         let chunks = self.fallback.release_empty(source, 0)?;
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
             return Ok(chunks);
