@@ -707,7 +707,8 @@ impl Planned {
                         match self.take_online(source, size)? {
                             Some(offset) => {
                                 let ptr = slab.base + offset;
-                                self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+                                self.slab_live
+                                    .insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
                                 Ok(ptr)
                             }
                             None => Err(Error::Driver(error)),
