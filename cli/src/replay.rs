@@ -89,7 +89,7 @@ pub const STRATEGIES: &[StrategyDef] = &[
     },
     StrategyDef {
         name: "planned",
-        summary: "persistent allocations packed in chunks; every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
+        summary: "persistent allocations packed end to end (one range grown in place, or chunks); every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
         layout: planned,
     },
 ];

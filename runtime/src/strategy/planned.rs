@@ -30,6 +30,23 @@
 //! serves again. So a first step run before the optimizer state existed, or a long sequence, does
 //! not keep the slab at its size while smaller scopes follow.
 //!
+//! # A slab that grows in place
+//!
+//! Where the source has ranges that grow in place (a device with virtual memory management), the
+//! slab is one reserved range whose pages are mapped as plans need them, and everything above
+//! about taking a larger slab after a stream wait becomes mapping more pages at the same
+//! addresses, live allocations untouched: a plan larger than the slab maps what it lacks when it
+//! is selected; an entry larger than planned whose range runs past the slab's end maps what it
+//! reaches (the range is still checked against every live allocation before it is handed out);
+//! a scope served online (a new shape, a deviation) grows the slab at its end by what its free
+//! range there lacks, instead of taking fallback chunks, and gives back the pages of that free
+//! end once they are an eighth of the slab. At the scope's end the pages past what the plan of
+//! the scope that just ended needs are unmapped (after a wait for the stream): physical pages are
+//! the device's, and another phase takes them while this one is small. A new shape is served
+//! best-fit in the empty range rather than recorded in chunks beside it. The first scope is still
+//! recorded in fallback chunks (they go back as they empty, anywhere in the scope, where a range
+//! gives back only its end); so is everything when the device refuses a page.
+//!
 //! # Why a hand-out never overlaps a live allocation
 //!
 //! Planned entries are handed out in increasing order, each at most once per scope (the cursor
