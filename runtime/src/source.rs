@@ -63,7 +63,8 @@ pub(crate) trait Source {
     /// part, rounded up to the page granularity; returns the bytes mapped now. Growing maps new
     /// pages after the mapped ones (memory before them keeps its contents and addresses);
     /// shrinking waits for the stream's work, then unmaps pages from the end, whose memory the
-    /// caller no longer uses. A growth the device refuses maps nothing and is an error.
+    /// caller no longer uses. A growth the device refuses maps nothing and is an error, and so is
+    /// one past what the range can map (an out-of-memory error).
     fn resize_range(&mut self, base: CUdeviceptr, bytes: u64) -> Result<u64>;
 
     /// Gives back the range at `base`: what is mapped (after waiting for the stream) and the
@@ -470,7 +471,15 @@ impl Source for DeviceSource {
     fn resize_range(&mut self, base: CUdeviceptr, bytes: u64) -> Result<u64> {
         let granule = self.stream.device.vmm_granularity.expect("a range exists only with virtual memory management");
         let range = self.ranges.get(&base).expect("a range of this source");
-        let target = (bytes.min(range.limit).div_ceil(granule)) as usize;
+        if bytes > range.limit {
+            // More than the device has: what mapping it would end in.
+            return Err(Error::Driver(steppool_sys::DriverError::Call {
+                call: "cuMemCreate",
+                code: steppool_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+                description: format!("{bytes} bytes asked of a range of {} bytes", range.limit).into(),
+            }));
+        }
+        let target = bytes.div_ceil(granule) as usize;
         let mapped = range.pages.len();
         if target > mapped {
             self.map_pages(base, target, granule)?;
@@ -709,9 +718,9 @@ pub(crate) mod fake {
 
         fn resize_range(&mut self, base: CUdeviceptr, bytes: u64) -> Result<u64> {
             let mapped = *self.ranges.get(&base).expect("resize of a range the source did not reserve");
-            let target = bytes.min(RANGE_LIMIT).next_multiple_of(PAGE);
+            let target = bytes.next_multiple_of(PAGE);
             if target > mapped {
-                if self.held() + (target - mapped) > self.capacity {
+                if target > RANGE_LIMIT || self.held() + (target - mapped) > self.capacity {
                     return Err(Self::out_of_memory());
                 }
                 self.grows += 1;

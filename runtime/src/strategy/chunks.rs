@@ -245,10 +245,14 @@ impl Chunks {
         let ptr = match self.ranges.take(size) {
             Some(ptr) => ptr,
             None => {
-                if !self.grow_range(source, size)? {
-                    self.grow(source, size, chunk_bytes)?;
+                let grown = if self.grow_range(source, size)? { self.ranges.take(size) } else { None };
+                match grown {
+                    Some(ptr) => ptr,
+                    None => {
+                        self.grow(source, size, chunk_bytes)?;
+                        self.ranges.take(size).expect("a new chunk holds the request")
+                    }
                 }
-                self.ranges.take(size).expect("a new chunk, or the grown range, holds the request")
             }
         };
         self.live.insert(ptr, size);
