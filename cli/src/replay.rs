@@ -563,7 +563,13 @@ fn run_steppool(
     probe: Option<usize>,
 ) -> Result<(Run, Option<Snapshot>)> {
     let device_count = device_count(trace, analysis);
-    let config = SimConfig { capacities: vec![capacity; device_count], ..SimConfig::with_capacity(capacity) };
+    // Virtual memory management as a GPU has it: planned slabs, persistent chunks and arenas
+    // grow in place.
+    let config = SimConfig {
+        capacities: vec![capacity; device_count],
+        vmm_supported: true,
+        ..SimConfig::with_capacity(capacity)
+    };
     config.validate().map_err(|e| ReplayError::Invalid(format!("capacity {capacity} bytes: {e}")))?;
     let at = |event: usize, source: Error| ReplayError::Runtime {
         strategy: def.name.to_owned(),

@@ -34,7 +34,9 @@ pub struct SimConfig {
     pub peer_access: bool,
     /// What `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` reports; without it the
     /// virtual memory management calls (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, ...)
-    /// return `CUDA_ERROR_NOT_SUPPORTED`, as on devices and drivers that lack them.
+    /// return `CUDA_ERROR_NOT_SUPPORTED`, as on devices and drivers that lack them. Off by
+    /// default, so the runtime takes pool slabs and chunks (a GPU has it: the trace replay and
+    /// the training-loop example turn it on, as an H100 answers).
     pub vmm_supported: bool,
     /// Whether device memory is backed by host memory, so that memset, copies and the
     /// repository's fill kernels have effect (`STEPPOOL_SIM_HOST_MEMORY=1`). Off by default: a
@@ -55,7 +57,7 @@ impl Default for SimConfig {
             driver_version: DEFAULT_DRIVER_VERSION,
             memory_pools_supported: true,
             peer_access: true,
-            vmm_supported: true,
+            vmm_supported: false,
             host_memory: false,
             faults: None,
         }

@@ -36,7 +36,7 @@
 //! - **Host memory.** On a host-backed device each physical allocation has a zeroed host block,
 //!   so what a kernel or copy writes through one mapping reads back through any other.
 //!
-//! Without `vmm_supported` in the configuration, the device attribute
+//! Without `vmm_supported` in the configuration (the default), the device attribute
 //! `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` is 0 and every call here returns
 //! `CUDA_ERROR_NOT_SUPPORTED`.
 //!
@@ -107,7 +107,9 @@ impl Vmm {
     /// The state of simulated driver `id` (its reserved addresses lie above every device slice
     /// of every driver instance), host-backed when `host_memory` is set.
     pub(crate) fn new(id: u64, host_memory: bool) -> Self {
-        let base = (1 << 63) | ((id % 0x7FF) << 52);
+        // Above the device slices of every instance (below 2^60), below 2^63 so that addresses
+        // stay positive 64-bit integers in the formats that store them signed.
+        let base = (0x100 + id % 0x700) << 52;
         Self {
             space: AddressSpace::new(base, VA_SPAN),
             reservations: BTreeMap::new(),
@@ -397,7 +399,7 @@ mod tests {
     }
 
     fn current(config: SimConfig) -> Driver {
-        let driver = Driver::simulated(config).unwrap();
+        let driver = Driver::simulated(SimConfig { vmm_supported: true, ..config }).unwrap();
         let ctx = driver.primary_context_retain(0).unwrap();
         // SAFETY: `ctx` was just retained from this driver.
         unsafe { driver.context_set_current(ctx) }.unwrap();
@@ -551,7 +553,10 @@ mod tests {
 
     #[test]
     fn without_support_every_call_is_refused_and_faults_reach_the_calls() {
-        let driver = current(SimConfig { vmm_supported: false, ..SimConfig::with_capacity(64 * MIB) });
+        let driver = Driver::simulated(SimConfig::with_capacity(64 * MIB)).unwrap();
+        let ctx = driver.primary_context_retain(0).unwrap();
+        // SAFETY: `ctx` was just retained from this driver.
+        unsafe { driver.context_set_current(ctx) }.unwrap();
         assert!(!driver.vmm_supported(0).unwrap());
         assert_eq!(code(driver.mem_address_reserve(GRANULE, 0)), CUresult::CUDA_ERROR_NOT_SUPPORTED);
         assert_eq!(code(driver.mem_create(0, GRANULE)), CUresult::CUDA_ERROR_NOT_SUPPORTED);
