@@ -131,6 +131,9 @@ pub(crate) struct DeviceSource {
     /// Bytes mapped in them now, and the most since the step began.
     mapped: u64,
     mapped_high: u64,
+    /// Pages whose unmap (at the address, if any) or release the driver refused: owed, and made
+    /// at the next trim and at destroy, as refused frees are.
+    owed_pages: Vec<(Option<CUdeviceptr>, CUmemGenericAllocationHandle)>,
 }
 
 impl fmt::Debug for DeviceSource {
@@ -174,6 +177,7 @@ impl DeviceSource {
             ranges: BTreeMap::new(),
             mapped: 0,
             mapped_high: 0,
+            owed_pages: Vec::new(),
         };
         source.grant_access(peers)?;
         Ok(source)
@@ -311,6 +315,7 @@ impl DeviceSource {
     /// Makes the frees the source owes, once the device is idle; those the driver refuses again
     /// stay owed.
     fn retry_pending(&mut self) -> Result<()> {
+        self.retry_owed_pages()?;
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -505,6 +510,35 @@ impl Source for DeviceSource {
 }
 
 impl DeviceSource {
+    /// Unmaps and releases the pages the driver refused to before; those it refuses again stay
+    /// owed. Their memory was last used before the refused call, which waited for the stream.
+    fn retry_owed_pages(&mut self) -> Result<()> {
+        if self.owed_pages.is_empty() {
+            return Ok(());
+        }
+        let device = self.stream.device.clone();
+        let granule = device.vmm_granularity.unwrap_or(0);
+        device.make_current()?;
+        let mut outcome = Ok(());
+        for (ptr, handle) in std::mem::take(&mut self.owed_pages) {
+            if let Some(ptr) = ptr {
+                // SAFETY: the page was mapped by this source with this handle and is no longer
+                // used (the stream was waited for before the refused unmap).
+                if let Err(error) = unsafe { device.driver.mem_unmap(ptr, granule) } {
+                    self.owed_pages.push((Some(ptr), handle));
+                    outcome = outcome.and(Err(error.into()));
+                    continue;
+                }
+            }
+            // SAFETY: the handle is this source's and no longer mapped.
+            if let Err(error) = unsafe { device.driver.mem_release(handle) } {
+                self.owed_pages.push((None, handle));
+                outcome = outcome.and(Err(error.into()));
+            }
+        }
+        outcome
+    }
+
     /// Maps pages after the mapped ones of the range at `base` until it has `target`, with
     /// access for the device and its peers; on a failure, unmaps and releases what this call
     /// mapped.
@@ -527,7 +561,9 @@ impl DeviceSource {
             // every mapped page.
             if let Err(error) = unsafe { driver.mem_map(base + page as u64 * granule, granule, handle) } {
                 // SAFETY: the handle was just created and is not mapped.
-                let _ = unsafe { driver.mem_release(handle) };
+                if unsafe { driver.mem_release(handle) }.is_err() {
+                    self.owed_pages.push((None, handle));
+                }
                 outcome = Err(error);
                 break;
             }
@@ -543,10 +579,13 @@ impl DeviceSource {
         if let Err(error) = outcome {
             // Nothing used the new pages: they go back at once.
             for (page, handle) in added.into_iter().enumerate().rev() {
+                let ptr = base + (from + page) as u64 * granule;
                 // SAFETY: each page was mapped above with this handle and never used.
-                unsafe {
-                    let _ = driver.mem_unmap(base + (from + page) as u64 * granule, granule);
-                    let _ = driver.mem_release(handle);
+                if unsafe { driver.mem_unmap(ptr, granule) }.is_err() {
+                    self.owed_pages.push((Some(ptr), handle));
+                // SAFETY: as above; the handle is no longer mapped.
+                } else if unsafe { driver.mem_release(handle) }.is_err() {
+                    self.owed_pages.push((None, handle));
                 }
             }
             return Err(error.into());
@@ -586,7 +625,10 @@ impl DeviceSource {
                 let pool_reserved = self.reserved_or_zero();
                 self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes: granule, pool_reserved });
             }
-            released?;
+            if let Err(error) = released {
+                self.owed_pages.push((None, handle));
+                return Err(error.into());
+            }
         }
         Ok(())
     }

@@ -97,7 +97,11 @@ impl Arena {
     /// Unmaps the range's pages past `keep` bytes (rounded up to a page) and past the bump.
     fn shrink_range(&mut self, source: &mut dyn Source, keep: u64) -> Result<u64> {
         let Some((base, mapped)) = self.range else { return Ok(0) };
-        let target = keep.max(self.offset).next_multiple_of(GRANULE);
+        let target = keep.max(self.offset);
+        if target >= mapped {
+            return Ok(0);
+        }
+        let target = target.next_multiple_of(GRANULE);
         if target >= mapped {
             return Ok(0);
         }
