@@ -483,7 +483,8 @@ fn main() -> ExitCode {
     // The environment's simulated device (faults included, `STEPPOOL_SIM_FAULTS`), at the
     // capacity asked for.
     let sim_config = match SimConfig::from_env() {
-        Ok(config) => SimConfig { capacities: vec![options.capacity], ..config },
+        // Virtual memory management as a GPU has it: arenas grow in place.
+        Ok(config) => SimConfig { capacities: vec![options.capacity], vmm_supported: true, ..config },
         Err(error) => {
             eprintln!("training_loop: {error}");
             return ExitCode::FAILURE;

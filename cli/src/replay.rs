@@ -33,7 +33,9 @@
 //! [`Runtime::pool_handle`] and the simulated device's
 //! [`pool_layout`](steppool::sys::sim::Sim::pool_layout) for steppool's strategies (every pool of
 //! every phase and stream, its segments, with the live allocations at the addresses the runtime
-//! returned), and from the model's own blocks for the PyTorch models. Replays are deterministic,
+//! returned; each run of adjacent pages mapped into a range that grows in place,
+//! [`mapped_ranges`](steppool::sys::sim::Sim::mapped_ranges), as one range of a pool of its own),
+//! and from the model's own blocks for the PyTorch models. Replays are deterministic,
 //! so the second run reaches the same state.
 //!
 //! **PyTorch models** ([`TORCH_MODELS`]) replay the same operations through
@@ -94,7 +96,7 @@ pub const STRATEGIES: &[StrategyDef] = &[
 /// `planned`: persistent allocations in chunks, the rest in one plan per step.
 pub const PLANNED: StrategyDef = StrategyDef {
     name: "planned",
-    summary: "persistent allocations packed in chunks; every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
+    summary: "persistent allocations packed end to end (one range grown in place, or chunks); every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
     layout: planned,
 };
 
@@ -610,7 +612,13 @@ fn run_steppool(
     saved: Option<&mut PlanFile>,
 ) -> Result<(Run, Option<Snapshot>)> {
     let device_count = device_count(trace, analysis);
-    let config = SimConfig { capacities: vec![capacity; device_count], ..SimConfig::with_capacity(capacity) };
+    // Virtual memory management as a GPU has it: planned slabs, persistent chunks and arenas
+    // grow in place.
+    let config = SimConfig {
+        capacities: vec![capacity; device_count],
+        vmm_supported: true,
+        ..SimConfig::with_capacity(capacity)
+    };
     config.validate().map_err(|e| ReplayError::Invalid(format!("capacity {capacity} bytes: {e}")))?;
     let at = |event: usize, source: Error| ReplayError::Runtime {
         strategy: def.name.to_owned(),
@@ -826,6 +834,23 @@ fn steppool_snapshot(
                 pool,
             }));
         }
+    }
+    // Pages mapped into ranges that grow in place (planned slabs and persistent chunks on a
+    // device with virtual memory management): each run of adjacent pages is one range, of a pool
+    // of its own.
+    let mut runs: Vec<(usize, u64, u64)> = Vec::new();
+    for mapped in sim.mapped_ranges() {
+        match runs.last_mut() {
+            Some((device, base, size)) if *device == mapped.device && *base + *size == mapped.base => {
+                *size += mapped.size
+            }
+            _ => runs.push((mapped.device, mapped.base, mapped.size)),
+        }
+    }
+    for (device, base, size) in runs {
+        let pool = pools.len();
+        pools.insert(base as CUmemoryPool, pool);
+        ranges.push(Range { device: device as u32, base, size, granule, pool });
     }
     let live = analysis
         .allocations

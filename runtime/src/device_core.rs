@@ -23,6 +23,9 @@ pub(crate) struct DeviceCore {
     pub(crate) pools_supported: bool,
     /// Devices granted access to this device's pools.
     pub(crate) peers: Mutex<Vec<CUdevice>>,
+    /// The granularity of physical memory mapped into reserved address ranges, where the device
+    /// has virtual memory management (slabs that grow in place); `None` elsewhere.
+    pub(crate) vmm_granularity: Option<u64>,
 }
 
 static FALLBACK_NOTICE: Once = Once::new();
@@ -49,6 +52,14 @@ impl DeviceCore {
                 );
             });
         }
+        // Virtual memory management is an optimization: a device or driver without it (or one
+        // that fails to answer) gets pool slabs instead.
+        let vmm_granularity = driver
+            .vmm_supported(device)
+            .unwrap_or(false)
+            .then(|| driver.mem_allocation_granularity(device, false).ok())
+            .flatten()
+            .filter(|&granularity| granularity > 0);
         let ctx = ContextHandle::from_raw(driver.primary_context_retain(device)?);
         let core = Self {
             driver: driver.clone(),
@@ -59,6 +70,7 @@ impl DeviceCore {
             total_memory,
             pools_supported,
             peers: Mutex::new(Vec::new()),
+            vmm_granularity,
         };
         core.make_current()?;
         Ok(core)

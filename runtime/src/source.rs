@@ -1,17 +1,34 @@
 //! Where a phase pool's memory comes from: the [`Source`] a strategy takes device memory from,
 //! and [`DeviceSource`], the one that takes it from the device.
 //!
-//! A strategy sees only [`Source`]: four calls, in the pool's stream order. That is what lets each
-//! strategy be tested in its own file against a fake source. [`DeviceSource`] implements it over
-//! a CUDA memory pool of its own (`cuMemAllocFromPoolAsync`/`cuMemFreeAsync`) or, on devices
-//! without pools, over `cuMemAlloc`/`cuMemFree` with frees deferred until the stream's work is
-//! done; it also answers what the pool above asks of its memory (counters, trim, access).
+//! A strategy sees only [`Source`]: four calls, in the pool's stream order, and three more for
+//! address ranges that grow in place. That is what lets each strategy be tested in its own file
+//! against a fake source. [`DeviceSource`] implements it over a CUDA memory pool of its own
+//! (`cuMemAllocFromPoolAsync`/`cuMemFreeAsync`) or, on devices without pools, over
+//! `cuMemAlloc`/`cuMemFree` with frees deferred until the stream's work is done; it also answers
+//! what the pool above asks of its memory (counters, trim, access).
+//!
+//! # Ranges that grow in place
+//!
+//! Where the device has virtual memory management, [`Source::reserve_range`] reserves address
+//! space with no memory behind it, and [`Source::resize_range`] maps physical pages (one handle
+//! per granule, `cuMemCreate` + `cuMemMap`, access granted to the device and its peers) at the
+//! end of what is mapped, or unmaps them from the end after waiting for the stream: a slab that
+//! a larger plan outgrows gets more pages at the same addresses, its live allocations untouched,
+//! and pages a smaller plan no longer needs go back to the device, where any pool or phase can
+//! take them (physical pages are a device-wide resource). Mapped pages count in the source's
+//! reservation like pool segments. On a device without it, `reserve_range` answers `None` and
+//! the strategy takes slabs with [`Source::alloc`].
 
 use std::fmt;
 use std::sync::Arc;
 
+use std::collections::BTreeMap;
 use steppool_sys::handle::{EventHandle, PoolHandle};
-use steppool_sys::{CUdevice, CUdeviceptr, CUevent_flags, CUmemPool_attribute, CUmemoryPool, PoolProps};
+
+use steppool_sys::{
+    CUdevice, CUdeviceptr, CUevent_flags, CUmemGenericAllocationHandle, CUmemPool_attribute, CUmemoryPool, PoolProps,
+};
 
 use crate::device_core::read_write;
 use crate::error::{Error, Result};
@@ -37,6 +54,31 @@ pub(crate) trait Source {
     /// Waits for the work enqueued so far on the stream, so that its frees are complete and a
     /// trim can give them back. For rare events only (a planned slab that must grow).
     fn synchronize(&mut self) -> Result<()>;
+
+    /// Reserves a range of address space that grows in place, with nothing mapped yet: its base
+    /// and the most it can map. `None` where the device has no virtual memory management.
+    fn reserve_range(&mut self) -> Result<Option<(CUdeviceptr, u64)>>;
+
+    /// Makes the first `bytes` of the range at `base` (from [`Source::reserve_range`]) the mapped
+    /// part, rounded up to the page granularity; returns the bytes mapped now. Growing maps new
+    /// pages after the mapped ones (memory before them keeps its contents and addresses);
+    /// shrinking waits for the stream's work, then unmaps pages from the end, whose memory the
+    /// caller no longer uses. A growth the device refuses maps nothing and is an error, and so is
+    /// one past what the range can map (an out-of-memory error).
+    fn resize_range(&mut self, base: CUdeviceptr, bytes: u64) -> Result<u64>;
+
+    /// Gives back the range at `base`: what is mapped (after waiting for the stream) and the
+    /// addresses.
+    fn free_range(&mut self, base: CUdeviceptr) -> Result<()>;
+}
+
+/// An address range of a [`DeviceSource`] that grows in place.
+#[derive(Debug)]
+struct GrowableRange {
+    /// Bytes of address space reserved.
+    limit: u64,
+    /// The physical page mapped at each granule from the base, in order.
+    pages: Vec<CUmemGenericAllocationHandle>,
 }
 
 /// The memory a phase pool holds, as the driver counts it.
@@ -88,6 +130,14 @@ pub(crate) struct DeviceSource {
     /// into the graph (or invalidate it), so they wait for the stream's next call outside
     /// capture.
     after_capture: Vec<(CUdeviceptr, u64)>,
+    /// Address ranges that grow in place, by base.
+    ranges: BTreeMap<CUdeviceptr, GrowableRange>,
+    /// Bytes mapped in them now, and the most since the step began.
+    mapped: u64,
+    mapped_high: u64,
+    /// Pages whose unmap (at the address, if any) or release the driver refused: owed, and made
+    /// at the next trim and at destroy, as refused frees are.
+    owed_pages: Vec<(Option<CUdeviceptr>, CUmemGenericAllocationHandle)>,
 }
 
 impl fmt::Debug for DeviceSource {
@@ -122,7 +172,18 @@ impl DeviceSource {
         } else {
             Backing::Synchronous(Fallback::default())
         };
-        let mut source = Self { stream, backing, recorder, id, pending: Vec::new(), after_capture: Vec::new() };
+        let mut source = Self {
+            stream,
+            backing,
+            recorder,
+            id,
+            pending: Vec::new(),
+            after_capture: Vec::new(),
+            ranges: BTreeMap::new(),
+            mapped: 0,
+            mapped_high: 0,
+            owed_pages: Vec::new(),
+        };
         source.grant_access(peers)?;
         Ok(source)
     }
@@ -142,6 +203,17 @@ impl DeviceSource {
             // SAFETY: the pool is live while `self` is.
             unsafe { self.stream.device.driver.mem_pool_set_access(pool.raw(), &access) }?;
         }
+        if !peers.is_empty() {
+            let granule = self.stream.device.vmm_granularity.unwrap_or(0);
+            for (&base, range) in &self.ranges {
+                if !range.pages.is_empty() {
+                    let access: Vec<_> = peers.iter().map(|&peer| read_write(peer)).collect();
+                    let bytes = range.pages.len() as u64 * granule;
+                    // SAFETY: `[base, base + bytes)` is mapped memory of this source.
+                    unsafe { self.stream.device.driver.mem_set_access(base, bytes, &access) }?;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -152,19 +224,24 @@ impl DeviceSource {
                 // SAFETY: the pool is live while `self` is.
                 let counters = unsafe { self.stream.device.driver.mem_pool_counters(pool.raw()) }?;
                 Ok(Reservation {
-                    reserved: counters.reserved,
-                    peak_reserved: counters.reserved_high,
+                    reserved: counters.reserved + self.mapped,
+                    // The two high-water marks may fall at different times: their sum bounds the
+                    // peak from above.
+                    peak_reserved: counters.reserved_high + self.mapped_high,
                     peak_used: counters.used_high,
                 })
             }
-            Backing::Synchronous(fallback) => {
-                Ok(Reservation { reserved: fallback.reserved, peak_reserved: fallback.reserved_high, peak_used: 0 })
-            }
+            Backing::Synchronous(fallback) => Ok(Reservation {
+                reserved: fallback.reserved + self.mapped,
+                peak_reserved: fallback.reserved_high + self.mapped_high,
+                peak_used: 0,
+            }),
         }
     }
 
     /// A step begins: the high-water marks start over from the current values.
     pub(crate) fn begin_step(&mut self) -> Result<()> {
+        self.mapped_high = self.mapped;
         match &mut self.backing {
             Backing::CudaPool(pool) => {
                 let driver = &self.stream.device.driver;
@@ -219,7 +296,12 @@ impl DeviceSource {
         // pool's memory once its last allocation is freed.
         // Frees that waited for a capture are owed like refused ones: made after a synchronize.
         self.pending.append(&mut self.after_capture);
-        let retried = self.retry_pending();
+        let mut retried = self.retry_pending();
+        // Ranges a strategy still holds (it gives them back in `release_all`) go too.
+        let bases: Vec<CUdeviceptr> = self.ranges.keys().copied().collect();
+        for base in bases {
+            retried = retried.and(self.free_range(base));
+        }
         let destroyed = match self.backing {
             Backing::CudaPool(pool) => {
                 // SAFETY: nothing allocates from the pool any more; allocations still outstanding
@@ -261,6 +343,7 @@ impl DeviceSource {
     /// Makes the frees the source owes, once the device is idle; those the driver refuses again
     /// stay owed.
     fn retry_pending(&mut self) -> Result<()> {
+        self.retry_owed_pages()?;
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -397,6 +480,56 @@ impl Source for DeviceSource {
         unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw()) }?;
         Ok(())
     }
+
+    fn reserve_range(&mut self) -> Result<Option<(CUdeviceptr, u64)>> {
+        let device = &self.stream.device;
+        let Some(granule) = device.vmm_granularity else { return Ok(None) };
+        // As much address space as the device has memory: a slab never needs more.
+        let limit = device.total_memory.next_multiple_of(granule);
+        device.make_current()?;
+        let base = device.driver.mem_address_reserve(limit, 0)?;
+        self.ranges.insert(base, GrowableRange { limit, pages: Vec::new() });
+        Ok(Some((base, limit)))
+    }
+
+    fn resize_range(&mut self, base: CUdeviceptr, bytes: u64) -> Result<u64> {
+        let granule = self.stream.device.vmm_granularity.expect("a range exists only with virtual memory management");
+        let range = self.ranges.get(&base).expect("a range of this source");
+        if bytes > range.limit {
+            // More than the device has: what mapping it would end in.
+            return Err(Error::Driver(steppool_sys::DriverError::Call {
+                call: "cuMemCreate",
+                code: steppool_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+                description: format!("{bytes} bytes asked of a range of {} bytes", range.limit).into(),
+            }));
+        }
+        let target = bytes.div_ceil(granule) as usize;
+        let mapped = range.pages.len();
+        if target > mapped {
+            self.map_pages(base, target, granule)?;
+        } else if target < mapped {
+            // Nothing may still run on the pages given back, and the wait for that would
+            // invalidate a capture: while the stream captures, the pages stay mapped.
+            if self.capturing() {
+                return Ok(mapped as u64 * granule);
+            }
+            self.synchronize()?;
+            self.unmap_pages(base, target, granule)?;
+        }
+        Ok(target as u64 * granule)
+    }
+
+    fn free_range(&mut self, base: CUdeviceptr) -> Result<()> {
+        let granule = self.stream.device.vmm_granularity.expect("a range exists only with virtual memory management");
+        if self.ranges.get(&base).is_some_and(|range| !range.pages.is_empty()) {
+            self.synchronize()?;
+            self.unmap_pages(base, 0, granule)?;
+        }
+        let range = self.ranges.remove(&base).expect("a range of this source");
+        // SAFETY: the range was reserved by this source and nothing is mapped in it any more.
+        unsafe { self.stream.device.driver.mem_address_free(base, range.limit) }?;
+        Ok(())
+    }
 }
 
 impl DeviceSource {
@@ -433,6 +566,129 @@ impl DeviceSource {
         }
         Ok(())
     }
+
+    /// Unmaps and releases the pages the driver refused to before; those it refuses again stay
+    /// owed. Their memory was last used before the refused call, which waited for the stream.
+    fn retry_owed_pages(&mut self) -> Result<()> {
+        if self.owed_pages.is_empty() {
+            return Ok(());
+        }
+        let device = self.stream.device.clone();
+        let granule = device.vmm_granularity.unwrap_or(0);
+        device.make_current()?;
+        let mut outcome = Ok(());
+        for (ptr, handle) in std::mem::take(&mut self.owed_pages) {
+            if let Some(ptr) = ptr {
+                // SAFETY: the page was mapped by this source with this handle and is no longer
+                // used (the stream was waited for before the refused unmap).
+                if let Err(error) = unsafe { device.driver.mem_unmap(ptr, granule) } {
+                    self.owed_pages.push((Some(ptr), handle));
+                    outcome = outcome.and(Err(error.into()));
+                    continue;
+                }
+            }
+            // SAFETY: the handle is this source's and no longer mapped.
+            if let Err(error) = unsafe { device.driver.mem_release(handle) } {
+                self.owed_pages.push((None, handle));
+                outcome = outcome.and(Err(error.into()));
+            }
+        }
+        outcome
+    }
+
+    /// Maps pages after the mapped ones of the range at `base` until it has `target`, with
+    /// access for the device and its peers; on a failure, unmaps and releases what this call
+    /// mapped.
+    fn map_pages(&mut self, base: CUdeviceptr, target: usize, granule: u64) -> Result<()> {
+        let device = self.stream.device.clone();
+        let driver = &device.driver;
+        device.make_current()?;
+        let from = self.ranges[&base].pages.len();
+        let mut added: Vec<CUmemGenericAllocationHandle> = Vec::with_capacity(target - from);
+        let mut outcome = Ok(());
+        for page in from..target {
+            let handle = match driver.mem_create(device.device, granule) {
+                Ok(handle) => handle,
+                Err(error) => {
+                    outcome = Err(error);
+                    break;
+                }
+            };
+            // SAFETY: the handle was just created; the page lies inside the reserved range, past
+            // every mapped page.
+            if let Err(error) = unsafe { driver.mem_map(base + page as u64 * granule, granule, handle) } {
+                // SAFETY: the handle was just created and is not mapped.
+                if unsafe { driver.mem_release(handle) }.is_err() {
+                    self.owed_pages.push((None, handle));
+                }
+                outcome = Err(error);
+                break;
+            }
+            added.push(handle);
+        }
+        if outcome.is_ok() {
+            let mut access = vec![read_write(device.device)];
+            access.extend(device.peers().into_iter().map(read_write));
+            let start = base + from as u64 * granule;
+            // SAFETY: `[start, start + len)` was just mapped.
+            outcome = unsafe { driver.mem_set_access(start, (target - from) as u64 * granule, &access) };
+        }
+        if let Err(error) = outcome {
+            // Nothing used the new pages: they go back at once.
+            for (page, handle) in added.into_iter().enumerate().rev() {
+                let ptr = base + (from + page) as u64 * granule;
+                // SAFETY: each page was mapped above with this handle and never used.
+                if unsafe { driver.mem_unmap(ptr, granule) }.is_err() {
+                    self.owed_pages.push((Some(ptr), handle));
+                // SAFETY: as above; the handle is no longer mapped.
+                } else if unsafe { driver.mem_release(handle) }.is_err() {
+                    self.owed_pages.push((None, handle));
+                }
+            }
+            return Err(error.into());
+        }
+        let count = added.len() as u64;
+        self.ranges.get_mut(&base).expect("range").pages.extend(added);
+        self.mapped += count * granule;
+        self.mapped_high = self.mapped_high.max(self.mapped);
+        if self.recorder.is_on() {
+            for page in from..target {
+                let pool_reserved = self.reserved_or_zero();
+                let ptr = base + page as u64 * granule;
+                self.recorder.record(EventKind::SegmentAlloc { pool: self.id, ptr, bytes: granule, pool_reserved });
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps and releases the pages of the range at `base` from the end down to `target`. The
+    /// caller has waited for every use of them.
+    fn unmap_pages(&mut self, base: CUdeviceptr, target: usize, granule: u64) -> Result<()> {
+        let device = self.stream.device.clone();
+        device.make_current()?;
+        while self.ranges[&base].pages.len() > target {
+            let page = self.ranges[&base].pages.len() - 1;
+            let handle = self.ranges[&base].pages[page];
+            let ptr = base + page as u64 * granule;
+            // SAFETY: the page was mapped by this source with this handle; the caller waited for
+            // every use of it.
+            unsafe { device.driver.mem_unmap(ptr, granule) }?;
+            self.ranges.get_mut(&base).expect("range").pages.pop();
+            self.mapped -= granule;
+            // SAFETY: the handle is this source's and no longer mapped; a release the driver
+            // refuses leaves memory held, never a dangling mapping.
+            let released = unsafe { device.driver.mem_release(handle) };
+            if self.recorder.is_on() {
+                let pool_reserved = self.reserved_or_zero();
+                self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes: granule, pool_reserved });
+            }
+            if let Err(error) = released {
+                self.owed_pages.push((None, handle));
+                return Err(error.into());
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A source for the strategies' unit tests: hands out addresses from a plain range, never
@@ -446,7 +702,9 @@ pub(crate) mod fake {
     use super::Source;
     use crate::error::{Error, Result};
 
-    /// A fake device: first-fit over `capacity` bytes starting at `BASE`, with the calls counted.
+    /// A fake device: first-fit over `capacity` bytes starting at `BASE`, with the calls counted;
+    /// with virtual memory management ([`FakeSource::with_ranges`]), ranges that grow in place in
+    /// 2 MiB pages, their mapped bytes counted against the same capacity.
     #[derive(Debug)]
     pub(crate) struct FakeSource {
         pub(crate) capacity: u64,
@@ -456,19 +714,61 @@ pub(crate) mod fake {
         pub(crate) frees: u64,
         pub(crate) syncs: u64,
         pub(crate) trims: Vec<u64>,
+        /// Whether it has ranges that grow in place.
+        pub(crate) vmm: bool,
+        /// Reserved ranges: base → mapped bytes.
+        pub(crate) ranges: BTreeMap<CUdeviceptr, u64>,
+        /// Resizes that mapped pages, and those that unmapped them (each after a wait).
+        pub(crate) grows: u64,
+        pub(crate) shrinks: u64,
     }
 
     /// Where the fake device's addresses start.
     pub(crate) const BASE: CUdeviceptr = 1 << 40;
+    /// Where its reserved ranges start, each [`RANGE_LIMIT`] apart.
+    pub(crate) const RANGES: CUdeviceptr = 1 << 44;
+    /// The most a range maps.
+    pub(crate) const RANGE_LIMIT: u64 = 1 << 36;
+    /// Its page.
+    pub(crate) const PAGE: u64 = 2 << 20;
 
     impl FakeSource {
         pub(crate) fn new(capacity: u64) -> Self {
-            Self { capacity, live: BTreeMap::new(), allocs: 0, frees: 0, syncs: 0, trims: Vec::new() }
+            Self {
+                capacity,
+                live: BTreeMap::new(),
+                allocs: 0,
+                frees: 0,
+                syncs: 0,
+                trims: Vec::new(),
+                vmm: false,
+                ranges: BTreeMap::new(),
+                grows: 0,
+                shrinks: 0,
+            }
         }
 
-        /// Bytes handed out and not given back.
+        /// A fake device with virtual memory management.
+        pub(crate) fn with_ranges(capacity: u64) -> Self {
+            Self { vmm: true, ..Self::new(capacity) }
+        }
+
+        /// Bytes handed out or mapped and not given back.
         pub(crate) fn held(&self) -> u64 {
-            self.live.values().sum()
+            self.live.values().sum::<u64>() + self.mapped()
+        }
+
+        /// Bytes mapped in ranges.
+        pub(crate) fn mapped(&self) -> u64 {
+            self.ranges.values().sum()
+        }
+
+        fn out_of_memory() -> Error {
+            Error::Driver(steppool_sys::DriverError::Call {
+                call: "cuMemAllocFromPoolAsync",
+                code: steppool_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+                description: "out of memory".into(),
+            })
         }
     }
 
@@ -481,12 +781,8 @@ pub(crate) mod fake {
                 }
                 at = at.max(base + size);
             }
-            if at + bytes > BASE + self.capacity {
-                return Err(Error::Driver(steppool_sys::DriverError::Call {
-                    call: "cuMemAllocFromPoolAsync",
-                    code: steppool_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-                    description: "out of memory".into(),
-                }));
+            if at + bytes > BASE + self.capacity || self.held() + bytes > self.capacity {
+                return Err(Self::out_of_memory());
             }
             self.live.insert(at, bytes);
             self.allocs += 1;
@@ -507,6 +803,39 @@ pub(crate) mod fake {
 
         fn synchronize(&mut self) -> Result<()> {
             self.syncs += 1;
+            Ok(())
+        }
+
+        fn reserve_range(&mut self) -> Result<Option<(CUdeviceptr, u64)>> {
+            if !self.vmm {
+                return Ok(None);
+            }
+            let base = (0..).map(|i| RANGES + i * RANGE_LIMIT).find(|base| !self.ranges.contains_key(base)).unwrap();
+            self.ranges.insert(base, 0);
+            Ok(Some((base, RANGE_LIMIT)))
+        }
+
+        fn resize_range(&mut self, base: CUdeviceptr, bytes: u64) -> Result<u64> {
+            let mapped = *self.ranges.get(&base).expect("resize of a range the source did not reserve");
+            let target = bytes.next_multiple_of(PAGE);
+            if target > mapped {
+                if target > RANGE_LIMIT || self.held() + (target - mapped) > self.capacity {
+                    return Err(Self::out_of_memory());
+                }
+                self.grows += 1;
+            } else if target < mapped {
+                self.syncs += 1;
+                self.shrinks += 1;
+            }
+            self.ranges.insert(base, target);
+            Ok(target)
+        }
+
+        fn free_range(&mut self, base: CUdeviceptr) -> Result<()> {
+            let mapped = self.ranges.remove(&base).expect("free of a range the source did not reserve");
+            if mapped > 0 {
+                self.syncs += 1;
+            }
             Ok(())
         }
     }

@@ -711,6 +711,8 @@ impl cudaError_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct cudaError_enum(pub ::std::os::raw::c_uint);
 pub use self::cudaError_enum as CUresult;
+pub type CUmemGenericAllocationHandle_v1 = ::std::os::raw::c_ulonglong;
+pub type CUmemGenericAllocationHandle = CUmemGenericAllocationHandle_v1;
 impl CUmemAllocationHandleType_enum {
     pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(
         0,
@@ -820,6 +822,18 @@ impl CUmemAllocationType_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemAllocationType_enum(pub ::std::os::raw::c_uint);
 pub use self::CUmemAllocationType_enum as CUmemAllocationType;
+impl CUmemAllocationGranularity_flags_enum {
+    pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: CUmemAllocationGranularity_flags_enum = CUmemAllocationGranularity_flags_enum(
+        0,
+    );
+    pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: CUmemAllocationGranularity_flags_enum = CUmemAllocationGranularity_flags_enum(
+        1,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationGranularity_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationGranularity_flags_enum as CUmemAllocationGranularity_flags;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemLocation_st {
@@ -850,6 +864,81 @@ impl Default for CUmemLocation_st {
 }
 pub type CUmemLocation_v1 = CUmemLocation_st;
 pub type CUmemLocation = CUmemLocation_v1;
+#[repr(C)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationProp_st {
+    pub type_: CUmemAllocationType,
+    pub requestedHandleTypes: CUmemAllocationHandleType,
+    pub location: CUmemLocation,
+    pub win32HandleMetaData: *mut ::std::os::raw::c_void,
+    pub allocFlags: CUmemAllocationProp_st__bindgen_ty_1,
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationProp_st__bindgen_ty_1 {
+    pub compressionType: ::std::os::raw::c_uchar,
+    pub gpuDirectRDMACapable: ::std::os::raw::c_uchar,
+    pub usage: ::std::os::raw::c_ushort,
+    pub reserved: [::std::os::raw::c_uchar; 4usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of CUmemAllocationProp_st__bindgen_ty_1",
+    ][::std::mem::size_of::<CUmemAllocationProp_st__bindgen_ty_1>() - 8usize];
+    [
+        "Alignment of CUmemAllocationProp_st__bindgen_ty_1",
+    ][::std::mem::align_of::<CUmemAllocationProp_st__bindgen_ty_1>() - 2usize];
+    [
+        "Offset of field: CUmemAllocationProp_st__bindgen_ty_1::compressionType",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, compressionType)
+        - 0usize];
+    [
+        "Offset of field: CUmemAllocationProp_st__bindgen_ty_1::gpuDirectRDMACapable",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, gpuDirectRDMACapable)
+        - 1usize];
+    [
+        "Offset of field: CUmemAllocationProp_st__bindgen_ty_1::usage",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, usage) - 2usize];
+    [
+        "Offset of field: CUmemAllocationProp_st__bindgen_ty_1::reserved",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, reserved) - 4usize];
+};
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of CUmemAllocationProp_st",
+    ][::std::mem::size_of::<CUmemAllocationProp_st>() - 32usize];
+    [
+        "Alignment of CUmemAllocationProp_st",
+    ][::std::mem::align_of::<CUmemAllocationProp_st>() - 8usize];
+    [
+        "Offset of field: CUmemAllocationProp_st::type_",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st, type_) - 0usize];
+    [
+        "Offset of field: CUmemAllocationProp_st::requestedHandleTypes",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st, requestedHandleTypes) - 4usize];
+    [
+        "Offset of field: CUmemAllocationProp_st::location",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st, location) - 8usize];
+    [
+        "Offset of field: CUmemAllocationProp_st::win32HandleMetaData",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st, win32HandleMetaData) - 16usize];
+    [
+        "Offset of field: CUmemAllocationProp_st::allocFlags",
+    ][::std::mem::offset_of!(CUmemAllocationProp_st, allocFlags) - 24usize];
+};
+impl Default for CUmemAllocationProp_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUmemAllocationProp_v1 = CUmemAllocationProp_st;
+pub type CUmemAllocationProp = CUmemAllocationProp_v1;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemAccessDesc_st {
@@ -1242,6 +1331,56 @@ pub struct FunctionTable {
             shareData: *mut CUmemPoolPtrExportData,
         ) -> CUresult,
     >,
+    pub cuMemAddressReserve: Option<
+        unsafe extern "C" fn(
+            ptr: *mut CUdeviceptr,
+            size: usize,
+            alignment: usize,
+            addr: CUdeviceptr,
+            flags: ::std::os::raw::c_ulonglong,
+        ) -> CUresult,
+    >,
+    pub cuMemAddressFree: Option<
+        unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult,
+    >,
+    pub cuMemCreate: Option<
+        unsafe extern "C" fn(
+            handle: *mut CUmemGenericAllocationHandle,
+            size: usize,
+            prop: *const CUmemAllocationProp,
+            flags: ::std::os::raw::c_ulonglong,
+        ) -> CUresult,
+    >,
+    pub cuMemRelease: Option<
+        unsafe extern "C" fn(handle: CUmemGenericAllocationHandle) -> CUresult,
+    >,
+    pub cuMemMap: Option<
+        unsafe extern "C" fn(
+            ptr: CUdeviceptr,
+            size: usize,
+            offset: usize,
+            handle: CUmemGenericAllocationHandle,
+            flags: ::std::os::raw::c_ulonglong,
+        ) -> CUresult,
+    >,
+    pub cuMemUnmap: Option<
+        unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult,
+    >,
+    pub cuMemSetAccess: Option<
+        unsafe extern "C" fn(
+            ptr: CUdeviceptr,
+            size: usize,
+            desc: *const CUmemAccessDesc,
+            count: usize,
+        ) -> CUresult,
+    >,
+    pub cuMemGetAllocationGranularity: Option<
+        unsafe extern "C" fn(
+            granularity: *mut usize,
+            prop: *const CUmemAllocationProp,
+            option: CUmemAllocationGranularity_flags,
+        ) -> CUresult,
+    >,
     pub cuModuleLoadData: Option<
         unsafe extern "C" fn(
             module: *mut CUmodule,
@@ -1380,6 +1519,14 @@ impl FunctionTable {
         "cuMemPoolImportFromShareableHandle",
         "cuMemPoolExportPointer",
         "cuMemPoolImportPointer",
+        "cuMemAddressReserve",
+        "cuMemAddressFree",
+        "cuMemCreate",
+        "cuMemRelease",
+        "cuMemMap",
+        "cuMemUnmap",
+        "cuMemSetAccess",
+        "cuMemGetAllocationGranularity",
         "cuModuleLoadData",
         "cuModuleUnload",
         "cuModuleGetFunction",
@@ -1564,6 +1711,30 @@ impl FunctionTable {
                 .ok()
                 .map(|symbol| *symbol),
             cuMemPoolImportPointer: unsafe { library.get(b"cuMemPoolImportPointer\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuMemAddressReserve: unsafe { library.get(b"cuMemAddressReserve\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuMemAddressFree: unsafe { library.get(b"cuMemAddressFree\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuMemCreate: unsafe { library.get(b"cuMemCreate\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuMemRelease: unsafe { library.get(b"cuMemRelease\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuMemMap: unsafe { library.get(b"cuMemMap\0") }.ok().map(|symbol| *symbol),
+            cuMemUnmap: unsafe { library.get(b"cuMemUnmap\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuMemSetAccess: unsafe { library.get(b"cuMemSetAccess\0") }
+                .ok()
+                .map(|symbol| *symbol),
+            cuMemGetAllocationGranularity: unsafe {
+                library.get(b"cuMemGetAllocationGranularity\0")
+            }
                 .ok()
                 .map(|symbol| *symbol),
             cuModuleLoadData: unsafe { library.get(b"cuModuleLoadData\0") }

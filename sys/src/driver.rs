@@ -182,6 +182,15 @@ macro_rules! call {
 
 static AUTO_NOTICE: Once = Once::new();
 
+/// The properties of pinned device memory on `device`, for the virtual memory management calls.
+fn pinned_on(device: CUdevice) -> CUmemAllocationProp {
+    CUmemAllocationProp {
+        type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        location: CUmemLocation { type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device },
+        ..CUmemAllocationProp::default()
+    }
+}
+
 /// Whether a call failed with `CUDA_ERROR_NO_DEVICE`, what `cuInit` says on a machine whose
 /// driver is installed but that has no GPU.
 fn is_no_device(error: &DriverError) -> bool {
@@ -993,6 +1002,135 @@ impl Driver {
         // SAFETY: the caller guarantees the handle; both pointers are valid.
         unsafe { call!(self, cuMemPoolImportPointer(&mut ptr, pool, &mut data)) }?;
         Ok(ptr)
+    }
+
+    // ----- virtual memory management -------------------------------------------------------------
+
+    /// Whether `device` supports virtual memory management (reserved address ranges with
+    /// physical memory mapped on demand): the driver exports the entry points and reports
+    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
+    pub fn vmm_supported(&self, device: CUdevice) -> Result<bool, DriverError> {
+        macro_rules! exported {
+            ($($name:ident),*) => {
+                match &*self.backend {
+                    Backend::Cuda(library) => true $(&& library.table().$name.is_some())*,
+                    Backend::Sim(sim) => true $(&& sim.exports(stringify!($name)))*,
+                }
+            };
+        }
+        let exported = exported!(
+            cuMemAddressReserve,
+            cuMemAddressFree,
+            cuMemCreate,
+            cuMemRelease,
+            cuMemMap,
+            cuMemUnmap,
+            cuMemSetAccess,
+            cuMemGetAllocationGranularity
+        );
+        Ok(exported
+            && self.device_attribute(
+                device,
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )? != 0)
+    }
+
+    /// `cuMemGetAllocationGranularity` for pinned memory on `device`: the size that physical
+    /// allocations, mappings and their addresses are multiples of (`recommended`, or the minimum).
+    pub fn mem_allocation_granularity(&self, device: CUdevice, recommended: bool) -> Result<u64, DriverError> {
+        let prop = pinned_on(device);
+        let option = if recommended {
+            CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        } else {
+            CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        };
+        let mut granularity: usize = 0;
+        // SAFETY: `granularity` is a valid out-pointer and `prop` a valid reference.
+        unsafe { call!(self, cuMemGetAllocationGranularity(&mut granularity, &prop, option)) }?;
+        Ok(granularity as u64)
+    }
+
+    /// `cuMemAddressReserve`: `bytes` of virtual addresses (a multiple of the granularity), with
+    /// no memory behind them, aligned to `alignment` (0: the granularity).
+    pub fn mem_address_reserve(&self, bytes: u64, alignment: u64) -> Result<CUdeviceptr, DriverError> {
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer.
+        unsafe { call!(self, cuMemAddressReserve(&mut ptr, bytes as usize, alignment as usize, 0, 0)) }?;
+        Ok(ptr)
+    }
+
+    /// `cuMemAddressFree`: gives back a reserved range, whole.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` and `bytes` are a range from [`Driver::mem_address_reserve`] of this driver, with
+    /// nothing mapped in it any more; it is not used again.
+    pub unsafe fn mem_address_free(&self, ptr: CUdeviceptr, bytes: u64) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the range.
+        unsafe { call!(self, cuMemAddressFree(ptr, bytes as usize)) }
+    }
+
+    /// `cuMemCreate`: `bytes` (a multiple of the granularity) of pinned memory on `device`, as a
+    /// handle to map. The memory counts against the device at once.
+    pub fn mem_create(&self, device: CUdevice, bytes: u64) -> Result<CUmemGenericAllocationHandle, DriverError> {
+        let prop = pinned_on(device);
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` is a valid out-pointer and `prop` a valid reference.
+        unsafe { call!(self, cuMemCreate(&mut handle, bytes as usize, &prop, 0)) }?;
+        Ok(handle)
+    }
+
+    /// `cuMemRelease`: the memory goes back to the device once its last mapping is unmapped.
+    ///
+    /// # Safety
+    ///
+    /// `handle` is a live handle from [`Driver::mem_create`] of this driver; it is not used again.
+    pub unsafe fn mem_release(&self, handle: CUmemGenericAllocationHandle) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the handle.
+        unsafe { call!(self, cuMemRelease(handle)) }
+    }
+
+    /// `cuMemMap`: maps the first `bytes` of `handle` at `ptr`, inside a reserved range where
+    /// nothing is mapped. The mapping has no access until [`Driver::mem_set_access`].
+    ///
+    /// # Safety
+    ///
+    /// `handle` is a live handle of this driver, and `[ptr, ptr + bytes)` lies in a range this
+    /// driver reserved.
+    pub unsafe fn mem_map(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: u64,
+        handle: CUmemGenericAllocationHandle,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the handle and the range.
+        unsafe { call!(self, cuMemMap(ptr, bytes as usize, 0, handle, 0)) }
+    }
+
+    /// `cuMemUnmap`: unmaps what one [`Driver::mem_map`] mapped at `ptr`, whole.
+    ///
+    /// # Safety
+    ///
+    /// No work that may still run uses `[ptr, ptr + bytes)` (unmapping does not wait for the
+    /// GPU): the caller has synchronized with every stream that used it.
+    pub unsafe fn mem_unmap(&self, ptr: CUdeviceptr, bytes: u64) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the range is mapped and idle.
+        unsafe { call!(self, cuMemUnmap(ptr, bytes as usize)) }
+    }
+
+    /// `cuMemSetAccess`: grants (or revokes) devices' access to a contiguous mapped range.
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + bytes)` is mapped memory of this driver.
+    pub unsafe fn mem_set_access(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: u64,
+        access: &[CUmemAccessDesc],
+    ) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the range; `access` is `access.len()` descriptors.
+        unsafe { call!(self, cuMemSetAccess(ptr, bytes as usize, access.as_ptr(), access.len())) }
     }
 
     // ----- modules and kernels ----------------------------------------------------------------------

@@ -111,6 +111,16 @@ const FUNCTIONS: &[&str] = &[
     "cuMemPoolImportFromShareableHandle",
     "cuMemPoolExportPointer",
     "cuMemPoolImportPointer",
+    // Virtual memory management: reserved address ranges with physical memory mapped on demand
+    // (a slab that grows in place).
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemGetAllocationGranularity",
     // Modules and kernel launch, for the benchmark kernels.
     "cuModuleLoadData",
     "cuModuleUnload",
@@ -147,6 +157,7 @@ const TYPES: &[&str] = &[
     "CUstreamCaptureStatus",
     "CUgraphMem_attribute",
     "CUgraphInstantiate_flags",
+    "CUmemAllocationGranularity_flags",
 ];
 
 /// Stand-ins for the two standard headers `cuda.h` includes; the types come from clang's builtins.

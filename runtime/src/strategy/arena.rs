@@ -3,6 +3,7 @@
 use steppool_sys::CUdeviceptr;
 
 use super::Allocator;
+use super::chunks::GRANULE;
 use crate::error::Result;
 use crate::phase::ALIGNMENT;
 use crate::report::FreeSpace;
@@ -24,6 +25,11 @@ struct Slab {
 /// as scratch space and a backward pass's activations are, share their memory. Every other free
 /// waits for the reset. Reuse happens in the pool's stream order, which is what makes it safe;
 /// uses on other streams were made to precede the free.
+///
+/// Where the source has ranges that grow in place, there are no slabs: the bump runs through one
+/// reserved range whose pages are mapped as it passes their end, so no slab tail is left unused
+/// and no request is oversize. At the reset the pages past what the trim policy keeps go back
+/// (after a wait for the stream).
 #[derive(Debug)]
 pub(crate) struct Arena {
     slab_bytes: u64,
@@ -36,6 +42,11 @@ pub(crate) struct Arena {
     oversize: Vec<(Slab, bool)>,
     /// The most slab bytes the current scope has had in use at once.
     peak_touched: u64,
+    /// The range the bump runs through, where the source has ranges: its base and the bytes
+    /// mapped (`offset` is the bump in it).
+    range: Option<(CUdeviceptr, u64)>,
+    /// The source has no ranges: slabs serve.
+    no_ranges: bool,
 }
 
 impl Arena {
@@ -53,7 +64,50 @@ impl Arena {
             offset: 0,
             oversize: Vec::new(),
             peak_touched: 0,
+            range: None,
+            no_ranges: false,
         }
+    }
+
+    /// The range the bump runs through, reserved at the first allocation where the source has
+    /// ranges; `None` where slabs serve.
+    fn range(&mut self, source: &mut dyn Source) -> Result<Option<(CUdeviceptr, u64)>> {
+        if self.range.is_none() && !self.no_ranges {
+            match source.reserve_range()? {
+                Some((base, _)) => self.range = Some((base, 0)),
+                None => self.no_ranges = true,
+            }
+        }
+        Ok(self.range)
+    }
+
+    /// Bumps `size` in the range, mapping pages past its end when the bump reaches it.
+    fn bump_in_range(&mut self, source: &mut dyn Source, base: CUdeviceptr, mapped: u64, size: u64) -> Result<u64> {
+        let end = self.offset + size;
+        if end > mapped {
+            let now = source.resize_range(base, end)?;
+            self.range = Some((base, now));
+        }
+        let ptr = base + self.offset;
+        self.offset = end;
+        self.peak_touched = self.peak_touched.max(end.next_multiple_of(GRANULE));
+        Ok(ptr)
+    }
+
+    /// Unmaps the range's pages past `keep` bytes (rounded up to a page) and past the bump.
+    fn shrink_range(&mut self, source: &mut dyn Source, keep: u64) -> Result<u64> {
+        let Some((base, mapped)) = self.range else { return Ok(0) };
+        let target = keep.max(self.offset);
+        if target >= mapped {
+            return Ok(0);
+        }
+        let target = target.next_multiple_of(GRANULE);
+        if target >= mapped {
+            return Ok(0);
+        }
+        let now = source.resize_range(base, target)?;
+        self.range = Some((base, now));
+        Ok(mapped - now)
     }
 
     fn held(&self) -> u64 {
@@ -121,6 +175,9 @@ impl Arena {
 impl Allocator for Arena {
     fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
         let size = bytes.next_multiple_of(ALIGNMENT);
+        if let Some((base, mapped)) = self.range(source)? {
+            return self.bump_in_range(source, base, mapped, size);
+        }
         let ptr = if size > self.slab_bytes { self.allocate_oversize(source, size)? } else { self.bump(source, size)? };
         self.peak_touched = self.peak_touched.max(self.touched_now());
         Ok(ptr)
@@ -128,6 +185,12 @@ impl Allocator for Arena {
 
     fn free(&mut self, _: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
         let size = bytes.next_multiple_of(ALIGNMENT);
+        if let Some((base, _)) = self.range {
+            if self.offset >= size && base + self.offset - size == ptr {
+                self.offset -= size;
+            }
+            return Ok(());
+        }
         if size > self.slab_bytes {
             if let Some(slab) = self.oversize.iter_mut().find(|(slab, used)| *used && slab.base == ptr) {
                 slab.1 = false;
@@ -156,6 +219,9 @@ impl Allocator for Arena {
         self.offset = 0;
         self.extents.clear();
         self.peak_touched = 0;
+        if self.range.is_some() {
+            return self.shrink_range(source, keep).map(drop);
+        }
         let mut held = self.held();
         self.oversize.sort_unstable_by_key(|(slab, _)| std::cmp::Reverse(slab.size));
         let mut index = 0;
@@ -189,6 +255,10 @@ impl Allocator for Arena {
     /// tails the bump has moved past count as free but not as available, until it comes back.
     fn free_space(&self) -> Option<FreeSpace> {
         let mut space = FreeSpace::default();
+        if let Some((_, mapped)) = self.range {
+            let free = mapped - self.offset.min(mapped);
+            return Some(FreeSpace { total_free: free, largest_free: free });
+        }
         for (index, slab) in self.slabs.iter().enumerate() {
             let (free, available) = match index.cmp(&self.current) {
                 std::cmp::Ordering::Less => (slab.size - self.extents[index], false),
@@ -213,6 +283,9 @@ impl Allocator for Arena {
     /// was bumped in it) and the unused oversize slabs: the scope has not touched them, and it
     /// takes new ones if it grows.
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
+        if self.range.is_some() {
+            return self.shrink_range(source, 0);
+        }
         let mut released = 0;
         let keep = if self.current == 0 && self.offset == 0 { 0 } else { self.current + 1 };
         while self.slabs.len() > keep {
@@ -236,6 +309,10 @@ impl Allocator for Arena {
 
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
         let mut outcome = Ok(());
+        if let Some((base, _)) = self.range.take() {
+            self.offset = 0;
+            outcome = source.free_range(base);
+        }
         for slab in self.slabs.drain(..).chain(self.oversize.drain(..).map(|(slab, _)| slab)) {
             outcome = outcome.and(source.free(slab.base, slab.size));
         }
@@ -324,5 +401,28 @@ mod tests {
         assert_eq!(source.held(), SLAB, "the slab in use stays");
         arena.release_all(&mut source).unwrap();
         assert_eq!(source.held(), 0);
+    }
+
+    #[test]
+    fn with_ranges_the_bump_runs_through_one_range_mapped_as_it_passes() {
+        const MIB: u64 = 1 << 20;
+        let (mut source, mut arena) = (FakeSource::with_ranges(256 * MIB), Arena::new(8 * MIB));
+        let sizes = [3 * MIB, 10 * MIB, MIB];
+        let ptrs: Vec<_> = sizes.iter().map(|&size| arena.allocate(&mut source, size).unwrap()).collect();
+        assert_eq!(source.allocs, 0, "no slab, no oversize slab: one range");
+        assert_eq!((ptrs[1] - ptrs[0], ptrs[2] - ptrs[1]), (3 * MIB, 10 * MIB), "end to end, past a slab's size");
+        assert_eq!(source.mapped(), 14 * MIB, "14 MiB bumped: no slab tail");
+        assert_eq!(arena.touched(), Some(14 * MIB));
+        // Stack order moves the bump back; the next request reuses the memory.
+        arena.free(&mut source, ptrs[2], MIB).unwrap();
+        arena.free(&mut source, ptrs[1], 10 * MIB).unwrap();
+        assert_eq!(arena.allocate(&mut source, 2 * MIB).unwrap(), ptrs[1]);
+        // The reset keeps what the trim policy asks for and unmaps the rest, after a wait.
+        let syncs = source.syncs;
+        arena.reset(&mut source, 4 * MIB).unwrap();
+        assert_eq!((source.mapped(), source.syncs), (4 * MIB, syncs + 1));
+        assert_eq!(arena.allocate(&mut source, MIB).unwrap(), ptrs[0], "the next scope starts at the base");
+        arena.release_all(&mut source).unwrap();
+        assert_eq!((source.held(), source.ranges.len()), (0, 0));
     }
 }

@@ -11,9 +11,10 @@ use crate::phase::ALIGNMENT;
 use crate::report::FreeSpace;
 use crate::source::Source;
 
-/// Serves every allocation best-fit from chunks of about `chunk_bytes`; frees go back to the
-/// chunks' free ranges and are reused at once (in the pool's stream order, as the pool's own
-/// reuse is). A chunk goes back to the pool only when nothing in it is handed out: at a reset
+/// Serves every allocation best-fit from chunks of about `chunk_bytes` (or, where the device has
+/// virtual memory management, from one range that grows in place by what each request lacks);
+/// frees go back to the chunks' free ranges and are reused at once (in the pool's stream order,
+/// as the pool's own reuse is). A chunk goes back to the pool only when nothing in it is handed out: at a reset
 /// beyond what the trim policy keeps, or when memory is short.
 #[derive(Debug)]
 pub(crate) struct Chunked {
@@ -27,7 +28,7 @@ impl Chunked {
     ///
     /// [`PhaseSpec::validate`]: crate::PhaseSpec::validate
     pub(crate) fn new(chunk_bytes: u64) -> Self {
-        Self { chunk_bytes, chunks: Chunks::default() }
+        Self { chunk_bytes, chunks: Chunks::growing() }
     }
 }
 
@@ -111,5 +112,25 @@ mod tests {
         chunked.allocate(&mut source, MIB).unwrap();
         chunked.release_all(&mut source).unwrap();
         assert_eq!(source.held(), 0);
+    }
+
+    #[test]
+    fn with_ranges_one_range_grows_by_what_each_request_lacks() {
+        let (mut source, mut chunked) = (FakeSource::with_ranges(256 * MIB), Chunked::new(16 * MIB));
+        let ptrs: Vec<_> = (0..6).map(|_| chunked.allocate(&mut source, 9 * MIB / 4).unwrap()).collect();
+        assert_eq!(source.allocs, 0, "no chunk from the pool");
+        assert_eq!(source.ranges.len(), 1);
+        assert!(ptrs.windows(2).all(|w| w[1] - w[0] == 9 * MIB / 4), "end to end in one range");
+        assert_eq!(source.mapped(), 14 * MIB, "13.5 MiB rounded up to a page, not a 16 MiB chunk");
+        // The last two freed: the free pages at the end go back when memory is short, the range
+        // stays; the next request maps what it lacks again.
+        chunked.free(&mut source, ptrs[5], 9 * MIB / 4).unwrap();
+        chunked.free(&mut source, ptrs[4], 9 * MIB / 4).unwrap();
+        assert_eq!(chunked.release_unused(&mut source).unwrap(), 4 * MIB);
+        assert_eq!(source.mapped(), 10 * MIB, "9 MiB live, rounded up to a page");
+        assert_eq!(chunked.allocate(&mut source, 9 * MIB / 4).unwrap(), ptrs[4], "the range grows back in place");
+        assert_eq!(chunked.touched(), Some(14 * MIB));
+        chunked.release_all(&mut source).unwrap();
+        assert_eq!((source.held(), source.ranges.len()), (0, 0));
     }
 }

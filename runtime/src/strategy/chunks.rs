@@ -135,6 +135,22 @@ impl FreeRanges {
         }
     }
 
+    /// The free range that ends at `end`, if there is one: `(start, len)`.
+    pub(crate) fn free_end(&self, end: u64) -> Option<(u64, u64)> {
+        self.by_addr.range(..end).next_back().filter(|&(&at, &len)| at + len == end).map(|(&at, &len)| (at, len))
+    }
+
+    /// Moves the end of the region whose free range ends at `end` down to `new_end` (inside that
+    /// free range): the memory past `new_end` is no longer the region's.
+    pub(crate) fn cut_end(&mut self, end: u64, new_end: u64) {
+        let Some((at, len)) = self.free_end(end) else { return };
+        debug_assert!(at <= new_end && new_end <= at + len);
+        self.remove(at, len);
+        if new_end > at {
+            self.insert(at, new_end - at);
+        }
+    }
+
     /// Forgets every range and region.
     pub(crate) fn clear(&mut self) {
         self.by_addr.clear();
@@ -146,8 +162,19 @@ impl FreeRanges {
 /// Best-fit sub-allocation in chunks taken from a source: a request goes to the smallest free
 /// range that holds it, else to a new chunk of about the chunk size, a whole number of requests
 /// of its size rounded up to the [`GRANULE`] (the request alone when that much is refused).
+///
+/// Made [`Chunks::growing`], and where the source has ranges that grow in place, there is one
+/// chunk: a reserved range whose pages are mapped at its end by what the free range there lacks
+/// for a request (as an expandable segment grows), so long-lived allocations lie end to end and
+/// what is held unused is less than a page at the end plus the holes frees leave.
 #[derive(Debug, Default)]
 pub(crate) struct Chunks {
+    /// Whether to grow one range in place where the source has ranges.
+    growing: bool,
+    /// That range: its base and the bytes mapped. `None` until the first growth, or where the
+    /// source has none (`no_ranges`).
+    range: Option<(CUdeviceptr, u64)>,
+    no_ranges: bool,
     ranges: FreeRanges,
     /// Chunks held: base → size.
     chunks: BTreeMap<CUdeviceptr, u64>,
@@ -159,13 +186,73 @@ pub(crate) struct Chunks {
 }
 
 impl Chunks {
+    /// Chunks that grow one range in place where the source has ranges (see [`Chunks`]).
+    pub(crate) fn growing() -> Self {
+        Self { growing: true, ..Self::default() }
+    }
+
+    /// Grows the range in place so that a request of `size` fits at its end; false where the
+    /// source has no ranges (chunks serve instead).
+    fn grow_range(&mut self, source: &mut dyn Source, size: u64) -> Result<bool> {
+        if !self.growing || self.no_ranges {
+            return Ok(false);
+        }
+        let (base, mapped) = match self.range {
+            Some(range) => range,
+            None => match source.reserve_range()? {
+                Some((base, _)) => {
+                    self.ranges.add_region(base, 0, Vec::new());
+                    (base, 0)
+                }
+                None => {
+                    self.no_ranges = true;
+                    return Ok(false);
+                }
+            },
+        };
+        self.range = Some((base, mapped));
+        let tail = self.ranges.free_end(base + mapped).map_or(0, |(_, len)| len);
+        let now = source.resize_range(base, mapped + (size - tail.min(size)))?;
+        if now > mapped {
+            self.ranges.give(base + mapped, now - mapped);
+            self.held += now - mapped;
+            self.peak_held = self.peak_held.max(self.held);
+        }
+        self.range = Some((base, now));
+        Ok(true)
+    }
+
+    /// Unmaps the free pages at the end of the range while more than `keep` bytes are held.
+    /// Returns the bytes given back.
+    fn shrink_range(&mut self, source: &mut dyn Source, keep: u64) -> Result<u64> {
+        let Some((base, mapped)) = self.range else { return Ok(0) };
+        let Some((at, _)) = self.ranges.free_end(base + mapped) else { return Ok(0) };
+        let excess = self.held.saturating_sub(keep);
+        let new_end = (base + mapped - excess).max(at);
+        let target = (new_end - base).next_multiple_of(GRANULE);
+        if target >= mapped {
+            return Ok(0);
+        }
+        let now = source.resize_range(base, target)?;
+        self.ranges.cut_end(base + mapped, base + now);
+        self.range = Some((base, now));
+        self.held -= mapped - now;
+        Ok(mapped - now)
+    }
+
     /// `size` bytes (aligned), from a free range or a new chunk of at least `chunk_bytes`.
     pub(crate) fn alloc(&mut self, source: &mut dyn Source, size: u64, chunk_bytes: u64) -> Result<CUdeviceptr> {
         let ptr = match self.ranges.take(size) {
             Some(ptr) => ptr,
             None => {
-                self.grow(source, size, chunk_bytes)?;
-                self.ranges.take(size).expect("a new chunk holds the request")
+                let grown = if self.grow_range(source, size)? { self.ranges.take(size) } else { None };
+                match grown {
+                    Some(ptr) => ptr,
+                    None => {
+                        self.grow(source, size, chunk_bytes)?;
+                        self.ranges.take(size).expect("a new chunk holds the request")
+                    }
+                }
             }
         };
         self.live.insert(ptr, size);
@@ -224,6 +311,9 @@ impl Chunks {
         for (&base, &len) in &self.chunks {
             self.ranges.add_region(base, len, Vec::new());
         }
+        if let Some((base, mapped)) = self.range {
+            self.ranges.add_region(base, mapped, Vec::new());
+        }
     }
 
     /// Gives back chunks with nothing handed out, largest first, while more than `keep` bytes
@@ -236,7 +326,7 @@ impl Chunks {
             .map(|(&base, &len)| (len, base))
             .collect();
         empty.sort_unstable_by(|a, b| b.cmp(a));
-        let mut released = 0;
+        let mut released = self.shrink_range(source, keep)?;
         for (len, base) in empty {
             if self.held <= keep {
                 break;
@@ -271,6 +361,9 @@ impl Chunks {
         let mut outcome = Ok(());
         for (base, len) in std::mem::take(&mut self.chunks) {
             outcome = outcome.and(source.free(base, len));
+        }
+        if let Some((base, _)) = self.range.take() {
+            outcome = outcome.and(source.free_range(base));
         }
         self.live.clear();
         self.ranges.clear();

@@ -30,6 +30,23 @@
 //! serves again. So a first step run before the optimizer state existed, or a long sequence, does
 //! not keep the slab at its size while smaller scopes follow.
 //!
+//! # A slab that grows in place
+//!
+//! Where the source has ranges that grow in place (a device with virtual memory management), the
+//! slab is one reserved range whose pages are mapped as plans need them, and everything above
+//! about taking a larger slab after a stream wait becomes mapping more pages at the same
+//! addresses, live allocations untouched: a plan larger than the slab maps what it lacks when it
+//! is selected; an entry larger than planned whose range runs past the slab's end maps what it
+//! reaches (the range is still checked against every live allocation before it is handed out);
+//! a scope served online (a new shape, a deviation) grows the slab at its end by what its free
+//! range there lacks, instead of taking fallback chunks, and gives back the pages of that free
+//! end once they are an eighth of the slab. At the scope's end the pages past what the plan of
+//! the scope that just ended needs are unmapped (after a wait for the stream): physical pages are
+//! the device's, and another phase takes them while this one is small. A new shape is served
+//! best-fit in the empty range rather than recorded in chunks beside it. The first scope is still
+//! recorded in fallback chunks (they go back as they empty, anywhere in the scope, where a range
+//! gives back only its end); so is everything when the device refuses a page.
+//!
 //! # Why a hand-out never overlaps a live allocation
 //!
 //! Planned entries are handed out in increasing order, each at most once per scope (the cursor
@@ -205,7 +222,11 @@ impl FreeRanges {
 #[derive(Clone, Copy, Debug)]
 struct Slab {
     base: CUdeviceptr,
+    /// Bytes usable from `base`: the pool allocation, or what is mapped of a growable range.
     size: u64,
+    /// A range that grows in place ([`Source::reserve_range`]): pages are mapped at its end as
+    /// plans and scopes outgrow it, and unmapped when they no longer need them.
+    growable: bool,
 }
 
 /// Counters of the current step, summed over its scopes.
@@ -256,6 +277,8 @@ pub(crate) struct Planned {
     counters: Counters,
     /// Bytes of emptied fallback chunks given back in the scope since the last wait.
     given_back: u64,
+    /// The source has no ranges that grow in place: slabs are pool allocations.
+    no_ranges: bool,
 }
 
 impl Planned {
@@ -288,6 +311,7 @@ impl Planned {
             slab_refused: false,
             counters: Counters::default(),
             given_back: 0,
+            no_ranges: false,
         }
     }
 
@@ -523,9 +547,111 @@ impl Planned {
             .unwrap_or(0)
     }
 
+    /// Whether the slab is a growable range, reserving one (nothing mapped yet) when there is no
+    /// slab and the source has ranges; false where slabs are pool allocations.
+    fn growable_slab(&mut self, source: &mut dyn Source) -> Result<bool> {
+        match self.slab {
+            Some(slab) => Ok(slab.growable),
+            None if self.no_ranges => Ok(false),
+            None => match source.reserve_range()? {
+                Some((base, _)) => {
+                    self.slab = Some(Slab { base, size: 0, growable: true });
+                    Ok(true)
+                }
+                None => {
+                    self.no_ranges = true;
+                    Ok(false)
+                }
+            },
+        }
+    }
+
+    /// Maps pages at the end of the growable slab until it holds `bytes`; what is added joins
+    /// the free ranges of a scope served online. False (and the scope goes on from the fallback
+    /// chunks) when the device refuses the memory.
+    fn grow_slab(&mut self, source: &mut dyn Source, bytes: u64) -> Result<bool> {
+        let Some(slab) = self.slab.filter(|slab| slab.growable && slab.size < bytes) else { return Ok(true) };
+        match source.resize_range(slab.base, bytes) {
+            Ok(size) => {
+                self.slab = Some(Slab { size, ..slab });
+                if let Some(online) = &mut self.online
+                    && size > slab.size
+                {
+                    online.give(slab.size, size - slab.size);
+                }
+                Ok(true)
+            }
+            Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                self.slab_refused = true;
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Unmaps the growable slab's pages past `bytes` (rounded up to a page), waiting for the
+    /// stream first; nothing may live there.
+    fn shrink_slab(&mut self, source: &mut dyn Source, bytes: u64) -> Result<()> {
+        let Some(slab) = self.slab.filter(|slab| slab.growable && slab.size > bytes) else { return Ok(()) };
+        let size = source.resize_range(slab.base, bytes)?;
+        self.slab = Some(Slab { size, ..slab });
+        Ok(())
+    }
+
+    /// Serves `size` online from the slab's free ranges, growing a growable slab at its end when
+    /// none holds it (by what the free range at its end lacks, as an expandable segment grows).
+    fn take_online(&mut self, source: &mut dyn Source, size: u64) -> Result<Option<u64>> {
+        let Some(online) = &mut self.online else { return Ok(None) };
+        if let Some(offset) = online.take(size) {
+            return Ok(Some(offset));
+        }
+        let Some(slab) = self.slab.filter(|slab| slab.growable) else { return Ok(None) };
+        if self.slab_refused {
+            return Ok(None);
+        }
+        let tail =
+            online.by_offset.iter().next_back().filter(|&(&at, &len)| at + len == slab.size).map_or(0, |(_, &len)| len);
+        if !self.grow_slab(source, slab.size + (size - tail))? {
+            return Ok(None);
+        }
+        Ok(self.online.as_mut().and_then(|online| online.take(size)))
+    }
+
+    /// While a scope is served online from a growable slab, gives back the pages of the free
+    /// range at its end once they are an eighth of the slab (at least a page): in a first step,
+    /// another phase (gradients, optimizer state) then takes the memory the activations held
+    /// instead of adding to it. Each costs a wait for the stream.
+    fn release_free_tail(&mut self, source: &mut dyn Source) -> Result<()> {
+        let (Some(slab), Some(online)) = (self.slab.filter(|slab| slab.growable), &mut self.online) else {
+            return Ok(());
+        };
+        let Some((&at, &len)) = online.by_offset.iter().next_back() else { return Ok(()) };
+        let keep = at.next_multiple_of(GRANULE);
+        if at + len != slab.size || slab.size - keep.min(slab.size) < (slab.size / 8).max(GRANULE) {
+            return Ok(());
+        }
+        let size = source.resize_range(slab.base, keep)?;
+        online.remove(at, len);
+        if size > at {
+            online.give(at, size - at);
+        }
+        self.slab = Some(Slab { size, ..slab });
+        Ok(())
+    }
+
     /// Makes sure a slab of at least `desired` bytes is held, when nothing lives in it.
     fn ensure_slab(&mut self, source: &mut dyn Source, desired: u64) -> Result<()> {
-        if self.slab_refused || desired == 0 || !self.slab_live.is_empty() || !self.late.is_empty() {
+        if self.slab_refused || desired == 0 {
+            return Ok(());
+        }
+        // A growable slab grows in place, whatever lives in it.
+        if self.growable_slab(source)? {
+            if self.slab.is_some_and(|slab| slab.size < desired) {
+                self.grow_slab(source, desired)?;
+            }
+            return Ok(());
+        }
+        if !self.slab_live.is_empty() || !self.late.is_empty() {
             return Ok(());
         }
         if let Some(slab) = self.slab {
@@ -544,7 +670,7 @@ impl Planned {
         // take its place instead of adding to it.
         source.trim_to(0)?;
         match source.alloc(desired) {
-            Ok(base) => self.slab = Some(Slab { base, size: desired }),
+            Ok(base) => self.slab = Some(Slab { base, size: desired, growable: false }),
             // The scope goes on from the pool; out-of-memory recovery happens there if needed.
             Err(Error::Driver(error)) if error.is_out_of_memory() => self.slab_refused = true,
             Err(error) => return Err(error),
@@ -560,7 +686,8 @@ impl Planned {
             let desired = need.max(self.desired_slab());
             self.ensure_slab(source, desired)?;
         }
-        if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab) {
+        // (A growable slab with nothing mapped is no slab here: the scope is recorded in chunks.)
+        if let (None, None, Some(slab)) = (self.plan, &self.online, self.slab.filter(|slab| slab.size > 0)) {
             if self.slab_live.is_empty() && self.late.is_empty() {
                 // A new shape from its first allocation, the slab empty: the slab goes back and
                 // the scope is recorded in chunks, like a first step, rather than best-fit in the
@@ -568,18 +695,26 @@ impl Planned {
                 // training steps: its large buffers fit none of the training plan's holes, and
                 // the slab and the chunks would both be held). The stream is waited for so the
                 // trim returns the slab to the device before the chunks are taken.
-                self.slab = None;
-                self.online = None;
-                source.free(slab.base, slab.size)?;
-                source.synchronize()?;
-                source.trim_to(0)?;
+                //
+                // A growable slab has no such cost: the new shape is served best-fit from its
+                // start (nothing lives in it, so there are no holes), pages are mapped at its end
+                // as the scope needs them and the free ones there go back as the scope frees them
+                // (see `release_free_tail`), and the slab ends the scope sized by the new plan.
+                if slab.growable {
+                    self.go_online(slab);
+                } else {
+                    self.slab = None;
+                    self.online = None;
+                    source.free(slab.base, slab.size)?;
+                    source.synchronize()?;
+                    source.trim_to(0)?;
+                }
             } else {
                 self.go_online(slab);
             }
         }
-        if let (Some(online), Some(slab)) = (&mut self.online, self.slab)
-            && let Some(offset) = online.take(size)
-        {
+        if let Some(offset) = self.take_online(source, size)? {
+            let slab = self.slab.expect("an online scope has a slab");
             let ptr = slab.base + offset;
             self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
             self.counters.unplanned += 1;
@@ -588,6 +723,14 @@ impl Planned {
         // Once online, the plan's offsets promise nothing: the slab is full, the chunks serve.
         // Without a slab (refused for lack of memory, or lost to a failed call) the plan cannot
         // serve: the scope deviates and the chunks serve.
+        if let (false, Some(slab), Some(index)) = (self.online.is_some(), self.slab, self.plan)
+            && slab.growable
+            && let Some(&offset) = self.plans[index].offsets.get(self.cursor)
+            && offset + size > slab.size
+        {
+            // An entry larger than planned, past the end of the slab: the slab grows to hold it.
+            self.grow_slab(source, offset + size)?;
+        }
         let planned = match (self.online.is_some(), self.slab) {
             (false, Some(slab)) => self.next_planned(size).map(|offset| (slab, offset)),
             (false, None) if self.plan.is_some() => {
@@ -611,16 +754,38 @@ impl Planned {
                 // from the slab's free ranges, then the fallback chunks, so a scope that leaves
                 // its plan holds the slab and little beside it, not the slab and a second copy
                 // of itself in chunks.
-                if let Some(slab) = self.slab {
+                if let Some(slab) = self.slab.filter(|slab| slab.size > 0) {
                     self.go_online(slab);
-                    if let Some(offset) = self.online.as_mut().and_then(|online| online.take(size)) {
+                    if let Some(offset) = self.take_online(source, size)? {
+                        let slab = self.slab.expect("an online scope has a slab");
                         let ptr = slab.base + offset;
                         self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
                         return Ok(ptr);
                     }
                 }
-                let ptr = self.allocate_from_pool(source, size)?;
-                Ok(ptr)
+                match self.allocate_from_pool(source, size) {
+                    // The pool cannot place a chunk (the device is full, or its free memory is in
+                    // pieces): the scope goes on best-fit in a growable slab, whose pages need no
+                    // contiguous memory.
+                    Err(Error::Driver(error))
+                        if error.is_out_of_memory() && !self.slab_refused && self.growable_slab(source)? =>
+                    {
+                        let slab = self.slab.expect("a growable slab");
+                        if self.online.is_none() {
+                            self.go_online(slab);
+                        }
+                        match self.take_online(source, size)? {
+                            Some(offset) => {
+                                let ptr = slab.base + offset;
+                                self.slab_live
+                                    .insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+                                Ok(ptr)
+                            }
+                            None => Err(Error::Driver(error)),
+                        }
+                    }
+                    other => other,
+                }
             }
         }
     }
@@ -769,7 +934,7 @@ impl Allocator for Planned {
             self.events.push(Event::Free(allocation.index));
             if let Some(online) = &mut self.online {
                 online.give(ptr - self.slab.expect("a slab allocation has a slab").base, allocation.size);
-                return Ok(());
+                return self.release_free_tail(source);
             }
             let late = allocation.entry == FOREIGN || self.entries[allocation.entry as usize] == Entry::Late;
             if allocation.entry != FOREIGN {
@@ -851,7 +1016,16 @@ impl Allocator for Planned {
         let desired = self.desired_slab();
         let mut slab_released = false;
         let mut kept = true;
-        if let Some(slab) = self.slab {
+        if let Some(slab) = self.slab.filter(|slab| slab.growable) {
+            // Pages past what the plan of the scope that just ended needs go back to the device
+            // (after a wait for the stream), where another phase can take them; all of them when
+            // the trim policy keeps less than the slab. The next scope maps what its plan needs.
+            kept = slab.size <= keep;
+            let target = if kept { desired } else { 0 };
+            if slab.size > target.next_multiple_of(GRANULE) {
+                outcome = outcome.and(self.shrink_slab(source, target));
+            }
+        } else if let Some(slab) = self.slab {
             let unfit = slab.size < desired || slab.size > desired + desired / 8;
             kept = slab.size <= keep;
             if unfit || !kept {
@@ -905,6 +1079,8 @@ impl Allocator for Planned {
     /// size) when it next serves from a plan.
     /// Fallback chunks with nothing handed out go back too.
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
+        // Memory is being freed for a retry: a slab refused before may be had now.
+        self.slab_refused = false;
         let chunks = self.fallback.release_empty(source, 0)?;
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
             return Ok(chunks);
@@ -912,6 +1088,12 @@ impl Allocator for Planned {
         let Some(slab) = self.slab.take() else { return Ok(chunks) };
         self.online = None;
         self.slab_refused = false;
+        if slab.growable {
+            // The pages go back; the range stays reserved for the next scope to map again.
+            self.slab = Some(Slab { size: 0, ..slab });
+            source.resize_range(slab.base, 0)?;
+            return Ok(chunks + slab.size);
+        }
         source.free(slab.base, slab.size)?;
         Ok(chunks + slab.size)
     }
@@ -921,7 +1103,11 @@ impl Allocator for Planned {
         let mut outcome = self.fallback.release_all(source);
         self.online = None;
         if let Some(slab) = self.slab.take() {
-            outcome = outcome.and(source.free(slab.base, slab.size));
+            outcome = outcome.and(if slab.growable {
+                source.free_range(slab.base)
+            } else {
+                source.free(slab.base, slab.size)
+            });
         }
         self.close_scope();
         outcome
@@ -973,7 +1159,7 @@ impl Allocator for Planned {
 mod tests {
     use super::*;
     use crate::phase::{Phase, PhaseSpec, Scope, Strategy};
-    use crate::source::fake::FakeSource;
+    use crate::source::fake::{FakeSource, RANGE_LIMIT};
 
     /// A planned allocator whose plans are selected by the first two sizes of a scope.
     fn planned() -> Planned {
@@ -1218,6 +1404,100 @@ mod tests {
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned), (2, 0), "served from its plan after the growth");
         assert_eq!(run(&mut planned, &small), 3 << 20);
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    /// Runs one scope of `sizes` (all live until the end, freed in reverse) and returns the
+    /// pointers and the slab after the reset.
+    fn live_scope(planned: &mut Planned, source: &mut FakeSource, sizes: &[u64]) -> (Vec<CUdeviceptr>, Slab) {
+        planned.begin_step();
+        let ptrs: Vec<_> = sizes.iter().map(|&size| planned.allocate(source, size).unwrap()).collect();
+        for (&ptr, &size) in ptrs.iter().zip(sizes).rev() {
+            planned.free(source, ptr, size).unwrap();
+        }
+        planned.reset(source, u64::MAX).unwrap();
+        (ptrs, planned.slab.unwrap())
+    }
+
+    #[test]
+    fn with_ranges_the_slab_is_a_range_mapped_to_the_plan_after_a_recording_in_chunks() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
+        let (_, slab) = live_scope(&mut planned, &mut source, &[MIB, MIB, 3 * MIB, 4 * MIB]);
+        assert!(source.allocs > 0, "the first scope is recorded in fallback chunks");
+        assert!(source.live.is_empty(), "which went back at its end");
+        assert!(slab.growable);
+        assert_eq!(source.ranges.len(), 1);
+        assert_eq!(slab.size, 10 * MIB, "the plan's 9 MiB, rounded up to a page");
+        assert_eq!(source.held(), 10 * MIB);
+        let allocs = source.allocs;
+        let (again, _) = live_scope(&mut planned, &mut source, &[MIB, MIB, 3 * MIB, 4 * MIB]);
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (4, 0, 0), "then served from its plan");
+        assert_eq!(source.allocs, allocs);
+        assert!(again.iter().all(|&p| p >= slab.base && p < slab.base + slab.size));
+    }
+
+    #[test]
+    fn a_plan_that_outgrows_its_slab_grows_it_in_place() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
+        let key = [512, 512];
+        let (_, small) = live_scope(&mut planned, &mut source, &[key[0], key[1], 4 * MIB]);
+        let allocs = source.allocs;
+        // Same key, a larger last size (a longer sequence): the entry's grown range is not clear,
+        // so the scope goes on best-fit in the slab, which grows at its end to hold it.
+        let (ptrs, grown) = live_scope(&mut planned, &mut source, &[key[0], key[1], 20 * MIB]);
+        assert_eq!(grown.base, small.base, "the same range");
+        assert_eq!(source.allocs, allocs, "nothing taken from the pool: no second slab, no chunk");
+        assert!(ptrs[2] >= grown.base && ptrs[2] < grown.base + RANGE_LIMIT, "in the range");
+        assert!(grown.size >= 20 * MIB, "the new plan's slab holds the larger entry");
+        // A smaller scope of another shape: served in the range, recorded, and the pages past
+        // its plan go back at the boundary.
+        let shrinks = source.shrinks;
+        let (_, after) = live_scope(&mut planned, &mut source, &[1024, 1024, 4 * MIB]);
+        assert_eq!(after.base, small.base);
+        assert_eq!(source.allocs, allocs);
+        assert!(source.shrinks > shrinks, "pages given back");
+        assert!(after.size < grown.size && source.mapped() == after.size, "{} mapped", source.mapped());
+    }
+
+    #[test]
+    fn a_new_shape_gives_back_the_free_end_of_the_range_while_it_runs() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
+        live_scope(&mut planned, &mut source, &[MIB, MIB, 14 * MIB]);
+        assert_eq!(source.mapped(), 16 * MIB);
+        // A new shape (its first size is larger than the plan's): served online from the range.
+        planned.begin_step();
+        let ptrs: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
+        assert_eq!(source.mapped(), 16 * MIB, "it fits the pages mapped");
+        // Freed from the top (as a backward pass frees activations): once an eighth of the range
+        // is free at its end, its pages go back while the scope goes on.
+        let syncs = source.syncs;
+        planned.free(&mut source, ptrs[7], 2 * MIB).unwrap();
+        assert_eq!(source.mapped(), 14 * MIB, "the free page at the end went back");
+        assert_eq!(source.syncs, syncs + 1, "after a wait for the stream");
+        for &ptr in ptrs[..7].iter().rev() {
+            planned.free(&mut source, ptr, 2 * MIB).unwrap();
+        }
+        assert!(source.mapped() <= 2 * MIB, "{} still mapped", source.mapped());
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert_eq!(planned.slab.unwrap().size, 16 * MIB, "the new plan's slab is mapped for the next scope");
+        assert_eq!(source.allocs, 2, "only the first recording took chunks");
+    }
+
+    #[test]
+    fn with_ranges_a_new_shape_is_recorded_in_the_same_range() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
+        let (_, first) = live_scope(&mut planned, &mut source, &[4 * MIB, 4 * MIB]);
+        let allocs = source.allocs;
+        // Another shape (an evaluation pass): served online from the same range, and recorded.
+        let (ptrs, second) = live_scope(&mut planned, &mut source, &[MIB, 2 * MIB]);
+        assert_eq!(second.base, first.base);
+        assert_eq!(ptrs[0], first.base, "best fit from the range's start");
+        assert_eq!(source.allocs, allocs, "no chunk");
+        assert_eq!((planned.plans.len(), second.size), (2, 4 * MIB), "recorded; the slab is its plan's");
+        planned.release_all(&mut source).unwrap();
+        assert_eq!((source.held(), source.ranges.len()), (0, 0), "the range is given back whole");
     }
 
     #[test]

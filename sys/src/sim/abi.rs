@@ -74,6 +74,14 @@ macro_rules! sim_entry_points {
             cuMemPoolImportFromShareableHandle(pool_out: *mut $crate::CUmemoryPool, handle: *mut ::std::ffi::c_void, handleType: $crate::CUmemAllocationHandleType, flags: ::std::ffi::c_ulonglong);
             cuMemPoolExportPointer(shareData_out: *mut $crate::CUmemPoolPtrExportData, ptr: $crate::CUdeviceptr);
             cuMemPoolImportPointer(ptr_out: *mut $crate::CUdeviceptr, pool: $crate::CUmemoryPool, shareData: *mut $crate::CUmemPoolPtrExportData);
+            cuMemAddressReserve(ptr: *mut $crate::CUdeviceptr, size: usize, alignment: usize, addr: $crate::CUdeviceptr, flags: ::std::ffi::c_ulonglong);
+            cuMemAddressFree(ptr: $crate::CUdeviceptr, size: usize);
+            cuMemCreate(handle: *mut $crate::CUmemGenericAllocationHandle, size: usize, prop: *const $crate::CUmemAllocationProp, flags: ::std::ffi::c_ulonglong);
+            cuMemRelease(handle: $crate::CUmemGenericAllocationHandle);
+            cuMemMap(ptr: $crate::CUdeviceptr, size: usize, offset: usize, handle: $crate::CUmemGenericAllocationHandle, flags: ::std::ffi::c_ulonglong);
+            cuMemUnmap(ptr: $crate::CUdeviceptr, size: usize);
+            cuMemSetAccess(ptr: $crate::CUdeviceptr, size: usize, desc: *const $crate::CUmemAccessDesc, count: usize);
+            cuMemGetAllocationGranularity(granularity: *mut usize, prop: *const $crate::CUmemAllocationProp, option: $crate::CUmemAllocationGranularity_flags);
             cuModuleLoadData(module: *mut $crate::CUmodule, image: *const ::std::ffi::c_void);
             cuModuleUnload(hmod: $crate::CUmodule);
             cuModuleGetFunction(hfunc: *mut $crate::CUfunction, hmod: $crate::CUmodule, name: *const ::std::ffi::c_char);

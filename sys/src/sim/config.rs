@@ -32,6 +32,12 @@ pub struct SimConfig {
     pub memory_pools_supported: bool,
     /// Whether devices may access each other's pools (`cuDeviceCanAccessPeer`).
     pub peer_access: bool,
+    /// What `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` reports; without it the
+    /// virtual memory management calls (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, ...)
+    /// return `CUDA_ERROR_NOT_SUPPORTED`, as on devices and drivers that lack them. Off by
+    /// default, so the runtime takes pool slabs and chunks (a GPU has it: the trace replay and
+    /// the training-loop example turn it on, as an H100 answers).
+    pub vmm_supported: bool,
     /// Whether device memory is backed by host memory, so that memset, copies and the
     /// repository's fill kernels have effect (`STEPPOOL_SIM_HOST_MEMORY=1`). Off by default: a
     /// simulated 80 GiB device then costs no memory, and copies out of the device are refused
@@ -51,6 +57,7 @@ impl Default for SimConfig {
             driver_version: DEFAULT_DRIVER_VERSION,
             memory_pools_supported: true,
             peer_access: true,
+            vmm_supported: false,
             host_memory: false,
             faults: None,
         }

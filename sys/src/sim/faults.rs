@@ -6,7 +6,8 @@
 //! - **when**: the Nth call, every call from the Nth on, or each call at random with a seed and
 //!   a rate. Calls are counted from 1 over the entry points the plan covers;
 //! - **which entry points**: all of them but `cuGetErrorName`/`cuGetErrorString` (a failing
-//!   driver still names its errors), or a list;
+//!   driver still names its errors), the virtual memory management calls (`cuMemCreate`,
+//!   `cuMemMap`, `cuMemSetAccess`, ...) included, or a list;
 //! - **what code**: one of [`FaultCode`], picked in turn (or at random with the seed) from the
 //!   plan's list.
 //!

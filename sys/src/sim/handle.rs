@@ -16,6 +16,8 @@ pub(crate) enum Kind {
     Function = 6,
     Graph = 7,
     GraphExec = 8,
+    /// A physical allocation of `cuMemCreate` (`vmm.rs`).
+    Physical = 16,
 }
 
 const TAG: usize = 0x5E;

@@ -10,7 +10,7 @@
 //! simulated device with [`Driver::simulated`](crate::Driver::simulated) and call it through
 //! [`Driver`](crate::Driver)'s checked methods (the one exception, [`SimLibrary`], is below). What they may reach through
 //! [`Driver::sim`](crate::Driver::sim) is inspection only: [`Sim::config`],
-//! [`Sim::pool_layout`] and [`Sim::is_ordered_after`].
+//! [`Sim::pool_layout`], [`Sim::mapped_ranges`] and [`Sim::is_ordered_after`].
 //!
 //! Device memory is not backed by host memory unless [`SimConfig::host_memory`] asks for it
 //! (`STEPPOOL_SIM_HOST_MEMORY=1`): pointers are addresses in a simulated address space, never
@@ -96,6 +96,9 @@
 //!   graphs, replay of kernels, memsets and copies at launch, host memory behind graph
 //!   allocations, graphs built node by node, destroying a stream or releasing a context while it
 //!   captures.
+//! - **Virtual memory management.** Reserved address ranges, physical allocations counted
+//!   against the device's capacity at granule size, mappings and access: the rules and the codes
+//!   for misuse are in `vmm.rs`.
 //! - **Not modelled.** IPC export and import return `CUDA_ERROR_NOT_SUPPORTED`, and pools with
 //!   export handle types are refused with it.
 
@@ -107,6 +110,7 @@ mod handle;
 mod memory;
 mod space;
 mod state;
+mod vmm;
 
 pub use abi::SimLibrary;
 pub use faults::{FaultCode, FaultPlan, FaultPlanError, Trigger};
@@ -194,6 +198,17 @@ pub struct PoolLayout {
     pub allocations: Vec<(u64, u64)>,
     /// Free pieces, by address.
     pub free: Vec<FreePiece>,
+}
+
+/// A range of physical memory mapped into a reserved address range (`cuMemMap`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MappedRange {
+    /// The device ordinal whose memory it is.
+    pub device: usize,
+    /// Its address.
+    pub base: u64,
+    /// Its size in bytes.
+    pub size: u64,
 }
 
 /// A free range inside a pool's segment.
@@ -296,6 +311,12 @@ impl Sim {
                 .map(|(addr, piece)| FreePiece { addr, len: piece.len, ready: piece.readiness == Readiness::Ready })
                 .collect(),
         })
+    }
+
+    /// Every range mapped with `cuMemMap`, by address: the device whose memory it is, its address
+    /// and size. The driver publishes this no more than a pool's layout.
+    pub fn mapped_ranges(&self) -> Vec<MappedRange> {
+        self.lock().vmm.mapped().into_iter().map(|(device, base, size)| MappedRange { device, base, size }).collect()
     }
 
     /// Whether work enqueued on `waiter` from now on runs after all work enqueued so far on
@@ -849,6 +870,87 @@ impl Sim {
         _shareData: *mut CUmemPoolPtrExportData,
     ) -> CUresult {
         NOT_SUPPORTED
+    }
+
+    pub(crate) unsafe fn cuMemAddressReserve(
+        &self,
+        ptr: *mut CUdeviceptr,
+        size: usize,
+        alignment: usize,
+        _addr: CUdeviceptr,
+        flags: c_ulonglong,
+    ) -> CUresult {
+        // SAFETY: forwarded contract.
+        unsafe { self.out(ptr, |s| s.mem_address_reserve(size, alignment, flags)) }
+    }
+
+    pub(crate) unsafe fn cuMemAddressFree(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
+        self.call(|s| s.mem_address_free(ptr, size))
+    }
+
+    pub(crate) unsafe fn cuMemCreate(
+        &self,
+        handle: *mut CUmemGenericAllocationHandle,
+        size: usize,
+        prop: *const CUmemAllocationProp,
+        flags: c_ulonglong,
+    ) -> CUresult {
+        if prop.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller guarantees it points to a `CUmemAllocationProp`.
+        let prop = unsafe { &*prop };
+        // SAFETY: forwarded contract.
+        unsafe { self.out(handle, |s| s.mem_create(size, prop, flags)) }
+    }
+
+    pub(crate) unsafe fn cuMemRelease(&self, handle: CUmemGenericAllocationHandle) -> CUresult {
+        self.call(|s| s.mem_release(handle))
+    }
+
+    pub(crate) unsafe fn cuMemMap(
+        &self,
+        ptr: CUdeviceptr,
+        size: usize,
+        offset: usize,
+        handle: CUmemGenericAllocationHandle,
+        flags: c_ulonglong,
+    ) -> CUresult {
+        self.call(|s| s.mem_map(ptr, size, offset, handle, flags))
+    }
+
+    pub(crate) unsafe fn cuMemUnmap(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
+        self.call(|s| s.mem_unmap(ptr, size))
+    }
+
+    pub(crate) unsafe fn cuMemSetAccess(
+        &self,
+        ptr: CUdeviceptr,
+        size: usize,
+        desc: *const CUmemAccessDesc,
+        count: usize,
+    ) -> CUresult {
+        if desc.is_null() || count == 0 {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller guarantees `count` descriptors at `desc`.
+        let descriptors = unsafe { std::slice::from_raw_parts(desc, count) };
+        self.call(|s| s.mem_set_access(ptr, size, descriptors))
+    }
+
+    pub(crate) unsafe fn cuMemGetAllocationGranularity(
+        &self,
+        granularity: *mut usize,
+        prop: *const CUmemAllocationProp,
+        option: CUmemAllocationGranularity_flags,
+    ) -> CUresult {
+        if prop.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-null, and the caller guarantees it points to a `CUmemAllocationProp`.
+        let prop = unsafe { &*prop };
+        // SAFETY: forwarded contract.
+        unsafe { self.out(granularity, |s| s.mem_get_allocation_granularity(prop, option)) }
     }
 
     pub(crate) unsafe fn cuModuleLoadData(&self, module: *mut CUmodule, image: *const c_void) -> CUresult {

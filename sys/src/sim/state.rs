@@ -10,6 +10,7 @@ use super::clock::{Clock, StreamId};
 use super::handle::{Kind, decode, encode};
 use super::memory::HostMemory;
 use super::space::{AddressSpace, FreeSpace, Readiness};
+use super::vmm::{MappedPiece, Vmm};
 use crate::bindings::*;
 
 // Stream capture and graphs: a child module, so that its hooks below stay one line each.
@@ -139,6 +140,13 @@ pub(crate) struct Range {
     host: bool,
 }
 
+/// A checked device range: inside one pool allocation, or in mapped memory (`vmm.rs`).
+#[derive(Debug)]
+enum Span {
+    Pool(Range),
+    Mapped(Vec<MappedPiece>),
+}
+
 /// A live allocation.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Allocation {
@@ -256,10 +264,13 @@ pub(crate) struct State {
     /// Capture sequences, graphs, executable graphs and graph memory (`capture.rs`), boxed: most
     /// drivers never capture.
     capture: Box<Captures>,
+    /// Reserved address ranges and physical allocations (`vmm.rs`).
+    pub(crate) vmm: Box<Vmm>,
 }
 
 impl State {
     pub(crate) fn new(id: u64, config: SimConfig) -> Self {
+        let config_host_memory = config.host_memory;
         let mut state = Self {
             id,
             tag: id as u16,
@@ -278,6 +289,7 @@ impl State {
             completed: Clock::default(),
             next_id: 0,
             capture: Box::default(),
+            vmm: Box::new(Vmm::new(id, config_host_memory)),
         };
         state.host = state.config.host_memory.then(HostMemory::default);
         // Each driver instance and device gets its own slice of a 64-bit address space.
@@ -306,13 +318,47 @@ impl State {
         self.next_id
     }
 
+    /// A fresh object id, for handles made outside this file.
+    pub(crate) fn next_id(&mut self) -> u32 {
+        self.next()
+    }
+
+    /// The 16 bits of this driver's id that its handles carry.
+    pub(crate) fn tag(&self) -> u16 {
+        self.tag
+    }
+
+    /// Counts `bytes` of physical memory against `device`'s capacity, after releasing every idle
+    /// pool segment of the device if they do not fit; `false` when they still do not.
+    pub(crate) fn charge(&mut self, device: usize, bytes: u64) -> bool {
+        let fits = |state: &Self| {
+            state.devices[device]
+                .reserved
+                .checked_add(bytes)
+                .is_some_and(|total| total <= state.devices[device].capacity)
+        };
+        if !fits(self) {
+            self.release_idle_on_device(device);
+            if !fits(self) {
+                return false;
+            }
+        }
+        self.devices[device].reserved += bytes;
+        true
+    }
+
+    /// Gives back `bytes` counted with [`State::charge`].
+    pub(crate) fn uncharge(&mut self, device: usize, bytes: u64) {
+        self.devices[device].reserved -= bytes;
+    }
+
     // ----- handles -------------------------------------------------------------------------------
 
     pub(crate) fn handle(&self, kind: Kind, id: u32) -> usize {
         encode(self.tag, kind, id)
     }
 
-    fn require_init(&self) -> R<()> {
+    pub(crate) fn require_init(&self) -> R<()> {
         if self.initialized { Ok(()) } else { Err(NOT_INITIALIZED) }
     }
 
@@ -321,7 +367,7 @@ impl State {
         if self.config.memory_pools_supported { Ok(()) } else { Err(NOT_SUPPORTED) }
     }
 
-    fn device(&self, ordinal: CUdevice) -> R<usize> {
+    pub(crate) fn device(&self, ordinal: CUdevice) -> R<usize> {
         self.require_init()?;
         usize::try_from(ordinal).ok().filter(|&d| d < self.devices.len()).ok_or(INVALID_DEVICE)
     }
@@ -645,7 +691,7 @@ impl State {
             A::CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS => 1,
             A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => 1,
             A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN => 227 << 10,
-            A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => 1,
+            A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => i32::from(self.config.vmm_supported),
             A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => i32::from(self.config.memory_pools_supported),
             // Added in 11.3; older drivers refuse it.
             A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES if self.config.driver_version >= 11030 => 0,
@@ -936,12 +982,10 @@ impl State {
         if let Some(sequence) = self.capture_gate(id)? {
             return self.capture_work(sequence, id, &[(ptr, len)]);
         }
-        let range = self.live_range(ptr, len).ok_or(INVALID_VALUE)?;
+        let span = self.span(ptr, len, self.streams[&id].device).ok_or(INVALID_VALUE)?;
         let clock = self.op_clock(id);
         self.commit(id, clock);
-        if let Some(bytes) = self.host_bytes(range) {
-            bytes.fill(value);
-        }
+        self.span_fill(span, value);
         Ok(())
     }
 
@@ -962,6 +1006,51 @@ impl State {
             return None;
         }
         Some(Range { segment: allocation.segment, offset: ptr - allocation.segment, len, host: true })
+    }
+
+    /// The range `[ptr, ptr + len)` when it lies inside one live allocation, or in memory mapped
+    /// with read-write access for `device` (see `vmm.rs`).
+    fn span(&self, ptr: CUdeviceptr, len: usize, device: usize) -> Option<Span> {
+        match self.live_range(ptr, len) {
+            Some(range) => Some(Span::Pool(range)),
+            None => self.vmm.pieces(ptr, len, device).map(Span::Mapped),
+        }
+    }
+
+    /// Fills a checked span with `value`, on a host-backed device.
+    fn span_fill(&mut self, span: Span, value: u8) {
+        match span {
+            Span::Pool(range) => {
+                if let Some(bytes) = self.host_bytes(range) {
+                    bytes.fill(value);
+                }
+            }
+            Span::Mapped(pieces) => self.vmm.fill(&pieces, value),
+        }
+    }
+
+    /// Writes `src` into a checked span of its length, on a host-backed device.
+    fn span_write(&mut self, span: Span, src: &[u8]) {
+        match span {
+            Span::Pool(range) => {
+                if let Some(bytes) = self.host_bytes(range) {
+                    bytes.copy_from_slice(src);
+                }
+            }
+            Span::Mapped(pieces) => self.vmm.write(&pieces, src),
+        }
+    }
+
+    /// Reads a checked span into `dst` of its length, on a host-backed device.
+    fn span_read(&mut self, span: Span, dst: &mut [u8]) {
+        match span {
+            Span::Pool(range) => {
+                if let Some(bytes) = self.host_bytes(range) {
+                    dst.copy_from_slice(bytes);
+                }
+            }
+            Span::Mapped(pieces) => self.vmm.read(&pieces, dst),
+        }
     }
 
     /// The host bytes behind a checked range, on a host-backed device.
@@ -990,12 +1079,10 @@ impl State {
         if let Some(sequence) = self.capture_gate(id)? {
             return self.capture_work(sequence, id, &[(dst, src.len())]);
         }
-        let range = self.live_range(dst, src.len()).ok_or(INVALID_VALUE)?;
+        let span = self.span(dst, src.len(), self.streams[&id].device).ok_or(INVALID_VALUE)?;
         let clock = self.op_clock(id);
         self.commit(id, clock);
-        if let Some(bytes) = self.host_bytes(range) {
-            bytes.copy_from_slice(src);
-        }
+        self.span_write(span, src);
         Ok(())
     }
 
@@ -1005,16 +1092,15 @@ impl State {
         if let Some(sequence) = self.capture_gate(id)? {
             return self.capture_work(sequence, id, &[(src, dst.len())]);
         }
-        let range = self.live_range(src, dst.len()).ok_or(INVALID_VALUE)?;
-        let readable = self.host_backed() && range.host;
+        let span = self.span(src, dst.len(), self.streams[&id].device).ok_or(INVALID_VALUE)?;
+        // Graph allocations have no host memory behind them.
+        let readable = self.host_backed() && !matches!(span, Span::Pool(Range { host: false, .. }));
         if !readable && !dst.is_empty() {
             return Err(NOT_SUPPORTED);
         }
         let clock = self.op_clock(id);
         self.commit(id, clock);
-        if let Some(bytes) = self.host_bytes(range) {
-            dst.copy_from_slice(bytes);
-        }
+        self.span_read(span, dst);
         Ok(())
     }
 
@@ -1030,15 +1116,15 @@ impl State {
         if let Some(sequence) = self.capture_gate(id)? {
             return self.capture_work(sequence, id, &[(src, len), (dst, len)]);
         }
-        let from = self.live_range(src, len).ok_or(INVALID_VALUE)?;
-        let to = self.live_range(dst, len).ok_or(INVALID_VALUE)?;
+        let device = self.streams[&id].device;
+        let from = self.span(src, len, device).ok_or(INVALID_VALUE)?;
+        let to = self.span(dst, len, device).ok_or(INVALID_VALUE)?;
         let clock = self.op_clock(id);
         self.commit(id, clock);
-        if let Some(bytes) = self.host_bytes(from) {
-            let copy = bytes.to_vec();
-            if let Some(target) = self.host_bytes(to) {
-                target.copy_from_slice(&copy);
-            }
+        if self.host_backed() {
+            let mut copy = vec![0; len];
+            self.span_read(from, &mut copy);
+            self.span_write(to, &copy);
         }
         Ok(())
     }
@@ -1056,10 +1142,9 @@ impl State {
     /// every live allocation is `CUDA_ERROR_ILLEGAL_ADDRESS`, which a real kernel would hit.
     pub(crate) fn run_fill(&mut self, dst: CUdeviceptr, len: u64, value: u8) -> R<()> {
         let len = usize::try_from(len).map_err(|_| ILLEGAL_ADDRESS)?;
-        let range = self.live_range(dst, len).ok_or(ILLEGAL_ADDRESS)?;
-        if let Some(bytes) = self.host_bytes(range) {
-            bytes.fill(value);
-        }
+        let device = self.contexts[&self.current()?].device;
+        let span = self.span(dst, len, device).ok_or(ILLEGAL_ADDRESS)?;
+        self.span_fill(span, value);
         Ok(())
     }
 
