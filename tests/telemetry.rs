@@ -999,6 +999,9 @@ fn captured_steps_and_graph_memory_show_in_the_timeline_and_the_snapshot() {
     assert!(svg.contains(&format!("step {} captured: 3 graph launches", report.index)), "{svg}");
     assert!(!svg.contains(&format!("step {} captured", eager.index)), "the eager step is not marked");
     assert!(svg.contains("graph memory reserved, all devices"), "{svg}");
+    let highest =
+        format!("graph memory reserved (highest {})", steppool_sys::bytes::Bytes(report.graph_memory.reserved));
+    assert!(svg.contains(&highest), "{highest} in {svg}");
 
     // The snapshot holds the reading in the device's trace and the settings.
     let mut bytes = Vec::new();

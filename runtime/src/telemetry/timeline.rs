@@ -294,7 +294,7 @@ impl History {
             ],
         );
         svg.text("text", &[("x", &Px(lx + 22.0)), ("y", &Px(top + 17.0)), ("class", &"label")], "reserved");
-        if graph_max.is_some() {
+        if let Some(graph_max) = graph_max {
             let lx = lx + 90.0;
             svg.element(
                 "line",
@@ -308,8 +308,9 @@ impl History {
                     ("stroke-dasharray", &"6,3"),
                 ],
             );
-            let label = "graph memory reserved";
-            svg.text("text", &[("x", &Px(lx + 22.0)), ("y", &Px(top + 17.0)), ("class", &"label")], label);
+            // Read only at step ends, the line may be short: the legend says its highest value.
+            let label = format!("graph memory reserved (highest {})", Bytes(graph_max));
+            svg.text("text", &[("x", &Px(lx + 22.0)), ("y", &Px(top + 17.0)), ("class", &"label")], &label);
         }
 
         // One row per phase.
