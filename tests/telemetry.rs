@@ -12,7 +12,7 @@ use steppool::telemetry::{
     FragmentationRule, GroupKey, LowHeadroomRule, MAX_REQUEST_BYTES, ReservedCreepRule, ScatteredFreeRule,
     ServeOptions, Warning, WarningKind, WarningRules,
 };
-use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict};
+use steppool::{CaptureMemory, CaptureMode, Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict};
 use steppool_tests::simulated_runtime;
 
 const MIB: u64 = 1 << 20;
@@ -965,4 +965,67 @@ fn a_snapshot_started_after_warm_up_or_cut_short_still_loads_consistently() {
         check_viewer_consistency(&bytes);
         drop(weights);
     }
+}
+
+#[test]
+fn captured_steps_and_graph_memory_show_in_the_timeline_and_the_snapshot() {
+    let runtime = simulated_runtime(1 << 30);
+    runtime.telemetry().start_recording(10_000);
+    let phase = runtime.declare_phase(PhaseSpec::new("captured", Scope::Step).strategy(Strategy::Direct)).unwrap();
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let step = runtime.begin_step().unwrap();
+    drop(step.alloc(phase, MIB, &stream).unwrap());
+    let eager = step.end().unwrap();
+    let step = runtime.begin_step().unwrap();
+    let capture = step.capture(&stream, &[phase], CaptureMemory::GraphNodes, CaptureMode::Global).unwrap();
+    let a = capture.alloc(phase, 3 * MIB).unwrap();
+    let b = capture.alloc(phase, MIB).unwrap();
+    capture.free(a).unwrap();
+    let _left = b; // never freed in the graph: graph memory stays in use after a launch
+    let captured = capture.end().unwrap();
+    for _ in 0..3 {
+        captured.launch().unwrap();
+    }
+    let report = step.end().unwrap();
+    assert_eq!(report.graph_launches, 3);
+    assert!(report.graph_memory.reserved >= 4 * MIB, "{:?}", report.graph_memory);
+    let history = runtime.telemetry().history();
+
+    // The timeline shades the captured step, names it with its launches, and draws graph memory.
+    let svg = history.timeline_svg("captured");
+    let document = roxmltree::Document::parse(&svg).expect("well-formed SVG");
+    let shaded = document.descendants().filter(|n| n.attribute("class") == Some("captured")).count();
+    assert_eq!(shaded, 1, "one captured step shaded");
+    assert!(svg.contains(&format!("step {} captured: 3 graph launches", report.index)), "{svg}");
+    assert!(!svg.contains(&format!("step {} captured", eager.index)), "the eager step is not marked");
+    assert!(svg.contains("graph memory reserved, all devices"), "{svg}");
+    let highest =
+        format!("graph memory reserved (highest {})", steppool_sys::bytes::Bytes(report.graph_memory.reserved));
+    assert!(svg.contains(&highest), "{highest} in {svg}");
+
+    // The snapshot holds the reading in the device's trace and the settings.
+    let mut bytes = Vec::new();
+    history.write_memory_snapshot(&mut bytes).unwrap();
+    let snapshot = serde_pickle::value_from_slice(&bytes, DeOptions::new()).expect("a valid pickle");
+    let top = dict(&snapshot);
+    let settings = dict(top["allocator_settings"]);
+    let reserved = report.graph_memory.reserved.to_string();
+    assert_eq!(text(settings["graph_memory_reserved_bytes:0"]), reserved);
+    assert_eq!(text(settings["graph_memory_used_bytes:0"]), report.graph_memory.used.to_string());
+    assert_eq!(text(settings["graph_launches"]), "3");
+    let traces = list(top["device_traces"]);
+    let readings: Vec<BTreeMap<String, &Value>> = list(&traces[0])
+        .iter()
+        .map(dict)
+        .filter(|e| text(e["action"]) == "snapshot" && !list(e["frames"]).is_empty())
+        .collect();
+    assert_eq!(readings.len(), 1, "one reading, at the captured step's end");
+    let frame = dict(&list(readings[0]["frames"])[0]);
+    assert_eq!(text(frame["filename"]), "steppool graph memory, device 0");
+    assert_eq!(int(frame["line"]), report.index as i64);
+    let name = text(frame["name"]);
+    assert!(name.contains("captured: 3 graph launches"), "{name}");
+    assert!(name.starts_with("graph memory reserved "), "{name}");
+    drop(captured);
+    assert!(runtime.take_errors().is_empty());
 }

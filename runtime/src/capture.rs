@@ -41,6 +41,7 @@ use crate::pool::PhasePool;
 use crate::step::Step;
 use crate::stream::Stream;
 use crate::stream_core::StreamCore;
+use crate::telemetry::EventKind;
 
 /// How a captured step's allocations are served.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -476,6 +477,12 @@ impl CapturedStep {
         unsafe { self.runtime.driver.graph_launch(self.exec, self.stream.raw()) }?;
         *self.launched.lock().unwrap_or_else(PoisonError::into_inner) = true;
         self.runtime.hub.graph_launches.fetch_add(1, Ordering::Relaxed);
+        let recorder = &self.runtime.hub.recorder;
+        recorder.record(EventKind::GraphLaunch {
+            device: self.stream.device.ordinal,
+            stream: self.stream.id,
+            step: recorder.step(),
+        });
         Ok(())
     }
 

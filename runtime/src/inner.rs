@@ -17,7 +17,7 @@ use crate::phase::{Phase, Scope};
 use crate::pool::{PhasePool, PoolGuard, PoolSinks, PoolSlots};
 use crate::raw_table::RawTable;
 use crate::registry::Registry;
-use crate::report::{GraphMemory, MicroStepReport, PoolStats, StepReport};
+use crate::report::{MicroStepReport, PoolStats, StepReport};
 use crate::stream_core::StreamCore;
 use crate::telemetry::{DeviceMemory, EventKind, History, Metrics};
 
@@ -310,7 +310,15 @@ impl RuntimeInner {
         );
         report.graph_launches = self.hub.graph_launches.swap(0, Ordering::Relaxed);
         if self.hub.captures_begun.load(Ordering::Relaxed) > 0 {
-            report.graph_memory = self.graph_memory()?;
+            for core in self.registry.open_devices() {
+                let counters = self.driver.device_graph_mem_counters(core.ordinal as i32)?;
+                self.hub.recorder.record(EventKind::GraphMemory {
+                    device: core.ordinal,
+                    reserved: counters.reserved,
+                    used: counters.used,
+                });
+                report.graph_memory.add(&counters);
+            }
         }
         let memory = |ordinal: usize| {
             let core = self.registry.opened(ordinal)?;
@@ -398,19 +406,6 @@ impl RuntimeInner {
             fragmentation: self.hub.last_fragmentation(),
             warnings: self.hub.warning_counts(),
         })
-    }
-
-    /// The graph memory pools of the open devices, summed.
-    pub(crate) fn graph_memory(&self) -> Result<GraphMemory> {
-        let mut sum = GraphMemory::default();
-        for core in self.registry.open_devices() {
-            let counters = self.driver.device_graph_mem_counters(core.ordinal as i32)?;
-            sum.reserved += counters.reserved;
-            sum.reserved_high += counters.reserved_high;
-            sum.used += counters.used;
-            sum.used_high += counters.used_high;
-        }
-        Ok(sum)
     }
 
     /// A copy of the recorded history, with the runtime's phases, driver and devices.

@@ -149,6 +149,16 @@ pub struct GraphMemory {
     pub used_high: u64,
 }
 
+impl GraphMemory {
+    /// Adds one device's graph memory pool counters.
+    pub(crate) fn add(&mut self, counters: &steppool_sys::PoolCounters) {
+        self.reserved += counters.reserved;
+        self.reserved_high += counters.reserved_high;
+        self.used += counters.used;
+        self.used_high += counters.used_high;
+    }
+}
+
 impl StepReport {
     pub(crate) fn new(
         index: u64,

@@ -115,6 +115,26 @@ pub enum EventKind {
         /// Free device memory then.
         device_free: u64,
     },
+    /// A captured step's graph was launched
+    /// ([`CapturedStep::launch`](crate::CapturedStep::launch)).
+    GraphLaunch {
+        /// The device it ran on.
+        device: usize,
+        /// The id of the stream it was launched on.
+        stream: u32,
+        /// The step active when it was launched.
+        step: Option<u64>,
+    },
+    /// A device's graph memory pool (`cuDeviceGetGraphMemAttribute`), read at a step's end once a
+    /// capture has begun.
+    GraphMemory {
+        /// The device.
+        device: usize,
+        /// Bytes the graph memory pool holds from the device.
+        reserved: u64,
+        /// Bytes associated with graphs.
+        used: u64,
+    },
     /// An early warning fired.
     Warning {
         /// The rule's name.

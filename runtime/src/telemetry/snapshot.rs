@@ -8,9 +8,22 @@
 //! (`steppool phase `activations`:3:step 3`), and a `category` with the phase name, which the
 //! viewer colours and lists in its legend. Frees are written as `free_requested` followed by
 //! `free_completed`, stream order being the runtime's concern.
+//!
+//! Graph memory: the driver's graph memory pools hold memory the runtime has no segments or
+//! addresses for (graph allocation nodes of captured steps), read at each step's end once a
+//! capture has begun. Each reading becomes a `snapshot` entry in its device's trace (the action
+//! the viewer lists and otherwise ignores, so it draws nothing false), its frame naming the step,
+//! the bytes (`graph memory reserved 4.0 MiB, used 4.0 MiB`) and, for a step in which captured
+//! steps were launched, `captured: 3 graph launches`. The last reading per device also goes into
+//! `allocator_settings` as `graph_memory_reserved_bytes:<device>` and
+//! `graph_memory_used_bytes:<device>`, with `graph_launches` counting the launches recorded.
+//! A plan-slab captured step's slab is a pool's segment like any other and appears as one.
 
 use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
 use std::io::{self, Write};
+
+use steppool_sys::bytes::Bytes;
 
 use steppool_trace::pytorch::{self, Action, Block, BlockState, Frame, Segment, Snapshot, TraceEntry};
 
@@ -84,7 +97,11 @@ fn snapshot(history: &History) -> Snapshot {
     // viewer could not place them in a segment.
     let mut allocated: HashSet<(usize, u64)> = HashSet::new();
     let mut last_t = 0;
-    for event in &history.events {
+    // Graph launches per step, and each device's last graph memory reading.
+    let mut launches: BTreeMap<Option<u64>, u64> = BTreeMap::new();
+    let mut graph_launches = 0u64;
+    let mut graph_memory: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+    for (index, event) in history.events.iter().enumerate() {
         let t = event.t_ns;
         last_t = last_t.max(t);
         match &event.kind {
@@ -156,6 +173,37 @@ fn snapshot(history: &History) -> Snapshot {
                     frames(history, *pool, None, None),
                     "unknown",
                 ));
+            }
+            EventKind::GraphLaunch { step, .. } => {
+                *launches.entry(*step).or_default() += 1;
+                graph_launches += 1;
+            }
+            EventKind::GraphMemory { device, reserved, used } => {
+                let step = history.events[..index].iter().rev().find_map(|e| match e.kind {
+                    EventKind::StepEnd { step } | EventKind::StepBegin { step } => Some(step),
+                    _ => None,
+                });
+                let mut name = format!("graph memory reserved {}, used {}", Bytes(*reserved), Bytes(*used));
+                if let Some(&count) = launches.get(&step) {
+                    let _ = write!(name, "; captured: {count} graph launch{}", if count == 1 { "" } else { "es" });
+                }
+                if let Some(trace) = traces.get_mut(*device) {
+                    trace.push(TraceEntry {
+                        action: Action::Snapshot,
+                        addr: 0,
+                        size: 0,
+                        stream: 0,
+                        time_us: t / 1000,
+                        device_free: None,
+                        frames: vec![Frame {
+                            filename: format!("steppool graph memory, device {device}"),
+                            line: step.unwrap_or(0),
+                            name,
+                        }],
+                        category: Some("unknown".to_owned()),
+                    });
+                }
+                graph_memory.insert(*device, (*reserved, *used));
             }
             EventKind::Oom { pool, bytes, device_free } => {
                 let frames = frames(history, *pool, None, None);
@@ -237,14 +285,16 @@ fn snapshot(history: &History) -> Snapshot {
             blocks,
         });
     }
-    Snapshot {
-        segments: segment_values,
-        device_traces: traces,
-        allocator_settings: vec![
-            ("backend".to_owned(), "steppool".to_owned()),
-            ("driver".to_owned(), history.driver.clone()),
-        ],
+    let mut allocator_settings =
+        vec![("backend".to_owned(), "steppool".to_owned()), ("driver".to_owned(), history.driver.clone())];
+    if graph_launches > 0 || !graph_memory.is_empty() {
+        allocator_settings.push(("graph_launches".to_owned(), graph_launches.to_string()));
     }
+    for (device, (reserved, used)) in graph_memory {
+        allocator_settings.push((format!("graph_memory_reserved_bytes:{device}"), reserved.to_string()));
+        allocator_settings.push((format!("graph_memory_used_bytes:{device}"), used.to_string()));
+    }
+    Snapshot { segments: segment_values, device_traces: traces, allocator_settings }
 }
 
 /// A free stretch of a segment.
@@ -256,7 +306,12 @@ impl History {
     /// Writes the history as a PyTorch memory snapshot pickle, as `torch.cuda.memory._snapshot()`
     /// does, for pytorch.org/memory_viz. Segments are what pools took from their CUDA pools (arena
     /// slabs, or a `Pool` strategy's allocations themselves); blocks are allocations, each tagged
-    /// with its phase and step in its frame and its `category`.
+    /// with its phase and step in its frame and its `category`. The devices' graph memory pools,
+    /// read at each step's end once a capture has begun, have no addresses the runtime knows:
+    /// each reading is a `snapshot` entry in its device's trace whose frame names the step, the
+    /// bytes reserved and used and the step's graph launches (`captured: 3 graph launches`), and
+    /// the last one per device is in `allocator_settings` (`graph_memory_reserved_bytes:<device>`,
+    /// `graph_memory_used_bytes:<device>`, with `graph_launches`).
     ///
     /// For a complete picture start recording before the first allocation: allocations made
     /// earlier appear as segments of their own, and their frees are left out.

@@ -5,6 +5,13 @@
 //! the gap between the two is the memory held without live data. One row per phase follows,
 //! each on its own scale: used filled, reserved as a line. Time is split into as many buckets as
 //! the picture has pixels, and each bucket shows its highest values, so no peak is lost.
+//!
+//! Captured steps: a step in which a captured step's graph was launched
+//! ([`CapturedStep::launch`](crate::CapturedStep::launch)) is shaded across the top panel and
+//! labelled `step N captured` with its launch count. The devices' graph memory pools, read at each
+//! step's end once a capture has begun, are drawn in the top panel as a dashed line (`graph
+//! memory reserved`, all devices): memory the driver's graph allocation nodes hold beside the
+//! pools' reservations.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -22,6 +29,8 @@ const RIGHT: f64 = 24.0;
 const TOP_HEIGHT: f64 = 220.0;
 const ROW_HEIGHT: f64 = 84.0;
 const GAP: f64 = 26.0;
+/// Captured steps and graph memory.
+const GRAPH_COLOR: &str = "#7b3294";
 const BUCKETS: usize = (WIDTH - LEFT - RIGHT) as usize;
 const COLORS: [&str; 10] =
     ["#4e79a7", "#f28e2c", "#59a14f", "#e15759", "#76b7b2", "#edc949", "#af7aa1", "#ff9da7", "#9c755f", "#bab0ab"];
@@ -33,6 +42,8 @@ struct Series {
     buckets: Vec<Vec<(u64, u64)>>,
     /// Highest total used and total reserved per bucket.
     totals: Vec<(u64, u64)>,
+    /// Graph memory reserved, all devices, per bucket; `None` before the first reading.
+    graph: Vec<Option<u64>>,
     t0: u64,
     t1: u64,
 }
@@ -53,6 +64,8 @@ fn series(history: &History) -> Series {
     let mut buckets = vec![vec![(0u64, 0u64); phases.len()]; BUCKETS];
     let mut totals = vec![(0u64, 0u64); BUCKETS];
     let mut touched = vec![false; BUCKETS];
+    let mut graph_reserved: BTreeMap<usize, u64> = BTreeMap::new();
+    let mut graph = vec![None; BUCKETS];
     let index = |phase: Phase| phases.binary_search(&phase).unwrap_or(0);
     for event in &history.events {
         match &event.kind {
@@ -66,10 +79,17 @@ fn series(history: &History) -> Series {
             | EventKind::Reserved { pool, pool_reserved } => {
                 reserved.insert(*pool, *pool_reserved);
             }
+            EventKind::GraphMemory { device, reserved, .. } => {
+                graph_reserved.insert(*device, *reserved);
+            }
             _ => continue,
         }
         let b = bucket_of(event.t_ns);
         touched[b] = true;
+        if !graph_reserved.is_empty() {
+            let total: u64 = graph_reserved.values().sum();
+            graph[b] = Some(graph[b].map_or(total, |v: u64| v.max(total)));
+        }
         let mut total = (0, 0);
         for (i, &phase) in phases.iter().enumerate() {
             let phase_reserved: u64 = reserved.iter().filter(|(k, _)| k.phase == phase).map(|(_, v)| v).sum();
@@ -86,9 +106,12 @@ fn series(history: &History) -> Series {
         if !touched[b] {
             buckets[b] = buckets[b - 1].clone();
             totals[b] = totals[b - 1];
+            graph[b] = graph[b - 1];
+        } else if graph[b].is_none() {
+            graph[b] = graph[b - 1];
         }
     }
-    Series { phases, buckets, totals, t0, t1 }
+    Series { phases, buckets, totals, graph, t0, t1 }
 }
 
 fn x_of(series: &Series, t: u64) -> f64 {
@@ -146,6 +169,52 @@ fn axis_label(svg: &mut Svg, top: f64, height: f64, max: u64) {
 }
 
 impl History {
+    /// Shades every step in which a captured step's graph was launched, across the top panel,
+    /// labelled `step N captured` with its launch count.
+    fn captured_steps(&self, svg: &mut Svg, series: &Series, top: f64) {
+        let mut launches: BTreeMap<u64, u64> = BTreeMap::new();
+        for event in &self.events {
+            if let EventKind::GraphLaunch { step: Some(step), .. } = event.kind {
+                *launches.entry(step).or_default() += 1;
+            }
+        }
+        for (row, (&step, &count)) in launches.iter().enumerate() {
+            let begin = self.events.iter().find_map(|e| match e.kind {
+                EventKind::StepBegin { step: s } if s == step => Some(e.t_ns),
+                _ => None,
+            });
+            let end = self.events.iter().find_map(|e| match e.kind {
+                EventKind::StepEnd { step: s } if s == step => Some(e.t_ns),
+                _ => None,
+            });
+            let x0 = x_of(series, begin.unwrap_or(series.t0));
+            let x1 = x_of(series, end.unwrap_or(series.t1)).max(x0 + 2.0);
+            let label = format!("step {step} captured");
+            let launches = if count == 1 { "1 graph launch".to_owned() } else { format!("{count} graph launches") };
+            svg.open("g", &[("class", &"captured")]);
+            svg.text("title", &[], &format!("{label}: {launches}"));
+            svg.element(
+                "rect",
+                &[
+                    ("x", &Px(x0)),
+                    ("y", &Px(top)),
+                    ("width", &Px(x1 - x0)),
+                    ("height", &Px(TOP_HEIGHT)),
+                    ("fill", &GRAPH_COLOR),
+                    ("fill-opacity", &0.12),
+                    ("stroke", &"none"),
+                ],
+            );
+            let y = top + TOP_HEIGHT - 6.0 - 12.0 * (row % 3) as f64;
+            svg.text(
+                "text",
+                &[("x", &Px(x0 + 2.0)), ("y", &Px(y)), ("class", &"mark"), ("fill", &GRAPH_COLOR)],
+                &label,
+            );
+            svg.close("g");
+        }
+    }
+
     /// The history as an SVG timeline (see [`crate::telemetry`]); `title` heads the picture.
     pub fn timeline_svg(&self, title: &str) -> String {
         let series = series(self);
@@ -162,8 +231,10 @@ impl History {
 
         // Top panel: used stacked by phase, total reserved over it.
         let top = 40.0;
-        let max = series.totals.iter().map(|t| t.1.max(t.0)).max().unwrap_or(0).max(1);
+        let graph_max = series.graph.iter().flatten().copied().max();
+        let max = series.totals.iter().map(|t| t.1.max(t.0)).max().unwrap_or(0).max(graph_max.unwrap_or(0)).max(1);
         axis_label(&mut svg, top, TOP_HEIGHT, max);
+        self.captured_steps(&mut svg, &series, top);
         let mut lower = vec![0u64; BUCKETS];
         for (i, &phase) in series.phases.iter().enumerate() {
             let upper: Vec<u64> = lower.iter().zip(&series.buckets).map(|(l, b)| l + b[i].0).collect();
@@ -178,6 +249,26 @@ impl History {
         svg.open("path", &[("d", &d), ("fill", &"none"), ("stroke", &"#222"), ("stroke-width", &1.5)]);
         svg.text("title", &[], "reserved, all phases");
         svg.close("path");
+        if let Some(graph_max) = graph_max {
+            // From the first reading on; before it the graph memory pools were not read.
+            let scale = |v: u64| top + TOP_HEIGHT - v as f64 / max as f64 * TOP_HEIGHT;
+            let mut d = String::new();
+            for (b, v) in series.graph.iter().enumerate().filter_map(|(b, v)| v.map(|v| (b, v))) {
+                let _ = write!(d, "{}{:.1},{:.1} ", if d.is_empty() { "M" } else { "L" }, bx(b), scale(v));
+            }
+            svg.open(
+                "path",
+                &[
+                    ("d", &d),
+                    ("fill", &"none"),
+                    ("stroke", &GRAPH_COLOR),
+                    ("stroke-width", &1.5),
+                    ("stroke-dasharray", &"6,3"),
+                ],
+            );
+            svg.text("title", &[], &format!("graph memory reserved, all devices (highest {})", Bytes(graph_max)));
+            svg.close("path");
+        }
         // Legend.
         let mut lx = LEFT + 8.0;
         for (i, &phase) in series.phases.iter().enumerate() {
@@ -203,6 +294,24 @@ impl History {
             ],
         );
         svg.text("text", &[("x", &Px(lx + 22.0)), ("y", &Px(top + 17.0)), ("class", &"label")], "reserved");
+        if let Some(graph_max) = graph_max {
+            let lx = lx + 90.0;
+            svg.element(
+                "line",
+                &[
+                    ("x1", &Px(lx)),
+                    ("y1", &line_y),
+                    ("x2", &Px(lx + 18.0)),
+                    ("y2", &line_y),
+                    ("stroke", &GRAPH_COLOR),
+                    ("stroke-width", &1.5),
+                    ("stroke-dasharray", &"6,3"),
+                ],
+            );
+            // Read only at step ends, the line may be short: the legend says its highest value.
+            let label = format!("graph memory reserved (highest {})", Bytes(graph_max));
+            svg.text("text", &[("x", &Px(lx + 22.0)), ("y", &Px(top + 17.0)), ("class", &"label")], &label);
+        }
 
         // One row per phase.
         for (i, &phase) in series.phases.iter().enumerate() {

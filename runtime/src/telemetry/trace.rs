@@ -15,8 +15,8 @@ impl History {
     /// allocations, frees, failed allocations and boundaries become [`steppool_trace::Event`]s
     /// (tagged with their phase by index, their stream by the runtime's stream id, their thread
     /// by number), early warnings become [`steppool_trace::Alert`]s. Segments and reservations
-    /// are the runtime's own doing, not the workload's, and are left out. Each event's location
-    /// is the line it takes in the written trace.
+    /// are the runtime's own doing, not the workload's, and are left out, as are graph launches
+    /// and graph memory readings. Each event's location is the line it takes in the written trace.
     pub fn to_trace(&self) -> Trace {
         let mut trace = Trace::new("recorded history", TraceFormat::Steppool);
         trace.driver = Some(self.driver.clone());
@@ -57,7 +57,11 @@ impl History {
                     trace.alerts.push(Alert { at, t_ns: t, rule: (*rule).to_owned(), message: message.clone() });
                     continue;
                 }
-                EventKind::SegmentAlloc { .. } | EventKind::SegmentFree { .. } | EventKind::Reserved { .. } => continue,
+                EventKind::SegmentAlloc { .. }
+                | EventKind::SegmentFree { .. }
+                | EventKind::Reserved { .. }
+                | EventKind::GraphLaunch { .. }
+                | EventKind::GraphMemory { .. } => continue,
             };
             let mut written = Event::new(t, kind, location);
             written.ptr = ptr;
