@@ -71,7 +71,7 @@
 //!
 //! | feature | interop | needs |
 //! | --- | --- | --- |
-//! | `cudarc` | [`interop::cudarc`]: buffer views that cudarc's launches and copies accept, stream pairs, routing `cuMemAllocAsync` into a phase | cudarc 0.19 (`driver`, `dynamic-loading`, `cuda-12090`) |
+//! | `cudarc` | `interop::cudarc`: buffer views that cudarc's launches and copies accept, stream pairs, routing `cuMemAllocAsync` into a phase | cudarc 0.19 (`driver`, `dynamic-loading`, `cuda-12090`) |
 //!
 //! The trace model itself ([`trace`], which [`telemetry::History::to_trace`] gives the history
 //! in, and [`Scope`]) is always there.
