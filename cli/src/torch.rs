@@ -197,6 +197,10 @@ impl TorchAllocator {
 
     /// Allocates `bytes` on stream `stream` (an index), returning its address.
     pub fn alloc(&mut self, bytes: u64, stream: u16) -> Result<u64, TorchOom> {
+        // More than the device holds can never be served, and rounding it could overflow.
+        if bytes > self.capacity {
+            return Err(TorchOom { requested: bytes, reserved: self.reserved });
+        }
         let size = round_size(bytes);
         let pool = (stream, is_small(size));
         let found = match self.free_block(pool, size) {
@@ -531,6 +535,19 @@ mod tests {
 
     fn expandable() -> TorchAllocator {
         TorchAllocator::new(TorchMode::Expandable, GIB)
+    }
+
+    #[test]
+    fn a_request_larger_than_the_device_runs_out_of_memory_whatever_its_size() {
+        for mut model in [caching(), expandable()] {
+            for bytes in [GIB + 1, u64::MAX - 1, u64::MAX] {
+                let refused = model.alloc(bytes, 0).expect_err("larger than the device");
+                assert_eq!((refused.requested, refused.reserved), (bytes, 0));
+            }
+            // Nothing was reserved on the way, and the device still serves what fits.
+            assert_eq!(model.reserved(), 0);
+            assert!(model.alloc(GIB / 2, 0).is_ok());
+        }
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Inputs built to break the readers and the replay: nesting and marks that would exhaust the
-//! stack or the memory, sizes and times that overflow, a `--json` aimed at the step sidecar,
+//! stack or the memory, sizes past any device and times that overflow, a `--json` aimed at the step sidecar,
 //! and boundary releases a persistent strategy must still free. Each gets a clear error or the
 //! right numbers, never a panic.
 
@@ -30,13 +30,15 @@ fn deeply_nested_pickles_and_mark_floods_are_refused_before_parsing() {
 }
 
 #[test]
-fn sizes_that_overflow_the_live_sum_are_an_error_naming_them() {
-    let huge = 1u64 << 63;
-    let log =
-        format!("Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,{huge},0x0\n1,1,allocate,0x20,{huge},0x0\n");
-    let trace = read_bytes(Path::new("huge.csv"), log.as_bytes()).unwrap();
-    let error = analyse(&trace).unwrap_err().to_string();
-    assert!(error.contains("line 3") && error.contains(&huge.to_string()), "{error}");
+fn sizes_past_any_device_are_an_error_naming_them() {
+    // Just past the cap, and the largest size a field holds: rounding either would overflow.
+    for huge in [steppool_trace::analysis::MAX_ALLOCATION_BYTES + 1, u64::MAX] {
+        let log =
+            format!("Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,8,0x0\n1,1,allocate,0x20,{huge},0x0\n");
+        let trace = read_bytes(Path::new("huge.csv"), log.as_bytes()).unwrap();
+        let error = analyse(&trace).unwrap_err().to_string();
+        assert!(error.contains("line 3") && error.contains(&huge.to_string()) && error.contains("1 PiB"), "{error}");
+    }
 }
 
 #[test]

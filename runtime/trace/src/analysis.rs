@@ -16,6 +16,11 @@ use crate::trace::{EventKind, Trace, WarningKind, Warnings};
 /// The most streams a trace may use: a replay creates one runtime stream per trace stream.
 pub const MAX_STREAMS: usize = 4096;
 
+/// The largest allocation a trace may hold: 1 PiB, far beyond any device. A larger size is a
+/// corrupt field, and refusing it keeps every sum and rounding of sizes downstream (replay, the
+/// offline limit, the PyTorch models) clear of overflow.
+pub const MAX_ALLOCATION_BYTES: u64 = 1 << 50;
+
 /// One allocation of the trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Allocation {
@@ -235,6 +240,16 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
                         slot
                     }
                 };
+                if event.bytes > MAX_ALLOCATION_BYTES {
+                    return Err(TraceError::malformed(
+                        &trace.path,
+                        location,
+                        format!(
+                            "an allocation of {} bytes: more than {MAX_ALLOCATION_BYTES} (1 PiB), larger than any device",
+                            event.bytes
+                        ),
+                    ));
+                }
                 let id = u32::try_from(allocations.len())
                     .map_err(|_| TraceError::malformed(&trace.path, location, "more than 4 billion allocations"))?;
                 if live_bytes.checked_add(event.bytes).is_none() {
