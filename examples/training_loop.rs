@@ -731,27 +731,14 @@ fn eager(
     driver: &Driver,
     touch: &Touch,
 ) -> Result<std::time::Duration, Error> {
-    let mut time = std::time::Duration::ZERO;
-    let mut live = HashMap::new();
-    for event in events {
-        match event.kind {
-            EventKind::Alloc => {
-                let started = std::time::Instant::now();
-                let buffer = step.alloc(phase, event.bytes, stream)?;
-                time += started.elapsed();
-                touch.touch(driver, buffer.ptr(), event.bytes, stream.raw());
-                live.insert(event.ptr, buffer);
-            }
-            EventKind::Free { .. } => {
-                if let Some(buffer) = live.remove(&event.ptr) {
-                    let started = std::time::Instant::now();
-                    buffer.free()?;
-                    time += started.elapsed();
-                }
-            }
-            _ => {}
-        }
-    }
+    let (time, live) = serve(
+        events,
+        |bytes| step.alloc(phase, bytes, stream),
+        |buffer, bytes| touch.touch(driver, buffer.ptr(), bytes, stream.raw()),
+        Buffer::free,
+    )?;
+    // What the step still holds goes at its end.
+    drop(live);
     Ok(time)
 }
 
@@ -767,31 +754,48 @@ fn capture(
     touch: &Touch,
 ) -> Result<(CapturedStep, std::time::Duration), Error> {
     let capture = step.capture(stream, &[phase], memory, CaptureMode::Global)?;
+    let (time, live) = serve(
+        events,
+        |bytes| capture.alloc(phase, bytes),
+        |buffer, bytes| touch.touch(driver, buffer.ptr(), bytes, stream.raw()),
+        |buffer| capture.free(buffer),
+    )?;
+    for buffer in live {
+        capture.free(buffer)?;
+    }
+    Ok((capture.end()?, time))
+}
+
+/// Serves `events` through `alloc` and `free`, each new buffer written by `touch`; returns the
+/// time spent in `alloc` and `free` alone, and the buffers still live.
+fn serve<B>(
+    events: &[&Event],
+    mut alloc: impl FnMut(u64) -> Result<B, Error>,
+    mut touch: impl FnMut(&B, u64),
+    mut free: impl FnMut(B) -> Result<(), Error>,
+) -> Result<(std::time::Duration, Vec<B>), Error> {
     let mut time = std::time::Duration::ZERO;
     let mut live = HashMap::new();
     for event in events {
         match event.kind {
             EventKind::Alloc => {
                 let started = std::time::Instant::now();
-                let buffer = capture.alloc(phase, event.bytes)?;
+                let buffer = alloc(event.bytes)?;
                 time += started.elapsed();
-                touch.touch(driver, buffer.ptr(), event.bytes, stream.raw());
+                touch(&buffer, event.bytes);
                 live.insert(event.ptr, buffer);
             }
             EventKind::Free { .. } => {
                 if let Some(buffer) = live.remove(&event.ptr) {
                     let started = std::time::Instant::now();
-                    capture.free(buffer)?;
+                    free(buffer)?;
                     time += started.elapsed();
                 }
             }
             _ => {}
         }
     }
-    for (_, buffer) in live {
-        capture.free(buffer)?;
-    }
-    Ok((capture.end()?, time))
+    Ok((time, live.into_values().collect()))
 }
 
 /// Every allocation and free of the run, in order, with the step each belongs to (0 for the

@@ -5,6 +5,7 @@
 //! handles; that is what makes the `unsafe` calls sound here (see the `SAFETY` notes).
 
 use crate::bindings::*;
+use crate::sim::tests::code;
 use crate::sim::{FaultCode, FaultPlan, SimConfig};
 use crate::{CU_STREAM_LEGACY, Driver, DriverError, PoolCounters, PoolProps};
 
@@ -16,13 +17,6 @@ const ACTIVE: CUstreamCaptureStatus = CUstreamCaptureStatus::CU_STREAM_CAPTURE_S
 const INVALIDATED: CUstreamCaptureStatus = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED;
 const NONE: CUstreamCaptureStatus = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
 const AUTO_FREE: u64 = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0 as u64;
-
-fn code(result: Result<impl std::fmt::Debug, DriverError>) -> CUresult {
-    match result {
-        Ok(value) => panic!("expected an error, got {value:?}"),
-        Err(error) => error.code().unwrap_or_else(|| panic!("expected a driver code, got {error}")),
-    }
-}
 
 struct Fixture {
     driver: Driver,

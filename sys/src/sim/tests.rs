@@ -8,7 +8,8 @@ use crate::{CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, Driver, DriverError, DriverV
 
 const MIB: u64 = 1 << 20;
 
-fn code(result: Result<impl std::fmt::Debug, DriverError>) -> CUresult {
+/// The driver code of a call that must fail (the capture model's tests share it).
+pub(super) fn code(result: Result<impl std::fmt::Debug, DriverError>) -> CUresult {
     match result {
         Ok(value) => panic!("expected an error, got {value:?}"),
         Err(error) => error.code().unwrap_or_else(|| panic!("expected a driver code, got {error}")),
