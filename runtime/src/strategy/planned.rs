@@ -1103,7 +1103,10 @@ impl Allocator for Planned {
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
-        let slab = self.slab?;
+        let Some(slab) = self.slab else {
+            // A lent slab is the captured step's: only the fallback chunks' free space is the pool's.
+            return self.lent.map(|_| self.fallback.free_space());
+        };
         let mut live: Vec<(u64, u64)> =
             self.slab_live.iter().map(|(&ptr, allocation)| (ptr - slab.base, allocation.size)).collect();
         live.sort_unstable();
@@ -1568,6 +1571,7 @@ mod tests {
             assert_eq!(base, slab.base);
             assert_eq!(planned.lend_slab(&mut source, slab.size).unwrap(), None, "lent to one captured step at a time");
             assert_eq!(planned.plan_stats().unwrap().slab_bytes, slab.size, "still the phase's slab");
+            assert_eq!(planned.free_space().map(|space| space.total_free), Some(0), "none of it is the pool's");
             // Scopes while it is lent are served apart; their ends, a trim policy that keeps
             // nothing and out-of-memory recovery neither free, resize nor replace it.
             for _ in 0..2 {
