@@ -28,7 +28,7 @@
 //! strategy (no driver call: nothing can fail or be owed), which serves from it again in the
 //! stream's order, after the last launch. A step end while a slab is lent is an ordinary step end
 //! for the rest of the phase; a phase's spec cannot change while it has a pool
-//! ([`Error::PhaseInUse`](crate::Error::PhaseInUse)); and a lent slab holds its pool, its stream
+//! ([`Error::PhaseInUse`]); and a lent slab holds its pool, its stream
 //! and the runtime's state alive, so dropping the [`Runtime`](crate::Runtime) or the
 //! [`Stream`] while a captured step lives defers their release until the captured step goes,
 //! and it can still launch meanwhile.
