@@ -25,8 +25,11 @@
 //! steps served at the offsets of a planned phase's plan (`CaptureMemory::PlanSlab`), then with
 //! the driver's graph memory nodes (`CaptureMemory::GraphNodes`). Step 0 runs eagerly and records
 //! the plan; step 1 is captured and launched; later steps of the same shapes relaunch the graph.
-//! Each step prints whether it ran captured, the time spent in allocator calls and the memory
-//! held (pool reservations plus graph memory), and a summary compares eager and captured steps.
+//! Each mode also runs the same steps all eagerly, as the baseline. Each step prints whether it
+//! ran captured, the time spent in allocator calls and its peak reserved (every pool's peak plus
+//! graph memory) beside the eager run's, and a summary compares eager and captured steps and the
+//! two runs' peak reserved from step 1 on. In plan-slab mode the captured step holds the planned
+//! strategy's own slab, lent for its life, so the captured run reserves what the eager one does.
 //!
 //! Without a GPU (or with `STEPPOOL_DEVICE=sim`) each run gets a fresh simulated device of
 //! `--capacity`, so an out-of-memory is a real one. On a GPU both runs use it in turn, every
@@ -580,17 +583,23 @@ fn main() -> ExitCode {
             fixed.sequence.1
         );
         for memory in [CaptureMemory::PlanSlab, CaptureMemory::GraphNodes] {
-            let driver = match gpu.clone().map_or_else(simulated, Ok) {
-                Ok(driver) => driver,
-                Err(error) => {
-                    eprintln!("training_loop: {error}");
-                    return ExitCode::FAILURE;
+            // The same steps eagerly, then captured, each on a device of its own.
+            let mut runs = Vec::new();
+            for capture in [false, true] {
+                let run = gpu
+                    .clone()
+                    .map_or_else(simulated, Ok)
+                    .map_err(Into::into)
+                    .and_then(|driver| captured_run(&driver, &fixed, options.steps, memory, capture));
+                match run {
+                    Ok(rows) => runs.push(rows),
+                    Err(error) => {
+                        eprintln!("training_loop: {error}");
+                        return ExitCode::FAILURE;
+                    }
                 }
-            };
-            if let Err(error) = captured_run(&driver, &fixed, options.steps, memory) {
-                eprintln!("training_loop: {error}");
-                return ExitCode::FAILURE;
             }
+            print_captured_run(memory, &runs[0], &runs[1]);
         }
     }
     ExitCode::SUCCESS
@@ -600,22 +609,30 @@ fn main() -> ExitCode {
 #[derive(Clone, Debug, PartialEq)]
 enum Ran {
     Eager,
-    /// Captured in this step, then launched.
-    Recorded,
+    /// Captured in this step, then launched; `lent`: its slab is the planned strategy's.
+    Recorded {
+        lent: bool,
+    },
     /// The graph captured earlier, relaunched.
     Relaunched,
     /// A capture that failed (deviation, error): the step ran eagerly.
     Fallback(String),
 }
 
-/// `--capture`: `steps` steps of a fixed-shape workload, the first eagerly, then captured and
-/// relaunched, with allocations served as `memory` says. Prints a line per step and a summary.
+/// One step of [`captured_run`]: how it ran, the time spent in allocator calls, and its peak
+/// reserved (every pool's peak in the step plus the graph memory the driver reserves).
+type StepRow = (Ran, std::time::Duration, u64);
+
+/// `--capture`: `steps` steps of a fixed-shape workload, with allocations served as `memory`
+/// says: all eagerly (`capture` false, the baseline), or the first eagerly, then captured and
+/// relaunched. Returns a row per step.
 fn captured_run(
     driver: &Driver,
     config: &TransformerConfig,
     steps: u32,
     memory: CaptureMemory,
-) -> Result<(), Box<dyn std::error::Error>> {
+    capture: bool,
+) -> Result<Vec<StepRow>, Box<dyn std::error::Error>> {
     let mut workload = Workload::new(config.clone());
     let setup = workload.setup();
     let plans: Vec<StepPlan> = (0..steps).map(|_| workload.step()).collect();
@@ -642,14 +659,8 @@ fn captured_run(
             .map(|e| (e.kind == EventKind::Alloc, e.bytes))
             .collect()
     };
-    let mode = match memory {
-        CaptureMemory::PlanSlab => "plan slab",
-        _ => "graph memory nodes",
-    };
-    println!();
-    println!("captured steps ({mode}):");
     let mut captured: Option<(CapturedStep, Vec<(bool, u64)>)> = None;
-    let mut rows: Vec<(Ran, std::time::Duration, u64)> = Vec::new();
+    let mut rows: Vec<StepRow> = Vec::new();
     for (index, plan) in plans.iter().enumerate() {
         let step = runtime.begin_step()?;
         let mut allocator = std::time::Duration::ZERO;
@@ -665,18 +676,24 @@ fn captured_run(
         let ran = if same_shape {
             captured.as_ref().expect("checked").0.launch()?;
             Ran::Relaunched
-        } else if index == 0 || plan.events.iter().any(is_persistent) {
+        } else if !capture || index == 0 || plan.events.iter().any(is_persistent) {
             allocator += eager(&step, phase, &stream, &step_events, driver, &touch)?;
             Ran::Eager
         } else {
             drop(captured.take());
-            let attempt = capture(&step, phase, &stream, memory, &step_events, driver, &touch);
+            if memory == CaptureMemory::GraphNodes {
+                // The graph's memory comes from the device's graph memory pool, not the phase's:
+                // what the phase's pool kept from the eager steps goes back to the device first.
+                runtime.device(0)?.release_idle()?;
+            }
+            let attempt = capture_events(&step, phase, &stream, memory, &step_events, driver, &touch);
             match attempt {
                 Ok((graph, time)) => {
                     allocator += time;
                     graph.launch()?;
+                    let lent = graph.slab_lent();
                     captured = Some((graph, shape(plan)));
-                    Ran::Recorded
+                    Ran::Recorded { lent }
                 }
                 Err(error) => {
                     allocator += eager(&step, phase, &stream, &step_events, driver, &touch)?;
@@ -685,41 +702,62 @@ fn captured_run(
             }
         };
         let report = step.end()?;
-        let held = report.pools.iter().map(|p| p.peak_reserved).sum::<u64>() + report.graph_memory.reserved;
-        let how = match &ran {
+        let peak_reserved = report.pools.iter().map(|p| p.peak_reserved).sum::<u64>() + report.graph_memory.reserved;
+        rows.push((ran, allocator, peak_reserved));
+    }
+    drop(captured);
+    drop(persistent);
+    Ok(rows)
+}
+
+/// Prints the captured run a line per step beside the eager run of the same steps, and a summary
+/// of each: allocator time and peak reserved, the latter from step 1 on (step 0 records the plan
+/// and takes the optimizer state in both).
+fn print_captured_run(memory: CaptureMemory, eager: &[StepRow], captured: &[StepRow]) {
+    let mode = match memory {
+        CaptureMemory::PlanSlab => "plan slab",
+        _ => "graph memory nodes",
+    };
+    println!();
+    println!("captured steps ({mode}); peak reserved is every pool's peak in the step plus graph memory:");
+    for (index, (row, eager_row)) in captured.iter().zip(eager).enumerate() {
+        let how = match &row.0 {
             Ran::Eager => "eager".to_owned(),
-            Ran::Recorded => "captured (recorded, launched)".to_owned(),
+            Ran::Recorded { lent: true } => "captured (recorded, launched; slab lent)".to_owned(),
+            Ran::Recorded { lent: false } => "captured (recorded, launched)".to_owned(),
             Ran::Relaunched => "captured (relaunched)".to_owned(),
             Ran::Fallback(why) => format!("eager (capture failed: {why})"),
         };
         println!(
-            "  step {index}: {how:<30} allocator {:>10.1} µs   held {:>10}   graph launches {}",
-            allocator.as_secs_f64() * 1e6,
-            Bytes(held).to_string(),
-            report.graph_launches
+            "  step {index}: {how:<41} allocator {:>10.1} µs   peak reserved {:>10} (eager run {:>10}, {:>10.1} µs)",
+            row.1.as_secs_f64() * 1e6,
+            Bytes(row.2).to_string(),
+            Bytes(eager_row.2).to_string(),
+            eager_row.1.as_secs_f64() * 1e6,
         );
-        rows.push((ran, allocator, held));
     }
-    let summary = |label: &str, pick: &dyn Fn(&Ran) -> bool| {
+    let summary = |label: &str, rows: &[StepRow], pick: &dyn Fn(&Ran) -> bool| {
         let chosen: Vec<_> = rows.iter().filter(|(ran, ..)| pick(ran)).collect();
         if chosen.is_empty() {
-            println!("  {label:<10} no steps");
+            println!("  {label:<24} no steps");
             return;
         }
         let mean = chosen.iter().map(|r| r.1.as_secs_f64()).sum::<f64>() / chosen.len() as f64;
-        let peak = chosen.iter().map(|r| r.2).max().unwrap_or(0);
-        println!(
-            "  {label:<10} {} steps, allocator {:.1} µs a step on average, peak held {}",
-            chosen.len(),
-            mean * 1e6,
-            Bytes(peak)
-        );
+        println!("  {label:<24} {} steps, allocator {:.1} µs a step on average", chosen.len(), mean * 1e6);
     };
-    summary("eager", &|ran| matches!(ran, Ran::Eager | Ran::Fallback(_)));
-    summary("captured", &|ran| matches!(ran, Ran::Recorded | Ran::Relaunched));
-    drop(captured);
-    drop(persistent);
-    Ok(())
+    let is_captured = |ran: &Ran| matches!(ran, Ran::Recorded { .. } | Ran::Relaunched);
+    summary("eager run", eager, &|_| true);
+    summary("captured run, eager", captured, &|ran| !is_captured(ran));
+    summary("captured run, captured", captured, &is_captured);
+    let peak_from_one = |rows: &[StepRow]| rows.iter().skip(1).map(|r| r.2).max().unwrap_or(0);
+    let (eager_peak, captured_peak) = (peak_from_one(eager), peak_from_one(captured));
+    let change = captured_peak as f64 / eager_peak.max(1) as f64 - 1.0;
+    println!(
+        "  peak reserved from step 1: eager run {}, captured run {} ({:+.1} %)",
+        Bytes(eager_peak),
+        Bytes(captured_peak),
+        change * 100.0
+    );
 }
 
 /// Runs a step's step-scoped events eagerly; returns the time spent in allocator calls.
@@ -744,7 +782,7 @@ fn eager(
 
 /// Captures a step's step-scoped events; returns the captured step and the time spent in
 /// allocator calls during the capture.
-fn capture(
+fn capture_events(
     step: &steppool::Step,
     phase: Phase,
     stream: &steppool::Stream,

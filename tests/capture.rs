@@ -462,3 +462,172 @@ fn a_graph_allocation_keeps_its_address_across_relaunches() {
     record_fact(&d.driver, "graph_memory_reserved_after_trim", Fact::Bytes(trimmed.reserved));
     assert_eq!(trimmed.used, 0, "{trimmed:?}");
 }
+
+/// Peak reserved of the captured phase's pool over steps 1.. of a run of `steps` steps: eager
+/// throughout, or captured from step 1 and relaunched after.
+fn peak_reserved_from_step_one(captured: bool, steps: usize) -> (u64, Option<bool>) {
+    let (rt, phase, stream) = setup(Strategy::PLANNED);
+    eager_step(&rt, phase, &stream);
+    let mut graph: Option<CapturedStep> = None;
+    let mut peak = 0;
+    for _ in 1..steps {
+        let step = rt.begin_step().unwrap();
+        if !captured {
+            drop(step);
+            eager_step(&rt, phase, &stream);
+        } else {
+            if graph.is_none() {
+                graph = Some(capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap().0);
+            }
+            graph.as_ref().unwrap().launch().unwrap();
+            assert_eq!(step.end().unwrap().graph_launches, 1);
+        }
+        peak = peak.max(pool(&rt, phase, &stream).peak_reserved);
+    }
+    assert!(rt.take_errors().is_empty());
+    (peak, graph.map(|graph| graph.slab_lent()))
+}
+
+#[test]
+fn a_captured_run_reserves_no_more_than_an_eager_planned_run() {
+    let _serial = serial();
+    let (eager, _) = peak_reserved_from_step_one(false, 5);
+    let (captured, lent) = peak_reserved_from_step_one(true, 5);
+    assert_eq!(lent, Some(true), "the executable holds the strategy's slab");
+    assert!(eager >= 3 * MIB + MIB + 512 * KIB, "the eager run holds its plan: {eager}");
+    assert!(captured <= eager, "captured {captured} reserves no more than eager {eager}");
+}
+
+/// The ranges of `a` that overlap a range of `b`.
+fn overlapping(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    a.iter().copied().filter(|x| b.iter().any(|y| x.0 < y.0 + y.1 && y.0 < x.0 + x.1)).collect()
+}
+
+/// One eager step of [`SEQUENCE`] in `step`, with `between` run after each allocation; returns
+/// the ranges it was served.
+fn eager_in(step: &steppool::Step, phase: Phase, stream: &Stream, between: &dyn Fn()) -> Vec<(u64, u64)> {
+    let mut ranges = Vec::new();
+    let mut kept = Vec::new();
+    for (bytes, freed) in SEQUENCE {
+        let buffer = step.alloc(phase, bytes, stream).unwrap();
+        buffer.fill(7).unwrap();
+        ranges.push((buffer.ptr(), bytes));
+        between();
+        if freed { drop(buffer) } else { kept.push(buffer) }
+    }
+    ranges
+}
+
+#[test]
+fn eager_steps_between_launches_are_served_apart_from_the_lent_slab_until_it_comes_back() {
+    let _serial = serial();
+    let (rt, phase, stream) = setup(Strategy::PLANNED);
+    eager_step(&rt, phase, &stream);
+    let step = rt.begin_step().unwrap();
+    let (captured, graph_ranges) = capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap();
+    assert!(captured.slab_lent());
+    captured.launch().unwrap();
+    step.end().unwrap();
+    let held = pool(&rt, phase, &stream).reserved;
+
+    // An eager step of the phase between launches, the graph launched between its allocations:
+    // none of its memory is the graph's.
+    let step = rt.begin_step().unwrap();
+    let eager = eager_in(&step, phase, &stream, &|| captured.launch().unwrap());
+    assert_eq!(overlapping(&eager, &graph_ranges), vec![], "eager {eager:x?} apart from the graph's {graph_ranges:x?}");
+    let report = step.end().unwrap();
+    assert_eq!(report.graph_launches, SEQUENCE.len() as u64);
+    stream.synchronize().unwrap();
+    rt.device(0).unwrap().release_idle().unwrap();
+    assert_eq!(pool(&rt, phase, &stream).reserved, held, "what it was served apart went back; the slab stayed");
+    // The slab stayed mapped at the graph's addresses through the step end and the trim.
+    for &(ptr, bytes) in &graph_ranges {
+        // SAFETY: the runtime's own live stream; the range is the captured step's.
+        unsafe { rt.driver().memset_d8_async(ptr, 0, bytes as usize, stream.raw()) }.unwrap();
+    }
+    let step = rt.begin_step().unwrap();
+    captured.launch().unwrap();
+    step.end().unwrap();
+
+    // Dropped, the captured step gives the slab back to the strategy: eager steps are served
+    // from it again, and nothing is taken beside it.
+    drop(captured);
+    let step = rt.begin_step().unwrap();
+    let eager = eager_in(&step, phase, &stream, &|| ());
+    assert_eq!(overlapping(&eager, &graph_ranges).len(), eager.len(), "{eager:x?} back in the slab {graph_ranges:x?}");
+    step.end().unwrap();
+    let stats = pool(&rt, phase, &stream);
+    assert_eq!(stats.peak_reserved, held, "served from the slab it got back, nothing beside it");
+    // And it can be lent again.
+    let step = rt.begin_step().unwrap();
+    let (again, ranges) = capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap();
+    assert!(again.slab_lent());
+    assert_eq!(ranges, graph_ranges, "the same slab, the same plan");
+    again.launch().unwrap();
+    step.end().unwrap();
+    assert!(rt.take_errors().is_empty());
+}
+
+#[test]
+fn a_second_captured_step_of_a_phase_takes_a_slab_of_its_own() {
+    let _serial = serial();
+    let (rt, phase, stream) = setup(Strategy::PLANNED);
+    eager_step(&rt, phase, &stream);
+    let step = rt.begin_step().unwrap();
+    let (first, first_ranges) = capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap();
+    let (second, second_ranges) = capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap();
+    assert!(first.slab_lent() && !second.slab_lent());
+    assert_eq!(overlapping(&second_ranges, &first_ranges), vec![], "two graphs, two slabs");
+    first.launch().unwrap();
+    second.launch().unwrap();
+    let with_both = pool(&rt, phase, &stream).reserved;
+    drop(second);
+    step.end().unwrap();
+    stream.synchronize().unwrap();
+    rt.device(0).unwrap().release_idle().unwrap();
+    let with_first = pool(&rt, phase, &stream).reserved;
+    assert!(with_first < with_both, "the second slab went back: {with_first} < {with_both}");
+    assert!(with_first >= first.slab_bytes(), "the lent one stayed");
+    drop(first);
+    assert!(rt.take_errors().is_empty());
+}
+
+#[test]
+fn a_lent_slab_outlives_the_runtime_handle_and_its_stream_until_the_captured_step_goes() {
+    let _serial = serial();
+    let (rt, phase, stream) = setup(Strategy::PLANNED);
+    let driver = rt.driver().clone();
+    eager_step(&rt, phase, &stream);
+    let step = rt.begin_step().unwrap();
+    let (captured, _) = capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap();
+    captured.launch().unwrap();
+    step.end().unwrap();
+    // A phase's spec cannot change under it.
+    let spec = PhaseSpec::new("captured", Scope::Step).strategy(Strategy::PLANNED);
+    assert!(matches!(rt.set_phase_spec(phase, spec), Err(Error::PhaseInUse { .. })));
+    drop(stream);
+    drop(rt);
+    // The pool, its stream and the slab are held by the captured step: it still launches, at
+    // the same addresses, and the memory is there.
+    let before_drop = device_reserved(&driver);
+    assert!(before_drop >= captured.slab_bytes(), "the slab is still held: {before_drop}");
+    for _ in 0..2 {
+        captured.launch().unwrap();
+    }
+    drop(captured);
+    if driver.kind() == steppool_sys::DriverKind::Simulated {
+        assert_eq!(device_reserved(&driver), 0, "everything went back with the captured step");
+    }
+}
+
+/// Bytes device 0 holds in all (total − free), read through its primary context.
+fn device_reserved(driver: &steppool_sys::Driver) -> u64 {
+    let ordinal = driver.device(0).unwrap();
+    let ctx = driver.primary_context_retain(ordinal).unwrap();
+    // SAFETY: the context was just retained.
+    unsafe { driver.context_set_current(ctx) }.unwrap();
+    let (free, total) = driver.mem_get_info().unwrap();
+    // SAFETY: balances the retain above.
+    unsafe { driver.primary_context_release(ordinal) }.unwrap();
+    total - free
+}

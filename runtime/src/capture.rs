@@ -3,15 +3,41 @@
 //!
 //! [`Step::capture`] begins capturing `stream`. In [`CaptureMemory::PlanSlab`] mode (the
 //! default), every named phase must be planned and have a packed plan (from its second step, or
-//! after a loaded plan): before the capture begins a slab of the plan's size is taken from the
-//! phase's pool, and allocation *i* of the captured step is served at planned offset *i* of that
-//! slab — an index lookup, no driver call. Anything the plan does not cover (an extra allocation,
-//! a larger size, a planned range still held by a live allocation) is a
-//! [`CaptureError::Deviation`]: the capture is ended, the slabs go back, and the caller runs the
-//! step eagerly. [`StepCapture::end`] ends the capture and instantiates the graph; the
+//! after a loaded plan): before the capture begins, the phase's planned strategy lends its own
+//! slab, holding the plan, to the capture, and allocation *i* of the captured step is served at
+//! planned offset *i* of that slab — an index lookup, no driver call. Anything the plan does not
+//! cover (an extra allocation, a larger size, a planned range still held by a live allocation) is
+//! a [`CaptureError::Deviation`]: the capture is ended, the slabs go back, and the caller runs
+//! the step eagerly. [`StepCapture::end`] ends the capture and instantiates the graph; the
 //! [`CapturedStep`] holds the graph executable and the slabs for its life, so every
 //! [`CapturedStep::launch`] replays the step at the same addresses without allocator code. The
 //! slabs go back (stream-ordered, after the last launch) when it is dropped.
+//!
+//! # The lent slab
+//!
+//! The slab a captured step holds is the one its phase's eager planned steps are served from,
+//! lent for the executable's life (`Allocator::lend_slab`), so a captured run reserves what an
+//! eager planned run does, not a second plan beside it. While it is lent the strategy neither
+//! resizes, unmaps, frees nor moves it (a step end, a trim or out-of-memory recovery leaves it
+//! alone), takes no other slab beside it, and hands none of it out: an eager step of the phase
+//! between launches is served apart, from the strategy's fallback chunks, which go back at its
+//! end. The graph may run between any two of that step's allocations, and what the graph leaves
+//! live after a launch is the step's until it ends, so sharing the slab would need the strategy
+//! to know the launches; eager steps between launches are the exception in a captured loop, and
+//! pay the chunks for the step instead. Dropping the captured step gives the slab back to the
+//! strategy (no driver call: nothing can fail or be owed), which serves from it again in the
+//! stream's order, after the last launch. A step end while a slab is lent is an ordinary step end
+//! for the rest of the phase; a phase's spec cannot change while it has a pool
+//! ([`Error::PhaseInUse`]); and a lent slab holds its pool, its stream
+//! and the runtime's state alive, so dropping the [`Runtime`](crate::Runtime) or the
+//! [`Stream`] while a captured step lives defers their release until the captured step goes,
+//! and it can still launch meanwhile.
+//!
+//! When the strategy cannot lend its slab — it is lent to another captured step of the phase
+//! already, or an allocation made before the capture in the same step lives in it — the capture
+//! takes a slab of its own from the pool beside the strategy's, as large as the plan
+//! ([`CapturedStep::slab_lent`] says which), given back with a stream-ordered free when the
+//! captured step goes (a refused free is owed by the pool and retried, as elsewhere).
 //!
 //! In [`CaptureMemory::GraphNodes`] mode the driver's own graph memory nodes serve the capture:
 //! each allocation is `cuMemAllocFromPoolAsync` on the capturing stream (an allocation node,
@@ -86,6 +112,8 @@ struct Server {
     pool: Arc<PhasePool>,
     slab: CUdeviceptr,
     slab_bytes: u64,
+    /// The slab is the strategy's, lent; otherwise the capture took it beside.
+    lent: bool,
     sizes: Vec<u64>,
     offsets: Vec<u64>,
     /// The next entry to hand out.
@@ -100,6 +128,16 @@ struct Slab {
     pool: Arc<PhasePool>,
     ptr: CUdeviceptr,
     bytes: u64,
+    /// The strategy's slab, lent (see the [module docs](self)); otherwise taken beside it.
+    lent: bool,
+}
+
+impl Slab {
+    /// Gives the slab back: to the strategy that lent it, or to the pool, stream-ordered.
+    fn give_back(&self) -> Result<()> {
+        let mut guard = self.pool.lock();
+        if self.lent { guard.take_back_slab(self.ptr).map(drop) } else { guard.give_slab(self.ptr, self.bytes) }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -197,10 +235,15 @@ impl Step {
                     give_back(&mut progress);
                     return Err(CaptureError::NoPlan { phase: name() }.into());
                 };
-                // Its own slab, beside the strategy's: the strategy may resize or free its slab
-                // at any boundary, and the executable must keep these addresses for its life.
-                let slab = match guard.take_slab(view.bytes) {
-                    Ok(slab) => slab,
+                // The strategy's slab, lent for the executable's life; a slab of its own beside
+                // it when the strategy cannot lend it (lent already, or in use in this step).
+                let taken = match guard.lend_slab(view.bytes) {
+                    Ok(Some(slab)) => Ok((slab, true)),
+                    Ok(None) => guard.take_slab(view.bytes).map(|slab| (slab, false)),
+                    Err(error) => Err(error),
+                };
+                let (slab, lent) = match taken {
+                    Ok(taken) => taken,
                     Err(error) => {
                         drop(guard);
                         give_back(&mut progress);
@@ -211,6 +254,7 @@ impl Step {
                     pool: pool.clone(),
                     slab,
                     slab_bytes: view.bytes,
+                    lent,
                     sizes: view.sizes,
                     offsets: view.offsets,
                     cursor: 0,
@@ -240,9 +284,9 @@ impl Step {
 /// Gives back the slabs of a capture that will not become a captured step.
 fn release_servers(progress: &mut Progress) {
     for (_, server) in progress.servers.drain(..) {
-        let freed = server.pool.lock().give_slab(server.slab, server.slab_bytes);
-        if let Err(error) = freed {
-            server.pool.errors().record(error);
+        let slab = Slab { pool: server.pool, ptr: server.slab, bytes: server.slab_bytes, lent: server.lent };
+        if let Err(error) = slab.give_back() {
+            slab.pool.errors().record(error);
         }
     }
 }
@@ -407,7 +451,12 @@ impl<'s> StepCapture<'s> {
         let slabs = progress
             .servers
             .drain(..)
-            .map(|(_, server)| Slab { pool: server.pool, ptr: server.slab, bytes: server.slab_bytes })
+            .map(|(_, server)| Slab {
+                pool: server.pool,
+                ptr: server.slab,
+                bytes: server.slab_bytes,
+                lent: server.lent,
+            })
             .collect();
         Ok(CapturedStep {
             runtime: self.runtime.clone(),
@@ -501,6 +550,14 @@ impl CapturedStep {
         self.slabs.iter().map(|slab| slab.bytes).sum()
     }
 
+    /// Whether every slab it holds is its phase's planned slab, lent by the strategy for its
+    /// life, so that it reserves nothing beside what eager planned steps reserve (plan-slab mode;
+    /// see [the lent slab](self#the-lent-slab)). False in graph-nodes mode, and when a phase's
+    /// slab could not be lent and the capture took one of its own.
+    pub fn slab_lent(&self) -> bool {
+        !self.slabs.is_empty() && self.slabs.iter().all(|slab| slab.lent)
+    }
+
     /// The id of the stream it launches on.
     pub fn stream_id(&self) -> u32 {
         self.stream.id
@@ -527,8 +584,9 @@ impl CapturedStep {
         note(unsafe { driver.graph_exec_destroy(self.exec) }.map_err(Error::from));
         // SAFETY: as above.
         note(unsafe { driver.graph_destroy(self.graph) }.map_err(Error::from));
+        // After the executable: nothing can launch on the slabs any more.
         for slab in self.slabs.drain(..) {
-            note(slab.pool.lock().give_slab(slab.ptr, slab.bytes));
+            note(slab.give_back());
         }
         if self.memory == CaptureMemory::GraphNodes && self.stream.capture().ok().flatten().is_none() {
             note(driver.device_graph_mem_trim(self.stream.device.ordinal as i32).map_err(Error::from));

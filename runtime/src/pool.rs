@@ -313,7 +313,20 @@ impl PoolGuard<'_> {
         self.state.allocator.plan_view()
     }
 
-    /// Takes `bytes` straight from the pool's source, beside the strategy: a captured step's slab.
+    /// Lends the strategy's slab to a captured step (see [`Allocator::lend_slab`]).
+    pub(crate) fn lend_slab(&mut self, bytes: u64) -> Result<Option<CUdeviceptr>> {
+        let PoolState { allocator, source, .. } = self.state.deref_mut();
+        allocator.lend_slab(source, bytes)
+    }
+
+    /// Takes back a slab lent by [`PoolGuard::lend_slab`] (see [`Allocator::take_back_slab`]).
+    pub(crate) fn take_back_slab(&mut self, base: CUdeviceptr) -> Result<bool> {
+        let PoolState { allocator, source, .. } = self.state.deref_mut();
+        allocator.take_back_slab(source, base)
+    }
+
+    /// Takes `bytes` straight from the pool's source, beside the strategy: a captured step's slab
+    /// when the strategy's cannot be lent.
     pub(crate) fn take_slab(&mut self, bytes: u64) -> Result<CUdeviceptr> {
         self.state.source.alloc(bytes)
     }

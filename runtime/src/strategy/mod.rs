@@ -98,6 +98,21 @@ pub(crate) trait Allocator: Send + fmt::Debug {
         None
     }
 
+    /// Lends the memory a packed plan is served from, holding at least `bytes`, to a captured
+    /// step's graph executable for its life: its base, or `None` when the strategy has none to
+    /// lend (not planned, lent already, an allocation of the scope lives in it, the device refused
+    /// the memory). Until [`Allocator::take_back_slab`], the strategy neither resizes, unmaps nor
+    /// frees it, nor hands any of it out, and takes no second slab beside it.
+    fn lend_slab(&mut self, _source: &mut dyn Source, _bytes: u64) -> Result<Option<CUdeviceptr>> {
+        Ok(None)
+    }
+
+    /// Takes back the slab lent at `base` ([`Allocator::lend_slab`]), once nothing can launch on
+    /// it; it serves again in the stream's order. False when nothing is lent at `base`.
+    fn take_back_slab(&mut self, _source: &mut dyn Source, _base: CUdeviceptr) -> Result<bool> {
+        Ok(false)
+    }
+
     /// The packed plan a captured step would be served from (the most recently used), read-only;
     /// `None` for other strategies and before a plan exists.
     fn plan_view(&self) -> Option<PlanView> {

@@ -279,6 +279,9 @@ pub(crate) struct Planned {
     given_back: u64,
     /// The source has no ranges that grow in place: slabs are pool allocations.
     no_ranges: bool,
+    /// The slab while a captured step holds it ([`Planned::lend_slab`]): out of `slab`, so that
+    /// nothing here resizes, frees or serves from it until it comes back.
+    lent: Option<Slab>,
 }
 
 impl Planned {
@@ -312,6 +315,7 @@ impl Planned {
             counters: Counters::default(),
             given_back: 0,
             no_ranges: false,
+            lent: None,
         }
     }
 
@@ -552,7 +556,7 @@ impl Planned {
     fn growable_slab(&mut self, source: &mut dyn Source) -> Result<bool> {
         match self.slab {
             Some(slab) => Ok(slab.growable),
-            None if self.no_ranges => Ok(false),
+            None if self.no_ranges || self.lent.is_some() => Ok(false),
             None => match source.reserve_range()? {
                 Some((base, _)) => {
                     self.slab = Some(Slab { base, size: 0, growable: true });
@@ -641,7 +645,8 @@ impl Planned {
 
     /// Makes sure a slab of at least `desired` bytes is held, when nothing lives in it.
     fn ensure_slab(&mut self, source: &mut dyn Source, desired: u64) -> Result<()> {
-        if self.slab_refused || desired == 0 {
+        // While the slab is lent, no second one is taken beside it: the scope is served apart.
+        if self.slab_refused || desired == 0 || self.lent.is_some() {
             return Ok(());
         }
         // A growable slab grows in place, whatever lives in it.
@@ -902,6 +907,47 @@ impl Planned {
     }
 }
 
+/// Lending the slab to a captured step (`capture.rs`): the executable holds the strategy's own
+/// slab for its life instead of a second one beside it, so a captured run reserves what an eager
+/// planned run does.
+///
+/// While lent, the slab is out of [`Planned::slab`](Planned) and in `lent`: everything that
+/// resizes, frees, unmaps or serves from the slab reads `slab`, so none of it can touch the lent
+/// one, and [`Planned::ensure_slab`] and [`Planned::growable_slab`] take no other slab meanwhile.
+/// A scope of the phase served while it is lent (an eager step between launches) is served
+/// apart, from the fallback chunks, which go back at its end: the graph may run between any two
+/// of its allocations, and the allocations the graph leaves live after a launch are the step's
+/// until it ends, so no range of the lent slab is handed to anyone else. When the slab comes
+/// back, scopes are served from it again, in the stream's order after the graph's last launch.
+impl Planned {
+    /// Lends the slab, holding at least `bytes` (taken or grown first, as a plan would), to a
+    /// captured step; its base, or `None` when it cannot be lent: lent already, an allocation of
+    /// the scope lives in it, or the device refused the memory.
+    fn lend_slab(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Option<CUdeviceptr>> {
+        if self.lent.is_some() || !self.slab_live.is_empty() || !self.late.is_empty() {
+            return Ok(None);
+        }
+        self.ensure_slab(source, bytes)?;
+        let Some(slab) = self.slab.filter(|slab| slab.size >= bytes) else { return Ok(None) };
+        self.slab = None;
+        self.online = None;
+        self.lent = Some(slab);
+        Ok(Some(slab.base))
+    }
+
+    /// Takes back the slab lent at `base`; false if it is not the one lent.
+    fn take_back_slab(&mut self, source: &mut dyn Source, base: CUdeviceptr) -> Result<bool> {
+        let Some(slab) = self.lent.filter(|slab| slab.base == base) else { return Ok(false) };
+        self.lent = None;
+        if self.slab.is_none() {
+            self.slab = Some(slab);
+            return Ok(true);
+        }
+        // Another slab was taken meanwhile (never, as `ensure_slab` stands): this one goes back.
+        if slab.growable { source.free_range(slab.base) } else { source.free(slab.base, slab.size) }.map(|()| true)
+    }
+}
+
 impl Allocator for Planned {
     fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
         let size = bytes.next_multiple_of(ALIGNMENT);
@@ -1050,14 +1096,17 @@ impl Allocator for Planned {
         outcome
     }
 
-    /// The slab: what the plans need. The fallback chunks are given back at the reset, so
-    /// the pool keeps nothing for them.
+    /// The slab (lent or not): what the plans need. The fallback chunks are given back at the
+    /// reset, so the pool keeps nothing for them.
     fn touched(&self) -> Option<u64> {
-        Some(self.slab.map_or(0, |slab| slab.size) + self.fallback.held())
+        Some(self.slab.or(self.lent).map_or(0, |slab| slab.size) + self.fallback.held())
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
-        let slab = self.slab?;
+        let Some(slab) = self.slab else {
+            // A lent slab is the captured step's: only the fallback chunks' free space is the pool's.
+            return self.lent.map(|_| self.fallback.free_space());
+        };
         let mut live: Vec<(u64, u64)> =
             self.slab_live.iter().map(|(&ptr, allocation)| (ptr - slab.base, allocation.size)).collect();
         live.sort_unstable();
@@ -1102,7 +1151,9 @@ impl Allocator for Planned {
         self.pooled.clear();
         let mut outcome = self.fallback.release_all(source);
         self.online = None;
-        if let Some(slab) = self.slab.take() {
+        // A lent slab's lease holds the pool, so the pool goes only after it came back; were it
+        // still out, nothing could launch on it any more.
+        for slab in [self.slab.take(), self.lent.take()].into_iter().flatten() {
             outcome = outcome.and(if slab.growable {
                 source.free_range(slab.base)
             } else {
@@ -1118,6 +1169,14 @@ impl Allocator for Planned {
         for plan in &mut self.plans {
             plan.scopes = 0;
         }
+    }
+
+    fn lend_slab(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Option<CUdeviceptr>> {
+        Planned::lend_slab(self, source, bytes)
+    }
+
+    fn take_back_slab(&mut self, source: &mut dyn Source, base: CUdeviceptr) -> Result<bool> {
+        Planned::take_back_slab(self, source, base)
     }
 
     fn plan_view(&self) -> Option<super::PlanView> {
@@ -1140,7 +1199,7 @@ impl Allocator for Planned {
             missing: c.missing,
             deviated_scopes: c.deviated_scopes,
             replans: c.replans,
-            slab_bytes: self.slab.map_or(0, |slab| slab.size),
+            slab_bytes: self.slab.or(self.lent).map_or(0, |slab| slab.size),
             plans: plans
                 .into_iter()
                 .map(|plan| PlanSummary {
@@ -1498,6 +1557,56 @@ mod tests {
         assert_eq!((planned.plans.len(), second.size), (2, 4 * MIB), "recorded; the slab is its plan's");
         planned.release_all(&mut source).unwrap();
         assert_eq!((source.held(), source.ranges.len()), (0, 0), "the range is given back whole");
+    }
+
+    #[test]
+    fn a_lent_slab_is_left_alone_and_serves_again_once_taken_back() {
+        let sizes = [MIB, MIB, 3 * MIB, 4 * MIB];
+        for ranges in [false, true] {
+            let mut source = if ranges { FakeSource::with_ranges(64 * MIB) } else { FakeSource::new(64 * MIB) };
+            let mut planned = planned();
+            let (_, slab) = live_scope(&mut planned, &mut source, &sizes);
+            let held = source.held();
+            let base = planned.lend_slab(&mut source, slab.size).unwrap().expect("an idle slab is lent");
+            assert_eq!(base, slab.base);
+            assert_eq!(planned.lend_slab(&mut source, slab.size).unwrap(), None, "lent to one captured step at a time");
+            assert_eq!(planned.plan_stats().unwrap().slab_bytes, slab.size, "still the phase's slab");
+            assert_eq!(planned.free_space().map(|space| space.total_free), Some(0), "none of it is the pool's");
+            // Scopes while it is lent are served apart; their ends, a trim policy that keeps
+            // nothing and out-of-memory recovery neither free, resize nor replace it.
+            for _ in 0..2 {
+                planned.begin_step();
+                let ptrs: Vec<_> = sizes.iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
+                for (&ptr, &size) in ptrs.iter().zip(&sizes) {
+                    assert!(ptr + size <= slab.base || ptr >= slab.base + slab.size, "{ptr:#x} in the lent slab");
+                }
+                for (&ptr, &size) in ptrs.iter().zip(&sizes).rev() {
+                    planned.free(&mut source, ptr, size).unwrap();
+                }
+                planned.reset(&mut source, 0).unwrap();
+                planned.release_unused(&mut source).unwrap();
+                assert_eq!(source.held(), held, "the lent slab alone, nothing beside it (ranges: {ranges})");
+                assert_eq!(source.live.contains_key(&slab.base), !ranges);
+                assert_eq!(source.ranges.get(&slab.base).copied(), ranges.then_some(slab.size));
+            }
+            assert!(!planned.take_back_slab(&mut source, base + ALIGNMENT).unwrap(), "not the slab lent");
+            assert!(planned.take_back_slab(&mut source, base).unwrap());
+            assert!(!planned.take_back_slab(&mut source, base).unwrap(), "taken back once");
+            let (again, back) = live_scope(&mut planned, &mut source, &sizes);
+            assert_eq!(back.base, slab.base);
+            assert!(again.iter().all(|&p| p >= slab.base && p < slab.base + slab.size), "served from it again");
+            assert_eq!(planned.plan_stats().unwrap().planned, sizes.len() as u64);
+            // A slab with an allocation of the scope in it is not lent.
+            planned.begin_step();
+            let live = planned.allocate(&mut source, MIB).unwrap();
+            assert_eq!(planned.lend_slab(&mut source, slab.size).unwrap(), None);
+            planned.free(&mut source, live, MIB).unwrap();
+            planned.reset(&mut source, u64::MAX).unwrap();
+            // Going away with the slab lent gives it back too.
+            planned.lend_slab(&mut source, slab.size).unwrap().expect("lent");
+            planned.release_all(&mut source).unwrap();
+            assert_eq!(source.held(), 0);
+        }
     }
 
     #[test]
