@@ -221,6 +221,72 @@ fn an_allocation_under_a_capture_the_runtime_does_not_own_ends_it_cleanly() {
     rt.begin_step().unwrap().end().unwrap();
 }
 
+/// Ends the capture `origin` began, whatever state it is in.
+fn end_foreign_capture(rt: &Runtime, origin: &Stream) {
+    // SAFETY: the runtime's own live stream.
+    if let Ok(graph) = unsafe { rt.driver().stream_end_capture(origin.raw()) } {
+        // SAFETY: the graph was just returned and nothing else holds it.
+        unsafe { rt.driver().graph_destroy(graph) }.unwrap();
+    }
+}
+
+#[test]
+fn a_capture_begun_after_plan_served_allocations_is_still_seen_by_the_next_one() {
+    let _serial = serial();
+    for strategy in [Strategy::PLANNED, Strategy::ARENA] {
+        let (rt, phase, stream) = setup(strategy);
+        let other = rt.device(0).unwrap().create_stream().unwrap();
+        eager_step(&rt, phase, &stream);
+        let step = rt.begin_step().unwrap();
+        // Served (at planned offsets: the step repeats the first) while the stream is not
+        // capturing, so the runtime has found it outside capture.
+        for (bytes, _) in SEQUENCE {
+            drop(step.alloc(phase, bytes, &stream).unwrap());
+        }
+        if strategy == Strategy::PLANNED {
+            let plan = pool(&rt, phase, &stream).plan.expect("planned stats");
+            assert_eq!(plan.planned, SEQUENCE.len() as u64, "served from the plan: {plan:?}");
+        }
+
+        // A capture begun on the stream behind the runtime's back.
+        // SAFETY: the runtime's own live stream.
+        unsafe { rt.driver().stream_begin_capture(stream.raw(), CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
+            .unwrap();
+        match step.alloc(phase, MIB, &stream) {
+            Err(Error::Capture(CaptureError::Unsafe { operation, stream: id, .. })) => {
+                assert_eq!((operation, id), ("allocation", stream.id()), "{strategy:?}");
+            }
+            other => panic!("{strategy:?}: an allocation under a capture begun since the last one: {other:?}"),
+        }
+        assert_eq!(status(&rt, &stream), CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
+        drop(step.alloc(phase, MIB, &stream).unwrap());
+
+        // The stream joins a capture begun on another stream by waiting on an event recorded
+        // in it.
+        let driver = rt.driver();
+        let event = driver.event_create(steppool_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
+        // SAFETY: the runtime's own live streams and an event made here.
+        unsafe {
+            driver.stream_begin_capture(other.raw(), CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
+            driver.event_record(event, other.raw()).unwrap();
+        }
+        // Found outside capture again, after `other`'s capture began.
+        drop(step.alloc(phase, MIB, &stream).unwrap());
+        // SAFETY: as above.
+        unsafe { driver.stream_wait_event(stream.raw(), event) }.unwrap();
+        assert_eq!(status(&rt, &stream), CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE, "joined");
+        let refused = step.alloc(phase, MIB, &stream).map(drop);
+        assert!(matches!(refused, Err(Error::Capture(CaptureError::Unsafe { .. }))), "{strategy:?}: {refused:?}");
+        end_foreign_capture(&rt, &other);
+        // SAFETY: the event is not used again.
+        unsafe { driver.event_destroy(event) }.unwrap();
+        assert_eq!(status(&rt, &stream), CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
+        drop(step.alloc(phase, MIB, &stream).unwrap());
+        step.end().unwrap();
+        assert!(rt.take_errors().is_empty(), "{strategy:?}");
+    }
+}
+
 #[test]
 fn frees_of_memory_allocated_before_a_capture_are_deferred_past_it() {
     let _serial = serial();

@@ -931,6 +931,36 @@ fn a_wrapped_streams_pools_go_with_it_while_it_is_still_live() {
 }
 
 #[test]
+fn a_step_keeps_the_pools_its_buffers_borrow_until_it_ends() {
+    let rt = simulated_runtime(GIB);
+    let device = rt.device(0).unwrap();
+    let stream = device.create_stream().unwrap();
+    let raw = rt.driver().stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
+    // SAFETY: a live stream of the device's primary context, destroyed only after the wrapper,
+    // its clones and its buffers are gone.
+    let wrapped = unsafe { device.wrap_stream(raw) }.unwrap();
+    let step = rt.begin_step().unwrap();
+    let buffer = step.alloc(Phase::WORKSPACE, MIB, &stream).unwrap();
+    let on_wrapped = step.alloc(Phase::WORKSPACE, MIB, &wrapped).unwrap();
+    let (owned_id, wrapped_id) = (stream.id(), wrapped.id());
+    drop((stream, wrapped));
+    // Each buffer's pool outlives its stream's handles: used and freed in its stream's order.
+    buffer.fill(7).unwrap();
+    on_wrapped.fill(7).unwrap();
+    drop((buffer, on_wrapped));
+    let streams = |rt: &Runtime| rt.stats().unwrap().iter().map(|s| s.pool.stream).collect::<Vec<_>>();
+    // A wrapped stream's pool went with its last buffer, so the caller may destroy the stream
+    // now; the runtime's own stream's pool is held by the step its buffer borrowed.
+    assert_eq!(streams(&rt), [owned_id], "{wrapped_id} went with its buffer");
+    // SAFETY: the wrapper, its clones and its buffers are gone.
+    unsafe { rt.driver().stream_destroy(raw) }.unwrap();
+    step.end().unwrap();
+    assert!(streams(&rt).is_empty(), "the pool went at the end of the step");
+    rt.begin_step().unwrap().end().unwrap();
+    assert!(rt.take_errors().is_empty());
+}
+
+#[test]
 fn threads_freeing_raw_pointers_on_one_stream_never_free_each_other() {
     let rt = simulated_runtime(GIB);
     let stream = rt.device(0).unwrap().create_stream().unwrap();

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::ops::Deref;
 use std::sync::Arc;
 
 use steppool_sys::CUdeviceptr;
@@ -22,7 +23,7 @@ use crate::stream_core::StreamCore;
 pub struct Buffer<'a> {
     ptr: CUdeviceptr,
     bytes: u64,
-    pool: Arc<PhasePool>,
+    pool: PoolRef<'a>,
     uses: Vec<Arc<StreamCore>>,
     freed: bool,
     _scope: PhantomData<&'a ()>,
@@ -39,8 +40,31 @@ impl fmt::Debug for Buffer<'_> {
     }
 }
 
-impl Buffer<'_> {
-    pub(crate) fn new(ptr: CUdeviceptr, bytes: u64, pool: Arc<PhasePool>) -> Self {
+/// The pool a buffer frees into.
+pub(crate) enum PoolRef<'a> {
+    /// A persistent buffer's, or one on a wrapped stream: it keeps the pool alive (the stream
+    /// may go first).
+    Owned(Arc<PhasePool>),
+    /// A step's (or micro-step's) buffer's: the runtime keeps the pool alive until the step ends
+    /// ([`StepPools`](crate::pool::StepPools)), which the buffer's borrow of the step outlasts,
+    /// so no reference is counted per buffer.
+    Step(&'a PhasePool),
+}
+
+impl Deref for PoolRef<'_> {
+    type Target = PhasePool;
+
+    #[inline]
+    fn deref(&self) -> &PhasePool {
+        match self {
+            PoolRef::Owned(pool) => pool,
+            PoolRef::Step(pool) => pool,
+        }
+    }
+}
+
+impl<'a> Buffer<'a> {
+    pub(crate) fn new(ptr: CUdeviceptr, bytes: u64, pool: PoolRef<'a>) -> Self {
         Self { ptr, bytes, pool, uses: Vec::new(), freed: false, _scope: PhantomData }
     }
 

@@ -218,7 +218,7 @@ impl Step {
         core.refuse_capture("capture begin")?;
         let mut pools = Vec::with_capacity(phases.len());
         for &phase in phases {
-            pools.push((phase, runtime.pool(&core, &stream.pools, phase)?));
+            pools.push((phase, runtime.pool(&core, &stream.pools, phase)?.clone()));
         }
         let mut progress = Progress::default();
         if memory == CaptureMemory::PlanSlab {

@@ -14,7 +14,7 @@ use crate::device_core::DeviceCore;
 use crate::error::{Error, ErrorSink, OomReport, PoolUsage, Result};
 use crate::hub::Hub;
 use crate::phase::{Phase, Scope};
-use crate::pool::{PhasePool, PoolGuard, PoolSinks, PoolSlots};
+use crate::pool::{PhasePool, PoolGuard, PoolSinks, PoolSlots, StepPools};
 use crate::raw_table::RawTable;
 use crate::registry::Registry;
 use crate::report::{MicroStepReport, PoolStats, StepReport};
@@ -47,6 +47,8 @@ pub(crate) struct RuntimeInner {
     pub(crate) raw: RawTable,
     pub(crate) hub: Hub,
     pub(crate) errors: Arc<ErrorSink>,
+    /// The pools the active step's buffers borrow, held until it ends.
+    pub(crate) step_pools: StepPools,
 }
 
 impl RuntimeInner {
@@ -63,6 +65,7 @@ impl RuntimeInner {
             raw: RawTable::new(checked),
             hub: Hub::default(),
             errors: Arc::default(),
+            step_pools: StepPools::default(),
         })
     }
 
@@ -71,7 +74,13 @@ impl RuntimeInner {
     }
 
     /// The pool of `phase` on a stream, created on first use.
-    pub(crate) fn pool(&self, stream: &Arc<StreamCore>, slots: &PoolSlots, phase: Phase) -> Result<Arc<PhasePool>> {
+    #[inline]
+    pub(crate) fn pool<'s>(
+        &self,
+        stream: &Arc<StreamCore>,
+        slots: &'s PoolSlots,
+        phase: Phase,
+    ) -> Result<&'s Arc<PhasePool>> {
         if stream.runtime != self.id {
             return Err(Error::ForeignStream);
         }
@@ -89,25 +98,28 @@ impl RuntimeInner {
 
     /// Allocates from the pool of (stream, `phase`) for `caller`, recovering once from
     /// out-of-memory: synchronize the device, trim its other pools, retry.
-    pub(crate) fn allocate(
+    /// Returns the pool, borrowed from `slots`.
+    #[inline]
+    pub(crate) fn allocate<'s>(
         &self,
         phase: Phase,
         bytes: u64,
         stream: &Arc<StreamCore>,
-        slots: &PoolSlots,
+        slots: &'s PoolSlots,
         caller: Caller,
-    ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
+    ) -> Result<(&'s Arc<PhasePool>, CUdeviceptr)> {
         self.errors.guard(|| self.allocate_checked(phase, bytes, stream, slots, caller))
     }
 
-    fn allocate_checked(
+    #[inline]
+    fn allocate_checked<'s>(
         &self,
         phase: Phase,
         bytes: u64,
         stream: &Arc<StreamCore>,
-        slots: &PoolSlots,
+        slots: &'s PoolSlots,
         caller: Caller,
-    ) -> Result<(Arc<PhasePool>, CUdeviceptr)> {
+    ) -> Result<(&'s Arc<PhasePool>, CUdeviceptr)> {
         let pool = self.pool(stream, slots, phase)?;
         let spec = pool.spec();
         let allowed = matches!(
@@ -140,10 +152,10 @@ impl RuntimeInner {
         // the graph's relaunches behind its back; it ends the capture instead (`capture.rs`).
         stream.refuse_capture("allocation")?;
         let raw = caller == Caller::Raw;
-        match self.try_allocate(&pool, bytes, raw) {
+        match self.try_allocate(pool, bytes, raw) {
             Err(Error::Driver(error)) if error.is_out_of_memory() => {
-                self.trim_device(pool.device_ordinal(), Some(&pool))?;
-                match self.try_allocate(&pool, bytes, raw) {
+                self.trim_device(pool.device_ordinal(), Some(pool))?;
+                match self.try_allocate(pool, bytes, raw) {
                     Ok(ptr) => {
                         self.hub.oom_recoveries.fetch_add(1, Ordering::Relaxed);
                         pool.lock().note_oom(true);
@@ -151,7 +163,7 @@ impl RuntimeInner {
                     }
                     Err(Error::Driver(error)) if error.is_out_of_memory() => {
                         pool.lock().note_oom(false);
-                        let report = self.oom_report(&pool, bytes)?;
+                        let report = self.oom_report(pool, bytes)?;
                         let device_free = report.device_free;
                         self.hub.recorder.record(EventKind::Oom { pool: pool.id(), bytes, device_free });
                         Err(Error::OutOfMemory(Box::new(report)))
@@ -292,6 +304,9 @@ impl RuntimeInner {
     fn end_step_checked(&self, guarded: bool) -> Result<StepReport> {
         let mut steps = self.control.lock();
         let mut step = steps.end(&self.control, guarded)?;
+        // The step's buffers are gone (its guard ends it only once nothing borrows it): the pools
+        // they borrowed may go, after the release.
+        let _borrowed = self.step_pools.take();
         let started = Instant::now();
         let released = self.release(&[Scope::MicroStep, Scope::Step], step.index);
         step.release_time += started.elapsed();

@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError};
 
 use steppool_sys::handle::PoolHandle;
@@ -140,6 +140,8 @@ pub(crate) struct PhasePool {
     /// The CUDA pool, fixed at creation (`None` for the `cuMemAlloc` fallback): readable
     /// without the lock.
     handle: Option<PoolHandle>,
+    /// One more than the index of the step whose [`StepPools`] holds the pool; 0 for none.
+    kept_for_step: AtomicU64,
     state: Mutex<PoolState>,
     errors: Arc<ErrorSink>,
     recorder: Arc<Recorder>,
@@ -184,7 +186,8 @@ impl PhasePool {
         };
         let handle = state.source.handle().map(PoolHandle::from_raw);
         let PoolSinks { errors, recorder, retired } = sinks;
-        Ok(Self { entry, stream, handle, state: Mutex::new(state), errors, recorder, retired })
+        let kept_for_step = AtomicU64::new(0);
+        Ok(Self { entry, stream, handle, kept_for_step, state: Mutex::new(state), errors, recorder, retired })
     }
 
     pub(crate) fn phase(&self) -> Phase {
@@ -234,6 +237,42 @@ impl PhasePool {
         if let Err(error) = self.lock().free(ptr, bytes, uses) {
             self.errors.record(error);
         }
+    }
+}
+
+/// The pools that buffers of the active step were allocated from, each held until the step
+/// ends. A step's [`Buffer`](crate::Buffer) borrows the step, so it is gone before the step can
+/// end: it refers to its pool without counting a reference (two atomic operations per buffer
+/// saved), and the pool outlives it even when every clone of its stream is dropped first.
+#[derive(Debug, Default)]
+pub(crate) struct StepPools {
+    /// Behind a lock of its own, taken once per pool and step, with nothing else held inside it.
+    pools: std::sync::Mutex<Vec<Arc<PhasePool>>>,
+}
+
+impl StepPools {
+    /// Holds `pool` until step `step` ends ([`StepPools::take`]); once per pool and step.
+    #[inline]
+    pub(crate) fn keep(&self, pool: &Arc<PhasePool>, step: u64) {
+        let mark = step + 1;
+        if pool.kept_for_step.load(Ordering::Relaxed) != mark {
+            self.keep_slow(pool, mark);
+        }
+    }
+
+    #[cold]
+    fn keep_slow(&self, pool: &Arc<PhasePool>, mark: u64) {
+        let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
+        if pool.kept_for_step.load(Ordering::Relaxed) != mark {
+            pools.push(pool.clone());
+            pool.kept_for_step.store(mark, Ordering::Relaxed);
+        }
+    }
+
+    /// The pools held for the step that just ended, to drop: called by the boundary that ends
+    /// it, when no buffer of the step is left.
+    pub(crate) fn take(&self) -> Vec<Arc<PhasePool>> {
+        std::mem::take(&mut *self.pools.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
 

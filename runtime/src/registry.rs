@@ -17,8 +17,9 @@ use crate::stream_core::StreamCore;
 pub(crate) struct Registry {
     devices: Vec<OnceLock<Arc<DeviceCore>>>,
     phases: RwLock<Vec<Arc<PhaseEntry>>>,
-    /// Every pool, weakly: a pool belongs to its stream (and the buffers and raw allocations
-    /// on it), and goes away with them while the stream is still live.
+    /// Every pool, weakly: a pool belongs to its stream (and the persistent buffers and raw
+    /// allocations on it, and the step whose buffers used it: `StepPools`), and goes away with
+    /// them while the stream is still live.
     pools: RwLock<Vec<Weak<PhasePool>>>,
     /// Serializes pool creation, phase spec changes and peer grants (all rare); the hot path
     /// reads a stream's pool slots without it.
@@ -128,24 +129,39 @@ impl Registry {
     }
 
     /// The pool of `phase` in `slots` (a stream's), created on first use; `created` runs on a
-    /// new pool before anyone else can see it.
-    pub(crate) fn pool(
+    /// new pool before anyone else can see it. Borrowed from the slot: an index, no reference
+    /// counted.
+    #[inline]
+    pub(crate) fn pool<'s>(
         &self,
         stream: &Arc<StreamCore>,
-        slots: &PoolSlots,
+        slots: &'s PoolSlots,
         phase: Phase,
         sinks: impl FnOnce() -> PoolSinks,
         created: impl FnOnce(&PhasePool) -> Result<()>,
-    ) -> Result<Arc<PhasePool>> {
+    ) -> Result<&'s Arc<PhasePool>> {
         let slot = slots
             .get(phase.index())
             .ok_or_else(|| Error::UnknownPhase { index: phase.index(), count: read(&self.phases).len() })?;
         if let Some(pool) = slot.get() {
-            return Ok(pool.clone());
+            return Ok(pool);
         }
+        self.create_pool(stream, slot, phase, sinks, created)
+    }
+
+    /// [`Registry::pool`] when the slot is empty: creates the pool under the creation lock.
+    #[cold]
+    fn create_pool<'s>(
+        &self,
+        stream: &Arc<StreamCore>,
+        slot: &'s OnceLock<Arc<PhasePool>>,
+        phase: Phase,
+        sinks: impl FnOnce() -> PoolSinks,
+        created: impl FnOnce(&PhasePool) -> Result<()>,
+    ) -> Result<&'s Arc<PhasePool>> {
         let _creating = self.creating();
         if let Some(pool) = slot.get() {
-            return Ok(pool.clone());
+            return Ok(pool);
         }
         // Read under the creation lock, which `set_phase_spec` takes too: the spec cannot
         // change between this read and marking the phase in use.
@@ -158,8 +174,7 @@ impl Registry {
         pools.retain(|pool| pool.strong_count() > 0);
         pools.push(Arc::downgrade(&pool));
         drop(pools);
-        let _ = slot.set(pool.clone());
-        Ok(pool)
+        Ok(slot.get_or_init(|| pool))
     }
 }
 

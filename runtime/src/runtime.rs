@@ -7,7 +7,7 @@ use std::sync::{Arc, PoisonError};
 use steppool_sys::{Driver, Selection};
 use steppool_trace::plans::{PhasePlans, PlanFile};
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, PoolRef};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::inner::{Caller, RuntimeInner};
@@ -261,7 +261,7 @@ impl Runtime {
     /// Allocates `bytes` of a persistent phase on `stream`; freed (in stream order) on drop.
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'static>> {
         let (pool, ptr) = self.inner.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Runtime)?;
-        Ok(Buffer::new(ptr, bytes, pool))
+        Ok(Buffer::new(ptr, bytes, PoolRef::Owned(pool.clone())))
     }
 
     /// The CUDA memory pool serving `phase` on `stream`, created if needed; `None` on devices

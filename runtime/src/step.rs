@@ -9,10 +9,11 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, PoolRef};
 use crate::error::Result;
 use crate::inner::{Caller, RuntimeInner};
 use crate::phase::Phase;
+use crate::pool::PhasePool;
 use crate::report::{MicroStepReport, StepReport};
 use crate::stream::Stream;
 
@@ -50,7 +51,25 @@ impl Step {
     /// in stream order on drop, and reusable within the step.
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
         let (pool, ptr) = self.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Step)?;
-        Ok(Buffer::new(ptr, bytes, pool))
+        Ok(Buffer::new(ptr, bytes, self.borrow_pool(pool)))
+    }
+
+    /// The pool of a buffer of this step: held by the runtime until the step ends
+    /// ([`StepPools`](crate::pool::StepPools)), borrowed by the buffer for as long as it borrows
+    /// the step. On a wrapped stream the buffer holds its pool as a persistent one does: the
+    /// caller may destroy such a stream once the wrapper, its clones and its buffers are gone,
+    /// and a pool kept to the step's end would still use it.
+    #[inline]
+    fn borrow_pool(&self, pool: &Arc<PhasePool>) -> PoolRef<'_> {
+        if !pool.stream.is_owned() {
+            return PoolRef::Owned(pool.clone());
+        }
+        self.runtime.step_pools.keep(pool, self.index);
+        // SAFETY: `step_pools` holds a reference to the pool until this step ends, and the step
+        // ends only in `Step::end` (which takes the step by value) or `Step::drop` (the raw API
+        // may not end a guard's step): both after every borrow of the step, hence every buffer
+        // with this lifetime, is gone. So the pool outlives the reference.
+        PoolRef::Step(unsafe { &*Arc::as_ptr(pool) })
     }
 
     /// Begins a micro-step (one micro-batch of gradient accumulation).
@@ -105,7 +124,7 @@ impl<'s> MicroStep<'s> {
     /// borrows the micro-step.
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
         let (pool, ptr) = self.step.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::MicroStep)?;
-        Ok(Buffer::new(ptr, bytes, pool))
+        Ok(Buffer::new(ptr, bytes, self.step.borrow_pool(pool)))
     }
 
     /// Ends the micro-step: releases everything still live in its micro-step-scoped phases.

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use steppool_sys::handle::StreamHandle;
 use steppool_sys::{CUevent_flags, CUstream, CUstreamCaptureStatus, DriverError};
@@ -22,12 +22,26 @@ pub(crate) struct StreamCore {
     pub(crate) id: u32,
     /// The id of the runtime it belongs to, to refuse foreign streams.
     pub(crate) runtime: u64,
+    /// The driver's capture epoch ([`Driver::capture_epoch`](steppool_sys::Driver::capture_epoch))
+    /// when the stream was last found outside capture; [`NEVER_SEEN`] before that.
+    outside_capture_at: AtomicU64,
 }
+
+/// No capture epoch: the stream was never found outside capture.
+const NEVER_SEEN: u64 = u64::MAX;
 
 impl StreamCore {
     pub(crate) fn new(device: Arc<DeviceCore>, raw: CUstream, owned: bool, runtime: u64) -> Self {
         let id = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
-        Self { device, handle: StreamHandle::from_raw(raw), owned, id, runtime }
+        let outside_capture_at = AtomicU64::new(NEVER_SEEN);
+        Self { device, handle: StreamHandle::from_raw(raw), owned, id, runtime, outside_capture_at }
+    }
+
+    /// Whether steppool created the stream (and destroys it with the core), rather than
+    /// wrapping a caller's, which the caller may destroy once the wrapper is gone.
+    #[inline]
+    pub(crate) fn is_owned(&self) -> bool {
+        self.owned
     }
 
     /// The stream's driver handle.
@@ -72,7 +86,31 @@ impl StreamCore {
 impl StreamCore {
     /// Whether the stream is capturing (`cuStreamGetCaptureInfo`): `None` when not, else the
     /// capture's id and whether it was invalidated.
+    ///
+    /// Asked at every allocation, so the answer is kept where the driver can say it has not
+    /// changed: a stream found outside capture stays so while the driver's capture epoch (which
+    /// moves before any stream begins or joins a capture) reads the same. The epoch is read
+    /// before the question, so a capture begun after it is seen by the next call. The real
+    /// driver has no epoch (captures are begun by callers it does not see) and is asked every
+    /// time; so are the special handles (`NULL`, legacy, per-thread), whose stream depends on
+    /// the calling thread.
+    #[inline]
     pub(crate) fn capture(&self) -> Result<Option<(u64, bool)>> {
+        let epoch = if (self.raw() as usize) <= 2 { None } else { self.device.driver.capture_epoch() };
+        if let Some(epoch) = epoch
+            && self.outside_capture_at.load(Ordering::Acquire) == epoch
+        {
+            return Ok(None);
+        }
+        let capture = self.ask_capture()?;
+        if let (None, Some(epoch)) = (capture, epoch) {
+            self.outside_capture_at.store(epoch, Ordering::Release);
+        }
+        Ok(capture)
+    }
+
+    /// [`StreamCore::capture`], asking the driver.
+    fn ask_capture(&self) -> Result<Option<(u64, bool)>> {
         self.prepare()?;
         let driver = &self.device.driver;
         // SAFETY: this stream is live while its core is.

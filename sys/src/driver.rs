@@ -343,6 +343,21 @@ impl Driver {
         }
     }
 
+    /// A number that moves before any stream of this driver begins or joins a capture (and when
+    /// a stream or context goes away), where the driver can know: a stream that
+    /// [`Driver::stream_capture_info`] found outside capture while it read *n* is still outside
+    /// capture while it reads *n*, so the question need not be asked again. The simulated device
+    /// sees every call made to it ([`Sim::capture_epoch`]); `None` for the real driver, whose
+    /// other callers (cudarc, PyTorch) begin captures without this `Driver` seeing it, and for
+    /// the simulated device while faults are injected.
+    #[inline]
+    pub fn capture_epoch(&self) -> Option<u64> {
+        match &*self.backend {
+            Backend::Sim(sim) => sim.capture_epoch(),
+            Backend::Cuda(_) => None,
+        }
+    }
+
     /// The loaded library behind this driver, if it is the real one.
     pub fn library(&self) -> Option<&CudaLibrary> {
         match &*self.backend {

@@ -304,6 +304,7 @@ impl State {
                 if self.capture.sequences[&theirs].invalidated {
                     return Err(CAPTURE_INVALIDATED);
                 }
+                self.capture_may_change();
                 self.capture.streams.insert(stream, theirs);
                 self.capture.sequences.get_mut(&theirs).expect("capture").members.entry(stream).or_default();
                 Ok(true)
@@ -498,6 +499,7 @@ impl State {
         if self.streams[&id].kind == StreamKind::Legacy || self.capture.streams.contains_key(&id) {
             return Err(CAPTURE_UNSUPPORTED);
         }
+        self.capture_may_change();
         let (ctx, device) = (self.streams[&id].ctx, self.streams[&id].device);
         let graph = self.next();
         self.capture.graphs.insert(

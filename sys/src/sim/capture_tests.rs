@@ -564,3 +564,49 @@ fn the_fault_plan_covers_the_capture_entry_points() {
     assert_eq!(sim.faults_fired(), 4);
     f.begin(f.stream, GLOBAL).unwrap();
 }
+
+#[test]
+fn the_capture_epoch_moves_before_a_stream_begins_or_joins_a_capture() {
+    let f = Fixture::new();
+    let epoch = || f.driver.capture_epoch().expect("the simulated device has a capture epoch");
+    let fork = f.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
+    let start = epoch();
+    // Questions, allocations and work outside capture leave it where it is.
+    assert_eq!(f.status(f.stream), NONE);
+    let ptr = f.alloc(MIB, f.stream).unwrap();
+    f.free(ptr, f.stream).unwrap();
+    // SAFETY: an event and a stream of this driver.
+    unsafe { f.driver.event_record(fork, f.other) }.unwrap();
+    // SAFETY: as above.
+    unsafe { f.driver.stream_wait_event(f.stream, fork) }.unwrap();
+    assert_eq!(epoch(), start, "nothing began a capture");
+
+    f.begin(f.stream, GLOBAL).unwrap();
+    let begun = epoch();
+    assert_ne!(begun, start, "a capture began");
+    // SAFETY: as above.
+    unsafe { f.driver.event_record(fork, f.stream) }.unwrap();
+    assert_eq!(epoch(), begun, "recording in a capture joins nobody");
+    // SAFETY: as above.
+    unsafe { f.driver.stream_wait_event(f.other, fork) }.unwrap();
+    assert_eq!(f.status(f.other), ACTIVE);
+    let joined = epoch();
+    assert_ne!(joined, begun, "`other` joined the capture");
+    // SAFETY: as above.
+    unsafe { f.driver.event_record(fork, f.other) }.unwrap();
+    // SAFETY: as above.
+    unsafe { f.driver.stream_wait_event(f.stream, fork) }.unwrap();
+    f.end(f.stream).unwrap();
+    let doomed = f.driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
+    let ended = epoch();
+    // SAFETY: a stream of this driver that nothing uses.
+    unsafe { f.driver.stream_destroy(doomed) }.unwrap();
+    assert_ne!(epoch(), ended, "a stream went away");
+
+    // While faults are injected every call must reach the plan: no epoch to skip them by.
+    let sim = f.driver.sim().unwrap();
+    sim.set_faults(Some(FaultPlan::nth(1, FaultCode::CaptureInvalidated).calls(&["cuStreamGetCaptureInfo_v2"])));
+    assert_eq!(f.driver.capture_epoch(), None);
+    sim.set_faults(None);
+    assert!(f.driver.capture_epoch().is_some());
+}

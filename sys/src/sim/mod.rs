@@ -117,7 +117,7 @@ pub use faults::{FaultCode, FaultPlan, FaultPlanError, Trigger};
 
 use std::ffi::{CStr, c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 pub use config::{
     DEFAULT_CAPACITY, DEFAULT_DRIVER_VERSION, DEFAULT_GRANULE, MAX_CAPACITY, MAX_DEVICES, SimConfig, SimConfigError,
@@ -180,6 +180,8 @@ pub struct Sim {
     faults: Mutex<Faults>,
     /// Whether a plan is set or a fault poisoned the driver: calls look at `faults` only then.
     faulting: AtomicBool,
+    /// The state's capture epoch (see [`Sim::capture_epoch`]), readable without its lock.
+    capture_epoch: Arc<AtomicU64>,
 }
 
 /// A snapshot of one pool's memory, which only the simulated device can give: the driver
@@ -242,7 +244,22 @@ impl Sim {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let faulting = AtomicBool::new(config.faults.is_some());
         let faults = Mutex::new(Faults::new(config.faults.clone()));
-        Ok(Self { state: Mutex::new(State::new(id, config.clone())), config, faults, faulting })
+        let state = State::new(id, config.clone());
+        let capture_epoch = state.capture_epoch.clone();
+        Ok(Self { state: Mutex::new(state), config, faults, faulting, capture_epoch })
+    }
+
+    /// A number that moves before any stream of this driver begins or joins a capture, and when
+    /// a stream or context goes away: a stream that `cuStreamGetCaptureInfo` found outside
+    /// capture while the number was *n* is still outside capture, with the same answer, while
+    /// it reads *n* — every call to this device goes through this `Sim`. `None` while a fault
+    /// plan is set or a fault poisoned the driver: then every call must reach the plan. Read
+    /// without the state's lock.
+    pub fn capture_epoch(&self) -> Option<u64> {
+        if self.faulting.load(Ordering::Acquire) {
+            return None;
+        }
+        Some(self.capture_epoch.load(Ordering::SeqCst))
     }
 
     /// The configuration it was made with.

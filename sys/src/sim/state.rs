@@ -3,6 +3,8 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::ThreadId;
 
 use super::SimConfig;
@@ -266,9 +268,19 @@ pub(crate) struct State {
     capture: Box<Captures>,
     /// Reserved address ranges and physical allocations (`vmm.rs`).
     pub(crate) vmm: Box<Vmm>,
+    /// Changes before any stream can begin or join a capture, and when a stream or context goes
+    /// away: read without the lock by [`Sim::capture_epoch`](super::Sim::capture_epoch).
+    pub(crate) capture_epoch: Arc<AtomicU64>,
 }
 
 impl State {
+    /// A stream's answer to `cuStreamGetCaptureInfo` may change from here on (a capture begins
+    /// or a stream joins one, a stream or context goes away): the epoch moves first, under the
+    /// lock, so a reader that still sees the old epoch is ordered before the change.
+    pub(crate) fn capture_may_change(&self) {
+        self.capture_epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
     pub(crate) fn new(id: u64, config: SimConfig) -> Self {
         let config_host_memory = config.host_memory;
         let mut state = Self {
@@ -290,6 +302,7 @@ impl State {
             next_id: 0,
             capture: Box::default(),
             vmm: Box::new(Vmm::new(id, config_host_memory)),
+            capture_epoch: Arc::default(),
         };
         state.host = state.config.host_memory.then(HostMemory::default);
         // Each driver instance and device gets its own slice of a 64-bit address space.
@@ -731,6 +744,7 @@ impl State {
             return Ok(());
         }
         context.legacy = None;
+        self.capture_may_change();
         let mut clock = Clock::default();
         for stream in self.streams.values().filter(|s| s.ctx == ctx) {
             clock.join(&stream.frontier());
@@ -823,6 +837,7 @@ impl State {
         let id = decode(self.tag, Kind::Stream, raw as usize)
             .filter(|id| self.streams.get(id).is_some_and(|s| !s.destroyed && s.kind == StreamKind::Created))
             .ok_or(INVALID_HANDLE)?;
+        self.capture_may_change();
         let stream = self.streams.get_mut(&id).expect("stream");
         stream.destroyed = true;
         if self.completed.get(id) >= stream.position {
