@@ -133,17 +133,25 @@ fn a_repeating_step_is_served_from_its_plan_at_the_same_addresses() {
         } else {
             assert_eq!((plan.planned, plan.unplanned, plan.deviations, plan.missing), (19, 0, 0, 0));
             assert_eq!(plan.hit_rate(), 1.0);
-            assert_eq!(plan.replans, 0);
+            // The new plan was laid out in allocation order (it cost little more than packing
+            // it): the second step keeps its sequence, so it is packed at that step's end.
+            assert_eq!(plan.replans, u64::from(index == 1));
             // The simulated pool reserves in 2 MiB granules.
-            assert_eq!(stats.peak_reserved, plan.slab_bytes.next_multiple_of(2 * MIB), "the slab and nothing else");
-            assert_eq!(plan.plans[0].scopes, 1);
+            // (The second step's slab was the in-order plan's, at least the packed one's.)
+            let slab = plan.slab_bytes.next_multiple_of(2 * MIB);
+            assert!(
+                stats.peak_reserved == slab || (index == 1 && stats.peak_reserved >= slab),
+                "the slab and nothing else"
+            );
+            // (The second step's plan was replaced by its packing, which has served no scope.)
+            assert_eq!(plan.plans[0].scopes, u64::from(index != 1));
         }
         let summary = &plan.plans[0];
         assert!(summary.bytes >= summary.lower_bound);
         assert_eq!(summary.allocations, 19);
     }
-    assert_eq!(addresses[1], addresses[2], "planned offsets in the same slab");
-    assert_eq!(addresses[2], addresses[3]);
+    // From the third step on, the packed plan: the same offsets in the same slab.
+    assert_eq!(addresses[2], addresses[3], "planned offsets in the same slab");
 }
 
 #[test]
@@ -233,7 +241,9 @@ fn a_deviation_is_served_from_the_pool_and_refreshes_the_plan() {
     // The refreshed plan is the deviating step's: served from the next time it repeats.
     let (during, after) = deviating(&rt);
     assert_eq!((during.planned, during.deviations), (5, 0));
-    assert_eq!((after.missing, after.deviated_scopes, after.replans), (0, 0, 0));
+    // Its plan, of another sequence than the one before, was laid out in allocation order; the
+    // sequence repeats, so it is packed now.
+    assert_eq!((after.missing, after.deviated_scopes, after.replans), (0, 0, 1));
 }
 
 #[test]

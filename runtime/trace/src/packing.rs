@@ -117,6 +117,18 @@ pub fn pack(blocks: &[Block]) -> Packing {
     best
 }
 
+/// The layout an online best fit makes: each block in allocation order (by start) at the start
+/// of the smallest gap between the blocks alive when it is allocated (the lowest on ties), else
+/// right above them. Usually larger than [`pack`]'s, but every prefix of it is what best fit makes
+/// of that prefix alone: a scope served from it up to any allocation, then best-fit in the free
+/// space around what is live, ends up as if it had been served best-fit from its start. The
+/// planned strategy lays out the plans its scopes are expected to leave this way.
+pub fn best_fit_in_order(blocks: &[Block]) -> Packing {
+    let mut order: Vec<usize> = (0..blocks.len()).collect();
+    order.sort_by_key(|&b| blocks[b].start);
+    place_in_order(&compress(blocks), &order)
+}
+
 /// The blocks placed so far, found by time: those alive at a position (a stabbing query on a
 /// segment tree over positions, each block stored at the `O(log T)` nodes that tile its
 /// lifetime) and those that begin inside a range (an ordered map by start). A block `b` is alive
@@ -388,6 +400,22 @@ mod tests {
         assert_eq!(lower_bound(&blocks), 3584);
     }
 
+    #[test]
+    fn best_fit_in_order_places_each_block_as_it_comes() {
+        // A (2) lives; B (2) is freed once C (1) is allocated; D (3) comes last. In order, D
+        // finds B's hole too small and goes on top (8); greedy by size places D first (6).
+        let blocks = [block(2048, 0, 20), block(2048, 1, 3), block(1024, 2, 20), block(3072, 4, 20)];
+        let in_order = best_fit_in_order(&blocks);
+        assert!(is_valid(&blocks, &in_order));
+        assert_eq!(in_order.offsets, vec![0, 2048, 4096, 5120]);
+        assert_eq!(in_order.size, 8192);
+        assert_eq!(pack(&blocks).size, 6144);
+        // Every prefix is laid out as on its own: the layout never depends on what comes later.
+        for n in 1..blocks.len() {
+            assert_eq!(best_fit_in_order(&blocks[..n]).offsets, in_order.offsets[..n]);
+        }
+    }
+
     /// The placement as first written: every placed block scanned for each new one. The index
     /// must find the same time-overlapping blocks, so the packings must agree.
     fn quadratic_place(blocks: &[Block], order: &[usize]) -> Packing {
@@ -450,6 +478,9 @@ mod tests {
             let mut order: Vec<usize> = (0..blocks.len()).collect();
             order.sort_by(|&a, &b| blocks[b].size.cmp(&blocks[a].size).then(blocks[a].start.cmp(&blocks[b].start)));
             prop_assert_eq!(&greedy, &quadratic_place(&blocks, &order));
+            let in_order = best_fit_in_order(&blocks);
+            prop_assert!(is_valid(&blocks, &in_order), "{:?} -> {:?}", blocks, in_order);
+            prop_assert!(in_order.size >= lower_bound(&blocks));
         }
     }
 }
