@@ -700,6 +700,8 @@ impl Planned {
             }
             let free: Vec<(u64, u64)> =
                 online.by_offset.iter().filter(|&(_, &len)| len >= GRANULE).map(|(&at, &len)| (at, len)).collect();
+            // Holes of earlier calls past the end just given back went with it.
+            self.clip_holes(self.slab.map_or(0, |slab| slab.size));
             for (at, len) in free {
                 let bytes = source.punch_range(slab.base, at, len)?;
                 if bytes > 0 {
@@ -745,7 +747,22 @@ impl Planned {
             online.give(at, size - at);
         }
         self.slab = Some(Slab { size, ..slab });
+        self.clip_holes(size);
         Ok(())
+    }
+
+    /// The slab now ends at `size`: holes past it went with the pages unmapped from its end.
+    fn clip_holes(&mut self, size: u64) {
+        if self.holes.is_empty() {
+            return;
+        }
+        self.holes.retain(|&(at, _)| at < size);
+        let mut whole_pages = 0;
+        for (at, len) in &mut self.holes {
+            *len = (*len).min(size - *at);
+            whole_pages += ((*at + *len) / GRANULE).saturating_sub(at.div_ceil(GRANULE)) * GRANULE;
+        }
+        self.unmapped = self.unmapped.min(whole_pages);
     }
 
     /// Makes sure a slab of at least `desired` bytes is held, when nothing lives in it.
@@ -1128,9 +1145,11 @@ impl Allocator for Planned {
         if let (Some(slab), Some(lowest)) = (self.slab, self.holes.iter().map(|&(at, _)| at).min()) {
             self.holes.clear();
             self.unmapped = 0;
-            match source.resize_range(slab.base, lowest) {
-                Ok(size) => self.slab = Some(Slab { size, ..slab }),
-                Err(error) => outcome = outcome.and(Err(error)),
+            if lowest < slab.size {
+                match source.resize_range(slab.base, lowest) {
+                    Ok(size) => self.slab = Some(Slab { size, ..slab }),
+                    Err(error) => outcome = outcome.and(Err(error)),
+                }
             }
         }
         let desired = self.desired_slab();
@@ -1217,7 +1236,7 @@ impl Allocator for Planned {
             self.holes.clear();
             let unmapped = std::mem::take(&mut self.unmapped);
             source.resize_range(slab.base, 0)?;
-            return Ok(chunks + slab.size - unmapped);
+            return Ok(chunks + slab.size.saturating_sub(unmapped));
         }
         source.free(slab.base, slab.size)?;
         Ok(chunks + slab.size)
@@ -1664,6 +1683,27 @@ mod tests {
         planned.reset(&mut source, u64::MAX).unwrap();
         assert!(source.holes.values().all(|pages| pages.is_empty()), "no hole outlives the scope");
         assert_eq!(source.mapped(), planned.slab.unwrap().size, "the slab is mapped in full for the next scope");
+    }
+
+    #[test]
+    fn a_hole_that_joins_the_free_end_goes_with_it() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
+        live_scope(&mut planned, &mut source, &[MIB, MIB, 4 * MIB]);
+        planned.begin_step();
+        let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 4 * MIB).unwrap()).collect();
+        planned.free(&mut source, ptrs[2], 4 * MIB).unwrap();
+        assert_eq!(planned.release_unused(&mut source).unwrap(), 4 * MIB, "the free stretch inside");
+        assert_eq!(source.mapped(), 12 * MIB);
+        // The allocation above the hole goes: the hole joins the free end, given back with it.
+        planned.free(&mut source, ptrs[3], 4 * MIB).unwrap();
+        assert_eq!(planned.slab.unwrap().size, 8 * MIB);
+        assert_eq!((source.mapped(), planned.free_space().unwrap().total_free), (8 * MIB, 0));
+        for &ptr in ptrs[..2].iter().rev() {
+            planned.free(&mut source, ptr, 4 * MIB).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert_eq!(source.mapped(), planned.slab.unwrap().size);
+        assert!(source.holes.values().all(|pages| pages.is_empty()));
     }
 
     #[test]
