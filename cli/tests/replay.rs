@@ -96,3 +96,34 @@ fn a_pytorch_model_is_compared_but_never_recommended() {
     let results = replay(&trace, &analysis, &select("all").unwrap(), &options, &Silent).unwrap();
     assert_eq!(recommended(&results), Some("default-pool"));
 }
+
+/// Under memory pressure the recommended strategy gives back what its live allocations do not
+/// need and retries, as PyTorch's allocator releases its cache and retries: on generated traces
+/// whose plans reach their peak at other moments than the live bytes do (a curriculum with
+/// accumulation, routed experts), it completes on a device no larger than the one plain pool
+/// and the PyTorch models need.
+#[test]
+fn the_planned_smallest_device_is_no_larger_than_the_pool_and_the_torch_models() {
+    use steppool_cli::patterns::{Pattern, PatternOptions, generate};
+    for pattern in [Pattern::CurriculumAccum, Pattern::MoeRouting] {
+        let options = PatternOptions { steps: 6, seed: 1, scale: 0.1, ..PatternOptions::default() };
+        let trace = generate(pattern, &options).unwrap();
+        let analysis = analyse(&trace).unwrap();
+        let mut allocators = select("planned").unwrap();
+        for name in ["default-pool", "torch-caching", "torch-expandable"] {
+            allocators.extend(select(name).unwrap());
+        }
+        let results = replay(&trace, &analysis, &allocators, &ReplayOptions::new(80 << 30), &Silent).unwrap();
+        let smallest = |result: &steppool_cli::replay::StrategyResult| result.min_capacity_bytes.unwrap();
+        let planned = smallest(&results[0]);
+        for other in &results[1..] {
+            assert!(
+                planned <= smallest(other),
+                "{pattern:?}: planned needs {} MiB, {} {} MiB",
+                planned >> 20,
+                other.run.strategy,
+                smallest(other) >> 20
+            );
+        }
+    }
+}

@@ -21,8 +21,8 @@
 //!   release whole or not at all. The pool locks alone would not do: a reader taking them one
 //!   after another could straddle a release that holds them all.
 //! - **Out-of-memory recovery** holds one pool's lock at a time: it lets go of the failing pool,
-//!   takes each other pool's lock in turn to give back idle memory, and retries under the failing
-//!   pool's lock again. Holding the failing pool's lock while trimming the others would deadlock
+//!   takes each pool's lock in turn (the failing one's too) to give back idle memory, and retries
+//!   under the failing pool's lock again. Holding the failing pool's lock while trimming the others would deadlock
 //!   two recoveries in two pools.
 //!
 //! Lock order: boundary → pool → raw table. `tests/loom_boundary.rs` checks these rules in every

@@ -94,7 +94,7 @@ impl Device {
     /// Synchronizes the device and gives back every byte its pools hold without live data, what
     /// `torch.cuda.empty_cache()` does. Returns the bytes released.
     pub fn release_idle(&self) -> Result<u64> {
-        self.runtime.trim_device(self.core.ordinal, None)
+        self.runtime.trim_device(self.core.ordinal)
     }
 
     /// Lets `peer` access the memory of this device's pools, present and future

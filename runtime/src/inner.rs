@@ -97,7 +97,9 @@ impl RuntimeInner {
     // ----- the path of an allocation ---------------------------------------------------------
 
     /// Allocates from the pool of (stream, `phase`) for `caller`, recovering once from
-    /// out-of-memory: synchronize the device, trim its other pools, retry.
+    /// out-of-memory: every pool of the device gives back what its live allocations do not need
+    /// (the failing one too: a planned slab's free pages, empty chunks), the device is
+    /// synchronized and its pools trimmed, and the allocation is tried again.
     /// Returns the pool, borrowed from `slots`.
     #[inline]
     pub(crate) fn allocate<'s>(
@@ -154,7 +156,7 @@ impl RuntimeInner {
         let raw = caller == Caller::Raw;
         match self.try_allocate(pool, bytes, raw) {
             Err(Error::Driver(error)) if error.is_out_of_memory() => {
-                self.trim_device(pool.device_ordinal(), Some(pool))?;
+                self.trim_device(pool.device_ordinal())?;
                 match self.try_allocate(pool, bytes, raw) {
                     Ok(ptr) => {
                         self.hub.oom_recoveries.fetch_add(1, Ordering::Relaxed);
@@ -192,17 +194,12 @@ impl RuntimeInner {
         Ok(ptr)
     }
 
-    /// Gives back the idle memory of every pool on `device` (but `except`): strategies first
-    /// return what their scope has not touched (an arena's spare slabs) to their CUDA pools, the
-    /// device is synchronized so every free is complete, then every pool is trimmed. Returns the
-    /// bytes released to the device.
-    pub(crate) fn trim_device(&self, device: usize, except: Option<&Arc<PhasePool>>) -> Result<u64> {
-        let pools: Vec<Arc<PhasePool>> = self
-            .registry
-            .pools_on(device)
-            .into_iter()
-            .filter(|pool| !except.is_some_and(|failing| Arc::ptr_eq(failing, pool)))
-            .collect();
+    /// Gives back the idle memory of every pool on `device`: strategies first return what their
+    /// scope has not touched or no longer needs (an arena's spare slabs, empty chunks, a planned
+    /// slab's free pages) to their CUDA pools or the device, the device is synchronized so every
+    /// free is complete, then every pool is trimmed. Returns the bytes released to the device.
+    pub(crate) fn trim_device(&self, device: usize) -> Result<u64> {
+        let pools: Vec<Arc<PhasePool>> = self.registry.pools_on(device);
         // Never synchronize while a stream captures: that would invalidate the capture.
         for pool in &pools {
             pool.stream.refuse_capture("device trim")?;

@@ -16,7 +16,10 @@
 //! end of what is mapped, or unmaps them from the end after waiting for the stream: a slab that
 //! a larger plan outgrows gets more pages at the same addresses, its live allocations untouched,
 //! and pages a smaller plan no longer needs go back to the device, where any pool or phase can
-//! take them (physical pages are a device-wide resource). Mapped pages count in the source's
+//! take them (physical pages are a device-wide resource). When memory is short, a strategy can
+//! also give back the pages of a free stretch inside the range ([`Source::punch_range`]) and map
+//! them again when it places something there ([`Source::fill_range`]), as PyTorch's expandable
+//! segments unmap their free pages wherever they lie. Mapped pages count in the source's
 //! reservation like pool segments. On a device without it, `reserve_range` answers `None` and
 //! the strategy takes slabs with [`Source::alloc`].
 
@@ -70,6 +73,18 @@ pub(crate) trait Source {
     /// Gives back the range at `base`: what is mapped (after waiting for the stream) and the
     /// addresses.
     fn free_range(&mut self, base: CUdeviceptr) -> Result<()>;
+
+    /// Unmaps the pages of the range at `base` that lie wholly inside `[offset, offset + len)`
+    /// of its mapped part, after waiting for the stream: a hole whose memory the caller no longer
+    /// uses goes back to the device while the memory around it stays where it is. Returns the
+    /// bytes unmapped. The range keeps its size ([`Source::resize_range`] still counts from the
+    /// base); [`Source::fill_range`] maps the hole again.
+    fn punch_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64>;
+
+    /// Maps again the pages of holes ([`Source::punch_range`]) that `[offset, offset + len)` of
+    /// the range at `base` touches: all of them, or (refused by the device, an out-of-memory
+    /// error) none. Returns the bytes mapped.
+    fn fill_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64>;
 }
 
 /// An address range of a [`DeviceSource`] that grows in place.
@@ -77,8 +92,9 @@ pub(crate) trait Source {
 struct GrowableRange {
     /// Bytes of address space reserved.
     limit: u64,
-    /// The physical page mapped at each granule from the base, in order.
-    pages: Vec<CUmemGenericAllocationHandle>,
+    /// The physical page mapped at each granule from the base, in order; `None` where a hole was
+    /// punched ([`Source::punch_range`]).
+    pages: Vec<Option<CUmemGenericAllocationHandle>>,
 }
 
 /// The memory a phase pool holds, as the driver counts it.
@@ -205,12 +221,18 @@ impl DeviceSource {
         }
         if !peers.is_empty() {
             let granule = self.stream.device.vmm_granularity.unwrap_or(0);
+            let access: Vec<_> = peers.iter().map(|&peer| read_write(peer)).collect();
             for (&base, range) in &self.ranges {
-                if !range.pages.is_empty() {
-                    let access: Vec<_> = peers.iter().map(|&peer| read_write(peer)).collect();
-                    let bytes = range.pages.len() as u64 * granule;
-                    // SAFETY: `[base, base + bytes)` is mapped memory of this source.
-                    unsafe { self.stream.device.driver.mem_set_access(base, bytes, &access) }?;
+                // Each run of mapped pages (holes have nothing to grant).
+                let mut page = 0;
+                while page < range.pages.len() {
+                    let run = range.pages[page..].iter().take_while(|handle| handle.is_some()).count();
+                    if run > 0 {
+                        let (start, bytes) = (base + page as u64 * granule, run as u64 * granule);
+                        // SAFETY: `[start, start + bytes)` is mapped memory of this source.
+                        unsafe { self.stream.device.driver.mem_set_access(start, bytes, &access) }?;
+                    }
+                    page += run + 1;
                 }
             }
         }
@@ -521,7 +543,7 @@ impl Source for DeviceSource {
 
     fn free_range(&mut self, base: CUdeviceptr) -> Result<()> {
         let granule = self.stream.device.vmm_granularity.expect("a range exists only with virtual memory management");
-        if self.ranges.get(&base).is_some_and(|range| !range.pages.is_empty()) {
+        if self.ranges.get(&base).is_some_and(|range| range.pages.iter().any(Option::is_some)) {
             self.synchronize()?;
             self.unmap_pages(base, 0, granule)?;
         }
@@ -529,6 +551,118 @@ impl Source for DeviceSource {
         // SAFETY: the range was reserved by this source and nothing is mapped in it any more.
         unsafe { self.stream.device.driver.mem_address_free(base, range.limit) }?;
         Ok(())
+    }
+
+    fn punch_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64> {
+        let granule = self.stream.device.vmm_granularity.expect("a range exists only with virtual memory management");
+        let range = self.ranges.get(&base).expect("a range of this source");
+        let from = offset.div_ceil(granule) as usize;
+        let to = (((offset + len) / granule) as usize).min(range.pages.len());
+        if from >= to || range.pages[from..to].iter().all(Option::is_none) {
+            return Ok(0);
+        }
+        // As for a shrink: nothing may still run on the pages, and a capture keeps them mapped.
+        if self.capturing() {
+            return Ok(0);
+        }
+        self.synchronize()?;
+        let device = self.stream.device.clone();
+        device.make_current()?;
+        let mut unmapped = 0;
+        for page in from..to {
+            let Some(handle) = self.ranges[&base].pages[page] else { continue };
+            let ptr = base + page as u64 * granule;
+            // SAFETY: the page was mapped by this source with this handle; the stream was waited
+            // for, and the caller no longer uses the memory.
+            unsafe { device.driver.mem_unmap(ptr, granule) }?;
+            self.ranges.get_mut(&base).expect("range").pages[page] = None;
+            self.mapped -= granule;
+            unmapped += granule;
+            // SAFETY: the handle is this source's and no longer mapped.
+            let released = unsafe { device.driver.mem_release(handle) };
+            if self.recorder.is_on() {
+                let pool_reserved = self.reserved_or_zero();
+                self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes: granule, pool_reserved });
+            }
+            if let Err(error) = released {
+                self.owed_pages.push((None, handle));
+                return Err(error.into());
+            }
+        }
+        Ok(unmapped)
+    }
+
+    fn fill_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64> {
+        let granule = self.stream.device.vmm_granularity.expect("a range exists only with virtual memory management");
+        let range = self.ranges.get(&base).expect("a range of this source");
+        let from = (offset / granule) as usize;
+        let to = ((offset + len).div_ceil(granule) as usize).min(range.pages.len());
+        let holes: Vec<usize> = (from..to).filter(|&page| range.pages[page].is_none()).collect();
+        if holes.is_empty() {
+            return Ok(0);
+        }
+        let device = self.stream.device.clone();
+        let driver = &device.driver;
+        device.make_current()?;
+        let mut access = vec![read_write(device.device)];
+        access.extend(device.peers().into_iter().map(read_write));
+        let mut added: Vec<(usize, CUmemGenericAllocationHandle)> = Vec::with_capacity(holes.len());
+        let mut outcome = Ok(());
+        for &page in &holes {
+            let ptr = base + page as u64 * granule;
+            let handle = match driver.mem_create(device.device, granule) {
+                Ok(handle) => handle,
+                Err(error) => {
+                    outcome = Err(error);
+                    break;
+                }
+            };
+            // SAFETY: the handle was just created; the page lies inside the reserved range and
+            // nothing is mapped there.
+            if let Err(error) = unsafe { driver.mem_map(ptr, granule, handle) } {
+                // SAFETY: the handle was just created and is not mapped.
+                if unsafe { driver.mem_release(handle) }.is_err() {
+                    self.owed_pages.push((None, handle));
+                }
+                outcome = Err(error);
+                break;
+            }
+            added.push((page, handle));
+            // SAFETY: `[ptr, ptr + granule)` was just mapped.
+            if let Err(error) = unsafe { driver.mem_set_access(ptr, granule, &access) } {
+                outcome = Err(error);
+                break;
+            }
+        }
+        if let Err(error) = outcome {
+            // Nothing used the new pages: they go back at once.
+            for (page, handle) in added.into_iter().rev() {
+                let ptr = base + page as u64 * granule;
+                // SAFETY: each page was mapped above with this handle and never used.
+                if unsafe { driver.mem_unmap(ptr, granule) }.is_err() {
+                    self.owed_pages.push((Some(ptr), handle));
+                // SAFETY: as above; the handle is no longer mapped.
+                } else if unsafe { driver.mem_release(handle) }.is_err() {
+                    self.owed_pages.push((None, handle));
+                }
+            }
+            return Err(error.into());
+        }
+        let range = self.ranges.get_mut(&base).expect("range");
+        for &(page, handle) in &added {
+            range.pages[page] = Some(handle);
+        }
+        let bytes = added.len() as u64 * granule;
+        self.mapped += bytes;
+        self.mapped_high = self.mapped_high.max(self.mapped);
+        if self.recorder.is_on() {
+            for &(page, _) in &added {
+                let pool_reserved = self.reserved_or_zero();
+                let ptr = base + page as u64 * granule;
+                self.recorder.record(EventKind::SegmentAlloc { pool: self.id, ptr, bytes: granule, pool_reserved });
+            }
+        }
+        Ok(bytes)
     }
 }
 
@@ -648,7 +782,7 @@ impl DeviceSource {
             return Err(error.into());
         }
         let count = added.len() as u64;
-        self.ranges.get_mut(&base).expect("range").pages.extend(added);
+        self.ranges.get_mut(&base).expect("range").pages.extend(added.into_iter().map(Some));
         self.mapped += count * granule;
         self.mapped_high = self.mapped_high.max(self.mapped);
         if self.recorder.is_on() {
@@ -668,7 +802,11 @@ impl DeviceSource {
         device.make_current()?;
         while self.ranges[&base].pages.len() > target {
             let page = self.ranges[&base].pages.len() - 1;
-            let handle = self.ranges[&base].pages[page];
+            let Some(handle) = self.ranges[&base].pages[page] else {
+                // A hole: nothing mapped there.
+                self.ranges.get_mut(&base).expect("range").pages.pop();
+                continue;
+            };
             let ptr = base + page as u64 * granule;
             // SAFETY: the page was mapped by this source with this handle; the caller waited for
             // every use of it.
@@ -695,7 +833,7 @@ impl DeviceSource {
 /// reuses one before it is given back, and checks every free against what it handed out.
 #[cfg(test)]
 pub(crate) mod fake {
-    use std::collections::BTreeMap;
+    use std::collections::{BTreeMap, BTreeSet};
 
     use steppool_sys::CUdeviceptr;
 
@@ -716,8 +854,10 @@ pub(crate) mod fake {
         pub(crate) trims: Vec<u64>,
         /// Whether it has ranges that grow in place.
         pub(crate) vmm: bool,
-        /// Reserved ranges: base → mapped bytes.
+        /// Reserved ranges: base → mapped bytes from the base (holes included).
         pub(crate) ranges: BTreeMap<CUdeviceptr, u64>,
+        /// The pages of each range punched out ([`Source::punch_range`]), by index from its base.
+        pub(crate) holes: BTreeMap<CUdeviceptr, BTreeSet<u64>>,
         /// Resizes that mapped pages, and those that unmapped them (each after a wait).
         pub(crate) grows: u64,
         pub(crate) shrinks: u64,
@@ -743,6 +883,7 @@ pub(crate) mod fake {
                 trims: Vec::new(),
                 vmm: false,
                 ranges: BTreeMap::new(),
+                holes: BTreeMap::new(),
                 grows: 0,
                 shrinks: 0,
             }
@@ -760,7 +901,7 @@ pub(crate) mod fake {
 
         /// Bytes mapped in ranges.
         pub(crate) fn mapped(&self) -> u64 {
-            self.ranges.values().sum()
+            self.ranges.values().sum::<u64>() - self.holes.values().map(|pages| pages.len() as u64 * PAGE).sum::<u64>()
         }
 
         fn out_of_memory() -> Error {
@@ -826,6 +967,9 @@ pub(crate) mod fake {
             } else if target < mapped {
                 self.syncs += 1;
                 self.shrinks += 1;
+                if let Some(holes) = self.holes.get_mut(&base) {
+                    holes.retain(|&page| page < target / PAGE);
+                }
             }
             self.ranges.insert(base, target);
             Ok(target)
@@ -833,10 +977,43 @@ pub(crate) mod fake {
 
         fn free_range(&mut self, base: CUdeviceptr) -> Result<()> {
             let mapped = self.ranges.remove(&base).expect("free of a range the source did not reserve");
+            self.holes.remove(&base);
             if mapped > 0 {
                 self.syncs += 1;
             }
             Ok(())
+        }
+
+        fn punch_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64> {
+            let mapped = *self.ranges.get(&base).expect("punch of a range the source did not reserve");
+            let (from, to) = (offset.div_ceil(PAGE), ((offset + len) / PAGE).min(mapped / PAGE));
+            let holes = self.holes.entry(base).or_default();
+            let punched = (from..to).filter(|&page| holes.insert(page)).count() as u64;
+            if punched > 0 {
+                self.syncs += 1;
+                self.shrinks += 1;
+            }
+            Ok(punched * PAGE)
+        }
+
+        fn fill_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64> {
+            let mapped = *self.ranges.get(&base).expect("fill of a range the source did not reserve");
+            let (from, to) = (offset / PAGE, (offset + len).div_ceil(PAGE).min(mapped / PAGE));
+            let holes = self.holes.entry(base).or_default();
+            let filled: Vec<u64> = holes.range(from..to).copied().collect();
+            let bytes = filled.len() as u64 * PAGE;
+            if bytes == 0 {
+                return Ok(0);
+            }
+            if self.held() + bytes > self.capacity {
+                return Err(Self::out_of_memory());
+            }
+            let holes = self.holes.get_mut(&base).expect("holes");
+            for page in filled {
+                holes.remove(&page);
+            }
+            self.grows += 1;
+            Ok(bytes)
         }
     }
 }

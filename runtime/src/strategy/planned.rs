@@ -71,7 +71,29 @@
 //! the device's, and another phase takes them while this one is small. A new shape is served
 //! best-fit in the empty range rather than recorded in chunks beside it. The first scope is still
 //! recorded in fallback chunks (they go back as they empty, anywhere in the scope, where a range
-//! gives back only its end); so is everything when the device refuses a page.
+//! gives back only its end).
+//!
+//! # When the device refuses memory
+//!
+//! A refusal (pages for a plan, the growth of a scope served online, a fallback chunk) fails the
+//! allocation with out-of-memory, and the runtime's recovery asks every pool of the device, this
+//! one included, to give back what its live allocations do not need
+//! ([`Allocator::release_unused`]), waits for the device, trims, and retries, as PyTorch's
+//! allocator releases its cached blocks and retries. Here that is: the empty fallback chunks;
+//! the whole slab when nothing lives in it; and otherwise the slab's pages no live allocation
+//! touches. A scope served from its plan unmaps the pages past its highest live allocation and
+//! from then on maps pages as the plan's cursor reaches them (each entry past the mapped end
+//! grows the slab to that entry's end), not the whole plan at once; so does a scope whose plan
+//! the device refused whole at the boundary or at its selection. A scope served online unmaps
+//! the free range at the slab's end and punches out the pages of every free range inside
+//! ([`Source::punch_range`]): its best-fit placement goes on over the same addresses, and a range
+//! handed out over such a hole maps its pages again first ([`Source::fill_range`]), or, refused,
+//! goes back to the free ranges while the scope goes on from the fallback chunks. The retry then
+//! finds the device's memory where idle caches held it, and grows the slab at its end by what the
+//! request lacks. An allocation fails only when the live allocations, their placement and the
+//! granule tails leave no room. Holes never outlive their scope: at its end, the pages from the
+//! lowest hole up go back (nothing lives in the slab then) and the slab is mapped again for the
+//! next plan, or, refused, mapped by that plan's cursor.
 //!
 //! # Why a hand-out never overlaps a live allocation
 //!
@@ -306,8 +328,17 @@ pub(crate) struct Planned {
     /// deviation): best fit in chunks taken from the pool, given back at the scope's end.
     fallback: Chunks,
     deviated: bool,
-    /// The slab could not be had in this scope: do not ask again until its end.
+    /// The slab could not be had in this scope: do not ask again until its end, or until memory
+    /// was given back for a retry ([`Allocator::release_unused`]).
     slab_refused: bool,
+    /// The slab maps its pages as the plan's cursor reaches them, not the whole plan when it is
+    /// selected: the device refused the whole plan, or pages were given back in the scope.
+    lazy: bool,
+    /// Stretches of the slab (offset, length) whose pages were given back in the scope while
+    /// free ([`Source::punch_range`]): a range handed out there maps them again first.
+    holes: Vec<(u64, u64)>,
+    /// Bytes of those pages not mapped again.
+    unmapped: u64,
     counters: Counters,
     /// Bytes of emptied fallback chunks given back in the scope since the last wait.
     given_back: u64,
@@ -346,6 +377,9 @@ impl Planned {
             fallback: Chunks::default(),
             deviated: false,
             slab_refused: false,
+            lazy: false,
+            holes: Vec::new(),
+            unmapped: 0,
             counters: Counters::default(),
             given_back: 0,
             no_ranges: false,
@@ -622,6 +656,7 @@ impl Planned {
             }
             Err(Error::Driver(error)) if error.is_out_of_memory() => {
                 self.slab_refused = true;
+                self.lazy = true;
                 Ok(false)
             }
             Err(error) => Err(error),
@@ -642,7 +677,7 @@ impl Planned {
     fn take_online(&mut self, source: &mut dyn Source, size: u64) -> Result<Option<u64>> {
         let Some(online) = &mut self.online else { return Ok(None) };
         if let Some(offset) = online.take(size) {
-            return Ok(Some(offset));
+            return self.fill_holes(source, offset, size);
         }
         let Some(slab) = self.slab.filter(|slab| slab.growable) else { return Ok(None) };
         if self.slab_refused {
@@ -653,7 +688,83 @@ impl Planned {
         if !self.grow_slab(source, slab.size + (size - tail))? {
             return Ok(None);
         }
-        Ok(self.online.as_mut().and_then(|online| online.take(size)))
+        match self.online.as_mut().and_then(|online| online.take(size)) {
+            Some(offset) => self.fill_holes(source, offset, size),
+            None => Ok(None),
+        }
+    }
+
+    /// Maps again the pages given back ([`Planned::give_back_free_pages`]) under `size` bytes at
+    /// `offset`, just taken from the free ranges of a scope served online. When the device
+    /// refuses them the range goes back to the free ranges and the scope goes on elsewhere.
+    fn fill_holes(&mut self, source: &mut dyn Source, offset: u64, size: u64) -> Result<Option<u64>> {
+        let touches = |&(at, len): &(u64, u64)| at < offset + size && offset < at + len;
+        if !self.holes.iter().any(touches) {
+            return Ok(Some(offset));
+        }
+        let slab = self.slab.expect("holes are in a slab");
+        match source.fill_range(slab.base, offset, size) {
+            Ok(bytes) => {
+                self.unmapped = self.unmapped.saturating_sub(bytes);
+                Ok(Some(offset))
+            }
+            Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                self.online.as_mut().expect("an online scope").give(offset, size);
+                self.slab_refused = true;
+                Ok(None)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Memory is short: gives back the slab's pages that no live allocation of the scope needs.
+    /// Served online, every page of a free range (the free end by unmapping it, free stretches
+    /// inside as holes that a later hand-out there maps again); served from its plan, the pages
+    /// past the highest live allocation, which the plan maps again as its cursor reaches them.
+    /// Returns the bytes given back.
+    fn give_back_free_pages(&mut self, source: &mut dyn Source) -> Result<u64> {
+        let Some(slab) = self.slab.filter(|slab| slab.growable && slab.size > 0) else { return Ok(0) };
+        let mut released = 0;
+        if let Some(online) = &mut self.online {
+            if let Some((&at, &len)) = online.by_offset.iter().next_back()
+                && at + len == slab.size
+            {
+                let size = source.resize_range(slab.base, at)?;
+                online.remove(at, len);
+                if size > at {
+                    online.give(at, size - at);
+                }
+                released += slab.size - size;
+                self.slab = Some(Slab { size, ..slab });
+            }
+            let free: Vec<(u64, u64)> =
+                online.by_offset.iter().filter(|&(_, &len)| len >= GRANULE).map(|(&at, &len)| (at, len)).collect();
+            // Holes of earlier calls past the end just given back went with it.
+            self.clip_holes(self.slab.map_or(0, |slab| slab.size));
+            for (at, len) in free {
+                let bytes = source.punch_range(slab.base, at, len)?;
+                if bytes > 0 {
+                    self.holes.push((at, len));
+                    self.unmapped += bytes;
+                    released += bytes;
+                }
+            }
+        } else {
+            let top = self
+                .slab_live
+                .iter()
+                .map(|(&ptr, allocation)| ptr - slab.base + allocation.size)
+                .chain(self.late.iter().map(|&(offset, len)| offset + len))
+                .max()
+                .unwrap_or(0);
+            if top.next_multiple_of(GRANULE) < slab.size {
+                let size = source.resize_range(slab.base, top)?;
+                released += slab.size - size;
+                self.slab = Some(Slab { size, ..slab });
+                self.lazy = true;
+            }
+        }
+        Ok(released)
     }
 
     /// While a scope is served online from a growable slab, gives back the pages of the free
@@ -675,7 +786,22 @@ impl Planned {
             online.give(at, size - at);
         }
         self.slab = Some(Slab { size, ..slab });
+        self.clip_holes(size);
         Ok(())
+    }
+
+    /// The slab now ends at `size`: holes past it went with the pages unmapped from its end.
+    fn clip_holes(&mut self, size: u64) {
+        if self.holes.is_empty() {
+            return;
+        }
+        self.holes.retain(|&(at, _)| at < size);
+        let mut whole_pages = 0;
+        for (at, len) in &mut self.holes {
+            *len = (*len).min(size - *at);
+            whole_pages += ((*at + *len) / GRANULE).saturating_sub(at.div_ceil(GRANULE)) * GRANULE;
+        }
+        self.unmapped = self.unmapped.min(whole_pages);
     }
 
     /// Makes sure a slab of at least `desired` bytes is held, when nothing lives in it.
@@ -722,7 +848,7 @@ impl Planned {
     fn serve(&mut self, source: &mut dyn Source, size: u64) -> Result<CUdeviceptr> {
         // A plan larger than the slab (one that has not served recently) grows it.
         let need = self.plan.map_or(0, |p| self.plans[p].bytes);
-        if need > 0 && self.slab.is_none_or(|slab| slab.size < need) {
+        if need > 0 && self.slab.is_none_or(|slab| slab.size < need) && !self.lazy {
             let desired = need.max(self.desired_slab());
             self.ensure_slab(source, desired)?;
         }
@@ -960,6 +1086,7 @@ impl Planned {
         self.slab_live.clear();
         self.deviated = false;
         self.slab_refused = false;
+        self.lazy = false;
         self.given_back = 0;
     }
 }
@@ -1119,6 +1246,18 @@ impl Allocator for Planned {
         }
         self.close_scope();
         self.slab_refused = false;
+        // Holes given back in the scope: the pages from the lowest one on go back too (nothing
+        // lives in the slab now), and the slab grows again below as the plans need.
+        if let (Some(slab), Some(lowest)) = (self.slab, self.holes.iter().map(|&(at, _)| at).min()) {
+            self.holes.clear();
+            self.unmapped = 0;
+            if lowest < slab.size {
+                match source.resize_range(slab.base, lowest) {
+                    Ok(size) => self.slab = Some(Slab { size, ..slab }),
+                    Err(error) => outcome = outcome.and(Err(error)),
+                }
+            }
+        }
         let desired = self.desired_slab();
         let mut slab_released = false;
         let mut kept = true;
@@ -1178,6 +1317,8 @@ impl Allocator for Planned {
             space.largest_free = space.largest_free.max(gap);
             top = top.max(offset + size);
         }
+        // Pages given back inside the slab are not held.
+        space.total_free = space.total_free.saturating_sub(self.unmapped);
         let chunks = self.fallback.free_space();
         space.total_free += chunks.total_free;
         space.largest_free = space.largest_free.max(chunks.largest_free);
@@ -1185,14 +1326,15 @@ impl Allocator for Planned {
     }
 
     /// Gives the slab back when nothing lives in it: the scope takes it again (at its planned
-    /// size) when it next serves from a plan.
-    /// Fallback chunks with nothing handed out go back too.
+    /// size) when it next serves from a plan. Fallback chunks with nothing handed out go back
+    /// too, and, while allocations live in a growable slab, the pages none of them needs
+    /// ([`Planned::give_back_free_pages`]).
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
         // Memory is being freed for a retry: a slab refused before may be had now.
         self.slab_refused = false;
         let chunks = self.fallback.release_empty(source, 0)?;
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
-            return Ok(chunks);
+            return Ok(chunks + self.give_back_free_pages(source)?);
         }
         let Some(slab) = self.slab.take() else { return Ok(chunks) };
         self.online = None;
@@ -1200,8 +1342,10 @@ impl Allocator for Planned {
         if slab.growable {
             // The pages go back; the range stays reserved for the next scope to map again.
             self.slab = Some(Slab { size: 0, ..slab });
+            self.holes.clear();
+            let unmapped = std::mem::take(&mut self.unmapped);
             source.resize_range(slab.base, 0)?;
-            return Ok(chunks + slab.size);
+            return Ok(chunks + slab.size.saturating_sub(unmapped));
         }
         source.free(slab.base, slab.size)?;
         Ok(chunks + slab.size)
@@ -1211,6 +1355,8 @@ impl Allocator for Planned {
         self.pooled.clear();
         let mut outcome = self.fallback.release_all(source);
         self.online = None;
+        self.holes.clear();
+        self.unmapped = 0;
         // A lent slab's lease holds the pool, so the pool goes only after it came back; were it
         // still out, nothing could launch on it any more.
         for slab in [self.slab.take(), self.lent.take()].into_iter().flatten() {
@@ -1711,6 +1857,106 @@ mod tests {
         assert_eq!((planned.plans.len(), second.size), (2, 4 * MIB), "recorded; the slab is its plan's");
         planned.release_all(&mut source).unwrap();
         assert_eq!((source.held(), source.ranges.len()), (0, 0), "the range is given back whole");
+    }
+
+    fn is_out_of_memory<T: std::fmt::Debug>(result: Result<T>) -> bool {
+        matches!(result, Err(Error::Driver(error)) if error.is_out_of_memory())
+    }
+
+    #[test]
+    fn memory_short_gives_back_the_free_pages_inside_the_slab_and_maps_them_again_on_use() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(16 * MIB), planned());
+        live_scope(&mut planned, &mut source, &[MIB, MIB, 4 * MIB]);
+        // A new shape, served online from the range: 4, 4 and 2 MiB end to end.
+        planned.begin_step();
+        let a = planned.allocate(&mut source, 4 * MIB).unwrap();
+        let b = planned.allocate(&mut source, 4 * MIB).unwrap();
+        let c = planned.allocate(&mut source, 2 * MIB).unwrap();
+        let base = planned.slab.unwrap().base;
+        assert_eq!((a - base, b - base, c - base), (0, 4 * MIB, 8 * MIB));
+        planned.free(&mut source, a, 4 * MIB).unwrap();
+        // Another phase holds 4 MiB: 6 MiB more fit neither the free stretch nor the device.
+        let other = source.alloc(4 * MIB).unwrap();
+        assert_eq!(source.held(), 14 * MIB);
+        assert!(is_out_of_memory(planned.allocate(&mut source, 6 * MIB)));
+        // Memory is short: the free stretch's pages go back, and the retry grows the range.
+        assert_eq!(planned.release_unused(&mut source).unwrap(), 4 * MIB);
+        assert_eq!(source.held(), 10 * MIB);
+        let d = planned.allocate(&mut source, 6 * MIB).unwrap();
+        assert_eq!((d - base, source.held()), (10 * MIB, 16 * MIB), "at the end of the range, the device full");
+        let space = planned.free_space().unwrap();
+        assert_eq!(space.total_free, 0, "the hole is not held");
+        // The other phase lets go: an allocation placed in the hole maps its pages again.
+        source.free(other, 4 * MIB).unwrap();
+        let e = planned.allocate(&mut source, 4 * MIB).unwrap();
+        assert_eq!((e, source.held()), (base, 16 * MIB), "best fit in the hole, its pages mapped again");
+        for (ptr, size) in [(e, 4 * MIB), (d, 6 * MIB), (c, 2 * MIB), (b, 4 * MIB)] {
+            planned.free(&mut source, ptr, size).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert!(source.holes.values().all(|pages| pages.is_empty()), "no hole outlives the scope");
+        assert_eq!(source.mapped(), planned.slab.unwrap().size, "the slab is mapped in full for the next scope");
+    }
+
+    #[test]
+    fn a_hole_that_joins_the_free_end_goes_with_it() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
+        live_scope(&mut planned, &mut source, &[MIB, MIB, 4 * MIB]);
+        planned.begin_step();
+        let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 4 * MIB).unwrap()).collect();
+        planned.free(&mut source, ptrs[2], 4 * MIB).unwrap();
+        assert_eq!(planned.release_unused(&mut source).unwrap(), 4 * MIB, "the free stretch inside");
+        assert_eq!(source.mapped(), 12 * MIB);
+        // The allocation above the hole goes: the hole joins the free end, given back with it.
+        planned.free(&mut source, ptrs[3], 4 * MIB).unwrap();
+        assert_eq!(planned.slab.unwrap().size, 8 * MIB);
+        assert_eq!((source.mapped(), planned.free_space().unwrap().total_free), (8 * MIB, 0));
+        for &ptr in ptrs[..2].iter().rev() {
+            planned.free(&mut source, ptr, 4 * MIB).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert_eq!(source.mapped(), planned.slab.unwrap().size);
+        assert!(source.holes.values().all(|pages| pages.is_empty()));
+    }
+
+    #[test]
+    fn pages_past_the_live_allocations_go_back_and_the_plan_maps_them_as_its_cursor_reaches_them() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
+        let sizes = [4 * MIB, 2 * MIB, 2 * MIB];
+        let (_, slab) = live_scope(&mut planned, &mut source, &sizes);
+        assert_eq!(slab.size, 8 * MIB);
+        planned.begin_step();
+        let first = planned.allocate(&mut source, sizes[0]).unwrap();
+        assert_eq!(first, slab.base);
+        // Memory is short elsewhere: the pages past the live allocation go back.
+        assert_eq!(planned.release_unused(&mut source).unwrap(), 4 * MIB);
+        assert_eq!(source.mapped(), 4 * MIB);
+        let second = planned.allocate(&mut source, sizes[1]).unwrap();
+        assert_eq!(source.mapped(), 6 * MIB, "mapped as far as the entry reaches, not the whole plan");
+        let third = planned.allocate(&mut source, sizes[2]).unwrap();
+        assert_eq!(source.mapped(), 8 * MIB);
+        assert_eq!((second - slab.base, third - slab.base), (4 * MIB, 6 * MIB), "at the planned offsets");
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (3, 0, 0));
+    }
+
+    #[test]
+    fn a_plan_the_device_refuses_whole_is_mapped_as_its_cursor_reaches_each_entry() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(16 * MIB), planned());
+        let sizes = [4 * MIB, 2 * MIB, 2 * MIB];
+        live_scope(&mut planned, &mut source, &sizes);
+        // Idle, the slab goes back; another phase takes most of the device.
+        planned.release_unused(&mut source).unwrap();
+        let other = source.alloc(10 * MIB).unwrap();
+        planned.begin_step();
+        let first = planned.allocate(&mut source, sizes[0]).unwrap();
+        assert_eq!(source.mapped(), 4 * MIB, "the plan's 8 MiB were refused; its first entry's 4 were not");
+        source.free(other, 10 * MIB).unwrap();
+        let rest: Vec<_> = sizes[1..].iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
+        let slab = planned.slab.unwrap();
+        assert_eq!((first, rest[0] - slab.base, rest[1] - slab.base), (slab.base, 4 * MIB, 6 * MIB));
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (3, 0, 0), "served from the plan throughout");
     }
 
     #[test]
