@@ -44,8 +44,7 @@ struct Counters {
     served: u64,
     /// `served` when `used` reached `peak_used`.
     peak_served: u64,
-    /// What the pool held when the step began.
-    reserved_at_begin: u64,
+
     allocations: u64,
     frees: u64,
     released: u64,
@@ -446,7 +445,6 @@ impl PoolGuard<'_> {
             peak_used: counters.used,
             served: counters.served,
             peak_served: counters.served,
-            reserved_at_begin: reservation.reserved,
             ..Counters::default()
         };
         state.allocator.begin_step();
@@ -566,7 +564,6 @@ impl PoolGuard<'_> {
             reserved: reservation.reserved,
             peak_reserved: reservation.peak_reserved,
             peak_served: c.peak_served,
-            reserved_at_begin: c.reserved_at_begin,
             granule: pool.stream.device.vmm_granularity.unwrap_or(DEFAULT_GRANULE),
             breakdown: crate::report::Breakdown::default(),
             allocations: c.allocations,

@@ -50,8 +50,6 @@ pub struct PoolStats {
     /// Bytes live at the step's peak of `used`, as served: each allocation rounded up to 512
     /// bytes.
     pub peak_served: u64,
-    /// Bytes the pool held when the step began (or when the pool was made, during a step).
-    pub reserved_at_begin: u64,
     /// The reservation granule of its device: the allocation granularity the device reports, or
     /// 2 MiB.
     pub granule: u64,
@@ -129,11 +127,12 @@ pub fn fragmentation_ratio(peak_used: u64, peak_reserved: u64) -> f64 {
 /// peak used at its own peak, with its idle memory as holes in its device's peak pool and as
 /// segregation in the others (see the [report's docs](StepReport#the-overhead-breakdown)).
 pub(crate) fn attribute_overhead(pools: &mut [PoolStats]) {
-    // Per device, the peak pool: the one whose reservation grew the most in the step, or when
-    // none grew, the one with the most live bytes at its peak; the first on ties.
-    let mut peak: Vec<(usize, (u64, u64), usize)> = Vec::new();
+    // Per device, the peak pool: of the pools that allocated in the step, the one with the most
+    // live bytes at its peak (a persistent pool holding its weights is not where a step peaks);
+    // the first on ties.
+    let mut peak: Vec<(usize, (bool, u64), usize)> = Vec::new();
     for (index, pool) in pools.iter().enumerate() {
-        let key = (pool.peak_reserved.saturating_sub(pool.reserved_at_begin), pool.peak_used);
+        let key = (pool.allocations > 0, pool.peak_used);
         match peak.iter_mut().find(|(device, _, _)| *device == pool.pool.device) {
             Some(best) if key > best.1 => *best = (pool.pool.device, key, index),
             Some(_) => {}
@@ -141,7 +140,7 @@ pub(crate) fn attribute_overhead(pools: &mut [PoolStats]) {
         }
     }
     for (index, pool) in pools.iter_mut().enumerate() {
-        let is_peak = peak.iter().any(|&(_, key, at)| at == index && key != (0, 0));
+        let is_peak = peak.iter().any(|&(_, (_, used), at)| at == index && used > 0);
         pool.breakdown = pool_breakdown(pool, is_peak);
     }
 }
@@ -180,17 +179,16 @@ fn pool_breakdown(pool: &PoolStats, is_peak: bool) -> Breakdown {
 ///
 /// **What the runtime knows**, per pool, at its own peak of live bytes in the step: the bytes
 /// requested (`peak_used`), the same allocations as served (`peak_served`), the most the pool
-/// held in the step (`peak_reserved`, the driver's high-water mark plus mapped pages) and what it
-/// held when the step began. From them, through a [`Snapshot`] in which each pool is one
+/// held in the step (`peak_reserved`, the driver's high-water mark plus mapped pages). From them, through a [`Snapshot`] in which each pool is one
 /// reserved range with its live data packed from its start:
 ///
 /// - **rounding** = `peak_served − peak_used`;
 /// - **granule tails** = the unused end of the last granule the pool's live data reaches, with
 ///   the device's allocation granularity (2 MiB where the device reports none), at most what
 ///   the pool holds beyond its live data;
-/// - the rest is **idle**: **holes** in the device's *peak pool* — the pool whose reservation
-///   grew the most in the step (where the reserved peak moved), or when none grew, the one with
-///   the most live bytes at its peak — and **segregation** in every other pool of the device:
+/// - the rest is **idle**: **holes** in the device's *peak pool* — of the pools that allocated in
+///   the step, the one with the most live bytes at its peak: the one most likely at its peak
+///   when the device is — and **segregation** in every other pool of the device:
 ///   memory it held while the peak pool was at its peak.
 ///
 /// **What it cannot know.** The placement inside a CUDA pool is the driver's and unpublished, so
@@ -518,7 +516,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     /// A pool of `phase` on `device` with the given step numbers and 2 MiB granules.
-    fn pool(device: usize, phase: Phase, [used, served, reserved, at_begin]: [u64; 4]) -> PoolStats {
+    fn pool(device: usize, phase: Phase, [used, served, reserved]: [u64; 3]) -> PoolStats {
         PoolStats {
             pool: PoolId { device, stream: 0, phase },
             phase_name: format!("phase {}", phase.index()),
@@ -529,7 +527,6 @@ mod tests {
             reserved,
             peak_reserved: reserved,
             peak_served: served,
-            reserved_at_begin: at_begin,
             granule: 2 * MIB,
             breakdown: Breakdown::default(),
             allocations: 1,
@@ -557,9 +554,8 @@ mod tests {
     #[test]
     fn rounding_tails_and_holes_of_one_growing_pool() {
         // 5 MiB + 100 B live, served as 5 MiB + 512: 412 B of rounding; its last granule ends at
-        // 6 MiB: 1 MiB − 512 B of tail; the pool grew from 0 to 10 MiB, so the other 4 MiB are
-        // holes.
-        let step = report(vec![pool(0, Phase::ACTIVATIONS, [5 * MIB + 100, 5 * MIB + 512, 10 * MIB, 0])]);
+        // 6 MiB: 1 MiB − 512 B of tail; the pool holds 10 MiB, so the other 4 MiB are holes.
+        let step = report(vec![pool(0, Phase::ACTIVATIONS, [5 * MIB + 100, 5 * MIB + 512, 10 * MIB])]);
         let expected = Breakdown {
             rounding_bytes: 412,
             granule_tail_bytes: MIB - 512,
@@ -573,13 +569,13 @@ mod tests {
 
     #[test]
     fn idle_memory_of_the_other_pools_is_segregation() {
-        // Activations grew by 8 MiB: its idle is holes. Gradients held 6 MiB from before with
+        // Activations has the most live bytes: its idle is holes. Gradients holds 6 MiB with
         // 1 MiB live at its peak: 1 MiB of tail, 4 MiB of segregation. Weights (on device 1) are
         // their device's peak pool (the only one): their idle is holes there.
         let step = report(vec![
-            pool(0, Phase::ACTIVATIONS, [3 * MIB, 3 * MIB, 8 * MIB, 0]),
-            pool(0, Phase::GRADIENTS, [MIB, MIB, 6 * MIB, 6 * MIB]),
-            pool(1, Phase::WEIGHTS, [2 * MIB, 2 * MIB, 4 * MIB, 4 * MIB]),
+            pool(0, Phase::ACTIVATIONS, [3 * MIB, 3 * MIB, 8 * MIB]),
+            pool(0, Phase::GRADIENTS, [MIB, MIB, 6 * MIB]),
+            pool(1, Phase::WEIGHTS, [2 * MIB, 2 * MIB, 4 * MIB]),
         ]);
         let of = |phase: Phase| step.phase(phase).unwrap().breakdown;
         assert_eq!(
@@ -604,14 +600,19 @@ mod tests {
     }
 
     #[test]
-    fn without_growth_the_busiest_pool_holds_the_holes() {
-        // A steady step: nothing grew. Activations had the most live bytes at its peak.
+    fn a_pool_that_allocated_nothing_in_the_step_holds_no_holes() {
+        // Activations had the most live bytes at its peak of the pools that allocated; the
+        // weights, with more, allocated nothing in the step.
+        let mut weights = pool(0, Phase::WEIGHTS, [30 * MIB, 30 * MIB, 32 * MIB]);
+        weights.allocations = 0;
         let step = report(vec![
-            pool(0, Phase::GRADIENTS, [2 * MIB, 2 * MIB, 8 * MIB, 8 * MIB]),
-            pool(0, Phase::ACTIVATIONS, [6 * MIB, 6 * MIB, 16 * MIB, 16 * MIB]),
+            weights,
+            pool(0, Phase::GRADIENTS, [2 * MIB, 2 * MIB, 8 * MIB]),
+            pool(0, Phase::ACTIVATIONS, [6 * MIB, 6 * MIB, 16 * MIB]),
         ]);
         assert_eq!(step.phase(Phase::ACTIVATIONS).unwrap().breakdown.hole_bytes, 10 * MIB);
         assert_eq!(step.phase(Phase::GRADIENTS).unwrap().breakdown.segregation_bytes, 6 * MIB);
+        assert_eq!(step.phase(Phase::WEIGHTS).unwrap().breakdown.segregation_bytes, 2 * MIB);
         assert_eq!(step.breakdown.granule_tail_bytes, 0);
         exact(&step);
     }
@@ -620,10 +621,10 @@ mod tests {
     fn the_tail_never_exceeds_what_the_pool_holds_beyond_its_data() {
         // 1 MiB live in a pool of 1.5 MiB (mapped pages of 512 KiB with a 2 MiB granule
         // assumed): the tail is the 512 KiB held, no more.
-        let step = report(vec![pool(0, Phase::WORKSPACE, [MIB, MIB, 3 * MIB / 2, 0])]);
+        let step = report(vec![pool(0, Phase::WORKSPACE, [MIB, MIB, 3 * MIB / 2])]);
         assert_eq!(step.breakdown, Breakdown { granule_tail_bytes: MIB / 2, ..Breakdown::default() });
-        // An idle pool with nothing live and no growth is nobody's peak: all segregation.
-        let idle = report(vec![pool(0, Phase::WORKSPACE, [0, 0, 4 * MIB, 4 * MIB])]);
+        // A pool with nothing live is nobody's peak: all segregation.
+        let idle = report(vec![pool(0, Phase::WORKSPACE, [0, 0, 4 * MIB])]);
         assert_eq!(idle.breakdown, Breakdown { segregation_bytes: 4 * MIB, ..Breakdown::default() });
         exact(&step);
         exact(&idle);

@@ -70,7 +70,6 @@ pub fn step_json(report: &StepReport) -> Value {
                 "reserved_bytes": p.reserved,
                 "peak_reserved_bytes": p.peak_reserved,
                 "peak_served_bytes": p.peak_served,
-                "reserved_at_begin_bytes": p.reserved_at_begin,
                 "granule_bytes": p.granule,
                 "breakdown": breakdown(&p.breakdown),
                 "allocations": p.allocations,
