@@ -1,6 +1,7 @@
 //! A training loop, run twice on the same allocation events: once on one default pool as plain
-//! `cudaMallocAsync` users do, once with steppool's phases. It prints a line per step and a
-//! side-by-side table: peak used, peak reserved, fragmentation ratio, and whether the run fits the
+//! `cudaMallocAsync` users do, once with steppool's phases. It prints a line per step, with the
+//! step report's split of its overhead (rounding, granule tails, segregation, holes) beneath, and
+//! a side-by-side table: peak used, peak reserved, fragmentation ratio, and whether the run fits the
 //! device capacity; beside the two runs, the same events through the models of PyTorch's caching
 //! allocator (default and `expandable_segments:True`, as `steppool replay` runs them) and the
 //! offline limit (every allocation's lifetime known, packed by `steppool_trace::packing`).
@@ -45,7 +46,9 @@ use steppool::sys::kernels::{FILL_BYTES, FILL_BYTES_PTX};
 use steppool::sys::sim::SimConfig;
 use steppool::sys::{CUdeviceptr, CUfunction, CUstream, Driver, DriverError, DriverKind, Selection};
 use steppool::telemetry::json::JsonLines;
-use steppool::{Buffer, CaptureMemory, CaptureMode, CapturedStep, Error, Phase, PhaseSpec, Runtime, Scope, Strategy};
+use steppool::{
+    Breakdown, Buffer, CaptureMemory, CaptureMode, CapturedStep, Error, Phase, PhaseSpec, Runtime, Scope, Strategy,
+};
 use steppool_examples::{Lifetime, StepPlan, TransformerConfig, Workload, path_for, peak_live};
 use steppool_trace::packing::{Block, is_valid, pack};
 use steppool_trace::{Event, EventKind};
@@ -111,12 +114,18 @@ fn parse_options() -> Result<Options, String> {
     Ok(options)
 }
 
+/// A step report's peak used and peak reserved (each pool at its own peak, summed) and where
+/// their difference went.
+type PoolsPeak = (u64, u64, Breakdown);
+
 /// What one run measured.
 struct Run {
     name: &'static str,
     about: &'static str,
-    /// Per step: sequence lengths, peak live bytes, peak reserved bytes.
-    steps: Vec<(Vec<u64>, u64, u64)>,
+    /// Per step: sequence lengths, peak live bytes, peak reserved bytes, and the step report's
+    /// peak used, peak reserved and where their difference went (runs through steppool's
+    /// runtime only).
+    steps: Vec<(Vec<u64>, u64, u64, Option<PoolsPeak>)>,
     /// The step that ran out of memory, and why.
     oom: Option<(usize, String)>,
 }
@@ -396,7 +405,12 @@ fn run(
         if let Some((_, jsonl)) = &mut jsonl {
             jsonl.step(&report)?;
         }
-        run.steps.push((plan.sequences.clone(), peak_used, reservation.take_peak()));
+        run.steps.push((
+            plan.sequences.clone(),
+            peak_used,
+            reservation.take_peak(),
+            Some((report.peak_used(), report.peak_reserved(), report.breakdown)),
+        ));
     }
     if let Some((path, file)) = Outputs::create(&outputs.prometheus, short)? {
         let mut file = file;
@@ -437,7 +451,7 @@ fn dropped_cleanly(runtime: &Runtime) -> Result<(), Box<dyn std::error::Error>> 
 
 fn print_run(run: &Run) {
     println!("{} ({})", run.name, run.about);
-    for (index, (sequences, used, reserved)) in run.steps.iter().enumerate() {
+    for (index, (sequences, used, reserved, split)) in run.steps.iter().enumerate() {
         let sequences: Vec<String> = sequences.iter().map(|s| format!("{s:>4}")).collect();
         println!(
             "  step {index:>2}  tokens {}  peak used {:>10}  peak reserved {:>10}  fragmentation {:>5.1} %",
@@ -445,6 +459,19 @@ fn print_run(run: &Run) {
             Bytes(*used).to_string(),
             Bytes(*reserved).to_string(),
             steppool::fragmentation_ratio(*used, *reserved) * 100.0
+        );
+        // The step report's split of the pools' peak reserved − peak used (see `StepReport`):
+        // each pool read at its own peak, so pools that peak at different moments of the step
+        // count more live bytes than the step's peak above.
+        let Some((pools_used, pools_reserved, split)) = split else { continue };
+        println!(
+            "           at the pools' own peaks (used {}, reserved {}): rounding {}, granule tails {}, segregation {}, holes {}",
+            Bytes(*pools_used),
+            Bytes(*pools_reserved),
+            Bytes(split.rounding_bytes),
+            Bytes(split.granule_tail_bytes),
+            Bytes(split.segregation_bytes),
+            Bytes(split.hole_bytes)
         );
     }
     if let Some((index, why)) = &run.oom {
@@ -855,7 +882,7 @@ fn modelled(mode: TorchMode, setup: &[Event], plans: &[StepPlan], capacity: u64)
     let (mut live, mut step) = (0u64, (0u64, 0u64));
     for (index, event) in all_events(setup, plans) {
         while run.steps.len() < index {
-            run.steps.push((plans[run.steps.len()].sequences.clone(), step.0, step.1));
+            run.steps.push((plans[run.steps.len()].sequences.clone(), step.0, step.1, None));
             step = (live, model.reserved());
         }
         match event.kind {
@@ -884,7 +911,7 @@ fn modelled(mode: TorchMode, setup: &[Event], plans: &[StepPlan], capacity: u64)
         }
     }
     while run.steps.len() < plans.len() {
-        run.steps.push((plans[run.steps.len()].sequences.clone(), step.0, step.1));
+        run.steps.push((plans[run.steps.len()].sequences.clone(), step.0, step.1, None));
         step = (live, model.reserved());
     }
     run
@@ -921,6 +948,7 @@ fn offline_limit(setup: &[Event], plans: &[StepPlan]) -> Result<Run, String> {
     if !is_valid(&blocks, &packing) {
         return Err(format!("the offline packing of {} allocations overlaps", blocks.len()));
     }
-    let steps = plans.iter().zip(step_live).map(|(plan, used)| (plan.sequences.clone(), used, packing.size)).collect();
+    let steps =
+        plans.iter().zip(step_live).map(|(plan, used)| (plan.sequences.clone(), used, packing.size, None)).collect();
     Ok(Run { name: "offline limit", about: "every lifetime known in advance, packed offline", steps, oom: None })
 }

@@ -12,7 +12,9 @@ use steppool::telemetry::{
     FragmentationRule, GroupKey, LowHeadroomRule, MAX_REQUEST_BYTES, ReservedCreepRule, ScatteredFreeRule,
     ServeOptions, Warning, WarningKind, WarningRules,
 };
-use steppool::{CaptureMemory, CaptureMode, Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict};
+use steppool::{
+    Breakdown, CaptureMemory, CaptureMode, Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict,
+};
 use steppool_tests::simulated_runtime;
 
 const MIB: u64 = 1 << 20;
@@ -143,6 +145,91 @@ fn step_reports_know_the_free_space_where_the_layout_is_known() {
     assert_eq!(pool.largest_request, 6 * MIB);
     let text = report.to_string();
     assert!(text.contains("largest free") && text.contains("free frag"), "{text}");
+}
+
+/// The step's overhead, split as `steppool replay` splits it, at each pool's peak: the parts sum
+/// to peak reserved − peak used for every pool, phase and step, and on the simulated device's
+/// known placement (segments of the request rounded up to 2 MiB) each part is what the layout
+/// says.
+#[test]
+fn step_reports_split_the_overhead_at_the_peak() {
+    let runtime = simulated_runtime(1 << 30);
+    let declare = |name: &str| {
+        let spec = PhaseSpec::new(name, Scope::Step).strategy(Strategy::Direct).trim(TrimPolicy::Never);
+        runtime.declare_phase(spec).unwrap()
+    };
+    let (act, grad) = (declare("act"), declare("grad"));
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let run = |act_sizes: &[u64], grad_sizes: &[u64]| {
+        let step = runtime.begin_step().unwrap();
+        let grads: Vec<_> = grad_sizes.iter().map(|&bytes| step.alloc(grad, bytes, &stream).unwrap()).collect();
+        drop(grads);
+        let acts: Vec<_> = act_sizes.iter().map(|&bytes| step.alloc(act, bytes, &stream).unwrap()).collect();
+        drop(acts);
+        step.end().unwrap()
+    };
+    let exact = |report: &steppool::StepReport| {
+        let total = |reserved: u64, used: u64| reserved as i64 - used as i64;
+        assert_eq!(report.breakdown.total(), total(report.peak_reserved(), report.peak_used()));
+        for phase in &report.phases {
+            assert_eq!(phase.breakdown.total(), total(phase.peak_reserved, phase.peak_used), "{}", phase.name);
+        }
+        for pool in &report.pools {
+            assert_eq!(pool.breakdown.total(), total(pool.peak_reserved, pool.peak_used), "{}", pool.phase_name);
+        }
+    };
+    let of = |report: &steppool::StepReport, phase: Phase| report.phase(phase).unwrap().breakdown;
+    let split = |rounding, tail, segregation, holes| Breakdown {
+        rounding_bytes: rounding,
+        granule_tail_bytes: tail,
+        segregation_bytes: segregation,
+        hole_bytes: holes,
+        ..Breakdown::default()
+    };
+
+    // Step 0: act takes segments of 4 and 4 MiB for 3 MiB + 100 B and 4 MiB (served as
+    // 3 MiB + 512 B: 412 B of rounding, and the first segment's last granule is unused from
+    // there: 1 MiB − 512 B of tail). grad takes 2 and 4 MiB for 1 and 4 MiB: 1 MiB of tail.
+    let first = run(&[3 * MIB + 100, 4 * MIB], &[MIB, 4 * MIB]);
+    exact(&first);
+    assert_eq!(of(&first, act), split(412, MIB - 512, 0, 0));
+    assert_eq!(of(&first, grad), split(0, MIB, 0, 0));
+    // Step 1: act takes a 12 MiB segment (its 8 MiB of old segments are holes); grad holds its
+    // 6 MiB with 1 MiB live: 1 MiB of tail and 4 MiB held idle while act peaks.
+    let second = run(&[12 * MIB], &[MIB]);
+    exact(&second);
+    assert_eq!(of(&second, act), split(0, 0, 0, 8 * MIB));
+    assert_eq!(of(&second, grad), split(0, MIB, 4 * MIB, 0));
+    assert_eq!(second.breakdown, split(0, MIB, 4 * MIB, 8 * MIB));
+    let text = second.to_string();
+    assert!(
+        text.contains("overhead 13 MiB: rounding 0 B, granule tails 1 MiB, segregation 4 MiB, holes 8 MiB"),
+        "{text}"
+    );
+    // Step 2: act, the only pool that allocated, holds the holes; grad, idle, is all segregation.
+    let third = run(&[MIB], &[]);
+    exact(&third);
+    assert_eq!(of(&third, act), split(0, MIB, 0, 18 * MIB));
+    assert_eq!(of(&third, grad), split(0, 0, 6 * MIB, 0));
+
+    // The metrics: the last step's split per (device, phase), and the run's peak (step 1: the
+    // most reserved, 26 MiB, then the most used).
+    let metrics = runtime.telemetry().metrics().unwrap();
+    let overhead = |name: &str| {
+        let group = GroupKey::Phase { device: 0, phase: name.into() };
+        metrics.overhead.iter().find(|o| o.group == group).unwrap().clone()
+    };
+    assert_eq!((overhead("act").last_step, overhead("act").run_peak), (of(&third, act), of(&second, act)));
+    assert_eq!((overhead("grad").last_step, overhead("grad").run_peak), (of(&third, grad), of(&second, grad)));
+    // Mid-step statistics split the step so far the same way.
+    let step = runtime.begin_step().unwrap();
+    let live = step.alloc(grad, 3 * MIB, &stream).unwrap();
+    let stats = runtime.stats().unwrap();
+    let grad_pool = stats.iter().find(|p| p.pool.phase == grad).unwrap();
+    assert_eq!((grad_pool.peak_served, grad_pool.granule), (3 * MIB, 2 * MIB));
+    assert_eq!(grad_pool.breakdown, split(0, MIB, 0, 2 * MIB));
+    drop(live);
+    step.end().unwrap();
 }
 
 // ----- warning rules ----------------------------------------------------------------------------
@@ -511,6 +598,21 @@ fn prometheus_text_parses_with_conventional_names_and_labels() {
     assert_eq!(sample("steppool_device_total_bytes", &[("device", "0")]), (2u64 << 30) as f64);
     assert_eq!(sample("steppool_warnings_total", &[("rule", "fragmentation")]), metrics.warnings[0].fired as f64);
     assert!(sample("steppool_fragmentation_ratio", &[("phase", "activations")]) >= 0.0);
+    // The overhead split per (device, phase) and kind, in the last step and at the run's peak.
+    for overhead in &metrics.overhead {
+        let GroupKey::Phase { phase, .. } = &overhead.group else { panic!("{overhead:?}") };
+        for (family, breakdown) in
+            [("steppool_overhead_bytes", overhead.last_step), ("steppool_peak_overhead_bytes", overhead.run_peak)]
+        {
+            for (kind, bytes) in &breakdown.parts()[..4] {
+                let labels = [("device", "0"), ("phase", phase.as_str()), ("kind", kind)];
+                assert_eq!(sample(family, &labels), *bytes as f64, "{family} {labels:?}");
+            }
+        }
+    }
+    let odd_overhead =
+        metrics.overhead.iter().find(|o| o.group == GroupKey::Phase { device: 0, phase: "odd phase".into() });
+    assert_ne!(odd_overhead.unwrap().run_peak, Breakdown::default(), "the arena's slab is not all live");
     // Every family says its type; counters end in _total.
     for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
         let parts: Vec<&str> = line.split_whitespace().collect();
@@ -695,6 +797,28 @@ fn json_lines_write_one_object_per_report_and_warning() {
     assert_eq!(activations["scope"], "step");
     assert_eq!(activations["strategy"], "direct");
     assert_eq!(steps[1]["released_bytes"], 2 * MIB);
+    // The overhead split, with replay's field names, summing to peak reserved − peak used.
+    for step in &steps {
+        let parts = |value: &serde_json::Value| -> i64 {
+            let names = [
+                "rounding_bytes",
+                "granule_tail_bytes",
+                "segregation_bytes",
+                "hole_bytes",
+                "unattributed_bytes",
+                "peak_shift_bytes",
+            ];
+            names.iter().map(|name| value[name].as_i64().unwrap()).sum()
+        };
+        let overhead = |value: &serde_json::Value| {
+            value["peak_reserved_bytes"].as_i64().unwrap() - value["peak_used_bytes"].as_i64().unwrap()
+        };
+        assert_eq!(parts(&step["breakdown"]), overhead(step));
+        for group in step["phases"].as_array().unwrap().iter().chain(step["pools"].as_array().unwrap()) {
+            assert_eq!(parts(&group["breakdown"]), overhead(group), "{group}");
+        }
+    }
+    assert_eq!(steps[0]["breakdown"]["segregation_bytes"], reports[0].breakdown.segregation_bytes);
     assert_eq!(step_json(&reports[2])["step"], 2);
 }
 

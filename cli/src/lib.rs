@@ -38,7 +38,6 @@
 //! # Ok(()) }
 //! ```
 
-pub mod breakdown;
 pub mod error;
 pub mod limit;
 pub mod patterns;
@@ -49,6 +48,9 @@ pub mod synth;
 pub mod torch;
 
 pub use error::{ReplayError, Result};
+/// The split of a run's overhead at its peak, defined in [`steppool_trace`] because the runtime's
+/// step reports use the same definitions.
+pub use steppool_trace::breakdown;
 /// The trace model, its readers, step inference and the lifetime analysis live in
 /// [`steppool_trace`], shared with the runtime, the benchmarks and the examples.
 pub use steppool_trace::{analysis, read, steps};

@@ -1,14 +1,15 @@
 //! The telemetry hub: what a runtime keeps for its operators across steps — the history
-//! recorder, the counts of pools gone, the warning rules with their memory and callbacks, and
-//! the last step's fragmentation.
+//! recorder, the counts of pools gone, the warning rules with their memory and callbacks, the
+//! last step's fragmentation, and the overhead breakdown of the last step and of the run's peak.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use crate::error::{Error, ErrorSink};
-use crate::report::{StepReport, fragmentation_ratio};
+use crate::report::{Breakdown, StepReport, fragmentation_ratio};
 use crate::telemetry::{
-    EventKind, GroupKey, PhaseFragmentation, Recorder, Retired, Warning, WarningCount, WarningRules, WarningState,
+    EventKind, GroupKey, PhaseFragmentation, PhaseOverhead, Recorder, Retired, Warning, WarningCount, WarningRules,
+    WarningState,
 };
 
 /// A callback registered with [`Telemetry::on_warning`](crate::Telemetry::on_warning).
@@ -35,6 +36,91 @@ pub(crate) struct Hub {
     sinks: RwLock<Vec<WarningSink>>,
     /// Each phase's fragmentation ratio in the last step, per device.
     last_fragmentation: Mutex<Vec<PhaseFragmentation>>,
+    /// Each phase's overhead breakdown, per device, in the last step and at the run's peak.
+    overhead: Mutex<Overhead>,
+}
+
+/// Breakdowns per (device, phase).
+type PhaseBreakdowns = Vec<(GroupKey, Breakdown)>;
+
+/// The overhead breakdowns the metrics export.
+#[derive(Debug, Default)]
+struct Overhead {
+    /// Per (device, phase), in the last step.
+    last: PhaseBreakdowns,
+    /// Per device: the step with the highest peak reserved so far (then the most peak used) as
+    /// `(device, peak reserved, peak used)`, and its breakdown per phase.
+    peaks: Vec<((usize, u64, u64), PhaseBreakdowns)>,
+}
+
+impl Overhead {
+    /// Takes in a step's pools: the last step's breakdowns, and each device's if its peak is the
+    /// run's so far.
+    fn update(&mut self, report: &StepReport) {
+        self.last.clear();
+        let mut devices: Vec<(usize, u64, u64)> = Vec::new();
+        for pool in &report.pools {
+            let group = GroupKey::Phase { device: pool.pool.device, phase: pool.phase_name.clone() };
+            match self.last.iter_mut().find(|(key, _)| *key == group) {
+                Some((_, sum)) => *sum += pool.breakdown,
+                None => self.last.push((group, pool.breakdown)),
+            }
+            match devices.iter_mut().find(|(device, _, _)| *device == pool.pool.device) {
+                Some((_, reserved, used)) => {
+                    *reserved += pool.peak_reserved;
+                    *used += pool.peak_used;
+                }
+                None => devices.push((pool.pool.device, pool.peak_reserved, pool.peak_used)),
+            }
+        }
+        self.last.sort_by(|a, b| a.0.cmp(&b.0));
+        for (device, reserved, used) in devices {
+            let phases = || {
+                self.last
+                    .iter()
+                    .filter(|(key, _)| matches!(key, GroupKey::Phase { device: d, .. } if *d == device))
+                    .cloned()
+                    .collect::<PhaseBreakdowns>()
+            };
+            match self.peaks.iter_mut().find(|((d, _, _), _)| *d == device) {
+                Some((peak, breakdowns)) => {
+                    if (reserved, used) > (peak.1, peak.2) {
+                        *peak = (device, reserved, used);
+                        *breakdowns = phases();
+                    }
+                }
+                None => {
+                    let breakdowns = phases();
+                    self.peaks.push(((device, reserved, used), breakdowns));
+                }
+            }
+        }
+    }
+
+    /// Per (device, phase), the last step's breakdown and the run peak's.
+    fn phases(&self) -> Vec<PhaseOverhead> {
+        let mut phases: Vec<PhaseOverhead> = self
+            .last
+            .iter()
+            .map(|(group, last)| PhaseOverhead {
+                group: group.clone(),
+                last_step: *last,
+                run_peak: Breakdown::default(),
+            })
+            .collect();
+        for (group, at_peak) in self.peaks.iter().flat_map(|(_, breakdowns)| breakdowns) {
+            match phases.iter_mut().find(|phase| phase.group == *group) {
+                Some(phase) => phase.run_peak = *at_peak,
+                None => phases.push(PhaseOverhead {
+                    group: group.clone(),
+                    last_step: Breakdown::default(),
+                    run_peak: *at_peak,
+                }),
+            }
+        }
+        phases.sort_by(|a, b| a.group.cmp(&b.group));
+        phases
+    }
 }
 
 impl std::fmt::Debug for Hub {
@@ -69,7 +155,13 @@ impl Hub {
         self.last_fragmentation.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// Runs the warning rules on a step's numbers and keeps each phase's fragmentation ratio;
+    /// Each phase's overhead breakdown per device, in the last step and at the run's peak.
+    pub(crate) fn overhead(&self) -> Vec<PhaseOverhead> {
+        self.overhead.lock().unwrap_or_else(PoisonError::into_inner).phases()
+    }
+
+    /// Runs the warning rules on a step's numbers and keeps each phase's fragmentation ratio and
+    /// overhead breakdown;
     /// `memory` gives a device's `(free, total)` memory.
     pub(crate) fn evaluate(&self, report: &StepReport, memory: &dyn Fn(usize) -> Option<(u64, u64)>) -> Vec<Warning> {
         let mut sums: Vec<(GroupKey, u64, u64)> = Vec::new();
@@ -87,6 +179,7 @@ impl Hub {
             .into_iter()
             .map(|(group, used, reserved)| PhaseFragmentation { group, ratio: fragmentation_ratio(used, reserved) })
             .collect();
+        self.overhead.lock().unwrap_or_else(PoisonError::into_inner).update(report);
         let mut warnings = self.warnings.lock().unwrap_or_else(PoisonError::into_inner);
         let (rules, state) = &mut *warnings;
         state.evaluate(rules, report.index, &report.pools, memory)

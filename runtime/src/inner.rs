@@ -383,7 +383,9 @@ impl RuntimeInner {
     /// The numbers of every pool now (the caller holds the boundary lock, so no release is half
     /// done).
     pub(crate) fn pool_stats(&self) -> Result<Vec<PoolStats>> {
-        self.registry.pools().iter().map(|pool| pool.lock().stats()).collect()
+        let mut pools = self.registry.pools().iter().map(|pool| pool.lock().stats()).collect::<Result<Vec<_>>>()?;
+        crate::report::attribute_overhead(&mut pools);
+        Ok(pools)
     }
 
     /// Every counter now.
@@ -416,6 +418,7 @@ impl RuntimeInner {
             devices,
             steps: self.hub.steps_ended.load(Ordering::Relaxed),
             fragmentation: self.hub.last_fragmentation(),
+            overhead: self.hub.overhead(),
             warnings: self.hub.warning_counts(),
         })
     }

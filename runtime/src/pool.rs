@@ -16,7 +16,7 @@ use steppool_sys::handle::PoolHandle;
 use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
 
 use crate::error::{Error, ErrorSink, Result};
-use crate::phase::{MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
+use crate::phase::{ALIGNMENT, MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::{PoolId, PoolStats};
 use crate::source::{DeviceSource, Source};
 use crate::strategy::{Allocator, allocator};
@@ -40,11 +40,20 @@ pub(crate) struct RawAllocation {
 struct Counters {
     used: u64,
     peak_used: u64,
+    /// `used` as served: each allocation rounded up to [`ALIGNMENT`].
+    served: u64,
+    /// `served` when `used` reached `peak_used`.
+    peak_served: u64,
+
     allocations: u64,
     frees: u64,
     released: u64,
     largest_request: u64,
 }
+
+/// The reservation granule assumed where the device reports no allocation granularity: the
+/// granule of CUDA pool segments on current GPUs, and the simulated device's default.
+const DEFAULT_GRANULE: u64 = 2 << 20;
 
 /// One allocation call in this many is timed.
 const TIMING_SAMPLE: u64 = 16;
@@ -312,7 +321,11 @@ impl PoolGuard<'_> {
         match result {
             Ok(ptr) => {
                 counters.used += bytes;
-                counters.peak_used = counters.peak_used.max(counters.used);
+                counters.served += bytes.next_multiple_of(ALIGNMENT);
+                if counters.used > counters.peak_used {
+                    counters.peak_used = counters.used;
+                    counters.peak_served = counters.served;
+                }
                 counters.allocations += 1;
                 counters.largest_request = counters.largest_request.max(bytes);
                 totals.used += bytes;
@@ -422,6 +435,7 @@ impl PoolGuard<'_> {
     fn count_free(&mut self, bytes: u64, release: bool) {
         let state = self.state.deref_mut();
         state.counters.used -= bytes;
+        state.counters.served -= bytes.next_multiple_of(ALIGNMENT);
         state.counters.frees += 1;
         state.totals.used -= bytes;
         if !release {
@@ -475,10 +489,16 @@ impl PoolGuard<'_> {
     pub(crate) fn begin_step(&mut self) -> Result<()> {
         let state = self.state.deref_mut();
         // The last step's peak reservation goes into the lifetime mark before it is reset.
-        let peak_reserved = state.source.reservation()?.peak_reserved;
-        state.totals.reserved_high = state.totals.reserved_high.max(peak_reserved);
+        let reservation = state.source.reservation()?;
+        state.totals.reserved_high = state.totals.reserved_high.max(reservation.peak_reserved);
         let counters = &mut state.counters;
-        *counters = Counters { used: counters.used, peak_used: counters.used, ..Counters::default() };
+        *counters = Counters {
+            used: counters.used,
+            peak_used: counters.used,
+            served: counters.served,
+            peak_served: counters.served,
+            ..Counters::default()
+        };
         state.allocator.begin_step();
         state.source.begin_step()
     }
@@ -535,6 +555,7 @@ impl PoolGuard<'_> {
             }
             totals.used -= counters.used;
             counters.used = 0;
+            counters.served = 0;
             pool.recorder.release_pool(pool.id());
         }
         released.note(allocator.reset(source, keep));
@@ -594,6 +615,9 @@ impl PoolGuard<'_> {
             peak_used: c.peak_used,
             reserved: reservation.reserved,
             peak_reserved: reservation.peak_reserved,
+            peak_served: c.peak_served,
+            granule: pool.stream.device.vmm_granularity.unwrap_or(DEFAULT_GRANULE),
+            breakdown: crate::report::Breakdown::default(),
             allocations: c.allocations,
             frees: c.frees,
             released: c.released,

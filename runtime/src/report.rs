@@ -1,4 +1,5 @@
-//! What a step did: per-pool numbers and their sums per phase.
+//! What a step did: per-pool numbers and their sums per phase, and where the step's overhead
+//! went (see [`StepReport`]).
 
 use std::fmt;
 use std::time::Duration;
@@ -7,6 +8,11 @@ use steppool_sys::bytes::Bytes;
 
 use crate::phase::{Phase, Scope, Strategy};
 use crate::warning::Warning;
+
+/// The split of peak reserved − peak live into rounding, granule tails, segregation and holes,
+/// defined with `steppool replay`'s, which uses the same type.
+pub use steppool_trace::breakdown::Breakdown;
+use steppool_trace::breakdown::{Live, Range, Snapshot, breakdown};
 
 /// Which pool: the pool of one phase on one stream of one device. Every record of a pool (its
 /// step numbers, its lifetime counters, the history's events, an OOM report's lines) names it by
@@ -41,6 +47,14 @@ pub struct PoolStats {
     pub reserved: u64,
     /// Highest `reserved` in the step (`CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`).
     pub peak_reserved: u64,
+    /// Bytes live at the step's peak of `used`, as served: each allocation rounded up to 512
+    /// bytes.
+    pub peak_served: u64,
+    /// The reservation granule of its device: the allocation granularity the device reports, or
+    /// 2 MiB.
+    pub granule: u64,
+    /// Its part of the step's [overhead breakdown](StepReport#the-overhead-breakdown).
+    pub breakdown: Breakdown,
     /// Allocations in the step.
     pub allocations: u64,
     /// Frees in the step.
@@ -86,6 +100,9 @@ pub struct PhaseReport {
     /// Free space inside what its pools hold at the end of the step, where steppool knows the
     /// layout (arenas, the simulated device): the largest piece over its pools, and their sum.
     pub free_space: Option<FreeSpace>,
+    /// Its part of the step's [overhead breakdown](StepReport#the-overhead-breakdown): the sum of its
+    /// pools'. The parts sum to `peak_reserved − peak_used`.
+    pub breakdown: Breakdown,
 }
 
 impl PhaseReport {
@@ -106,7 +123,86 @@ pub fn fragmentation_ratio(peak_used: u64, peak_reserved: u64) -> f64 {
     if peak_reserved == 0 { 0.0 } else { 1.0 - peak_used.min(peak_reserved) as f64 / peak_reserved as f64 }
 }
 
+/// Sets each pool's [`PoolStats::breakdown`] from its counters: the split of its peak reserved −
+/// peak used at its own peak, with its idle memory as holes in its device's peak pool and as
+/// segregation in the others (see the [report's docs](StepReport#the-overhead-breakdown)).
+pub(crate) fn attribute_overhead(pools: &mut [PoolStats]) {
+    // Per device, the peak pool: of the pools that allocated in the step, the one with the most
+    // live bytes at its peak (a persistent pool holding its weights is not where a step peaks);
+    // the first on ties.
+    let mut peak: Vec<(usize, (bool, u64), usize)> = Vec::new();
+    for (index, pool) in pools.iter().enumerate() {
+        let key = (pool.allocations > 0, pool.peak_used);
+        match peak.iter_mut().find(|(device, _, _)| *device == pool.pool.device) {
+            Some(best) if key > best.1 => *best = (pool.pool.device, key, index),
+            Some(_) => {}
+            None => peak.push((pool.pool.device, key, index)),
+        }
+    }
+    for (index, pool) in pools.iter_mut().enumerate() {
+        let is_peak = peak.iter().any(|&(_, (_, used), at)| at == index && used > 0);
+        pool.breakdown = pool_breakdown(pool, is_peak);
+    }
+}
+
+/// One pool's breakdown: the pool as one reserved range, its live data packed from the start.
+fn pool_breakdown(pool: &PoolStats, is_peak: bool) -> Breakdown {
+    let device = pool.pool.device as u32;
+    let footprint = pool.peak_served.clamp(pool.peak_used, pool.peak_reserved.max(pool.peak_used));
+    let snapshot = Snapshot {
+        reserved: pool.peak_reserved,
+        ranges: vec![Range { device, base: 0, size: pool.peak_reserved, granule: pool.granule.max(1), pool: 0 }],
+        live: if pool.peak_used == 0 {
+            Vec::new()
+        } else {
+            vec![Live { device, addr: 0, footprint, requested: pool.peak_used }]
+        },
+        // Holes when this is the device's peak pool: the peak allocation is in its range.
+        peak_allocation: if is_peak { (device, 0) } else { (u32::MAX, 0) },
+    };
+    breakdown(&snapshot, pool.peak_used)
+}
+
 /// What ending a step did.
+///
+/// # The overhead breakdown
+///
+/// [`StepReport::breakdown`](Self::breakdown) splits the step's peak reserved − peak used (the report's own
+/// [`peak_reserved`](StepReport::peak_reserved) and [`peak_used`](StepReport::peak_used), sums of
+/// each pool's peak over the step) into the parts `steppool replay` reports, with the same names
+/// and the same implementation ([`steppool_trace::breakdown`]): size rounding, granule tails,
+/// segregation and holes. [`PhaseReport::breakdown`] and [`PoolStats::breakdown`] are its parts
+/// per phase and per pool, and the metrics export them per device and phase. It is computed from
+/// counters when a report is made, never on the allocation path: each pool counts its live bytes
+/// as served (each allocation rounded up to the 512-byte alignment every strategy serves) beside
+/// its live bytes as requested, and remembers the first at the step's peak of the second.
+///
+/// **What the runtime knows**, per pool, at its own peak of live bytes in the step: the bytes
+/// requested (`peak_used`), the same allocations as served (`peak_served`), the most the pool
+/// held in the step (`peak_reserved`, the driver's high-water mark plus mapped pages). From them, through a [`Snapshot`] in which each pool is one
+/// reserved range with its live data packed from its start:
+///
+/// - **rounding** = `peak_served − peak_used`;
+/// - **granule tails** = the unused end of the last granule the pool's live data reaches, with
+///   the device's allocation granularity (2 MiB where the device reports none), at most what
+///   the pool holds beyond its live data;
+/// - the rest is **idle**: **holes** in the device's *peak pool* — of the pools that allocated in
+///   the step, the one with the most live bytes at its peak: the one most likely at its peak
+///   when the device is — and **segregation** in every other pool of the device:
+///   memory it held while the peak pool was at its peak.
+///
+/// **What it cannot know.** The placement inside a CUDA pool is the driver's and unpublished, so
+/// a `Direct` pool's free ranges and its segments' own tails are not seen: its idle memory is
+/// holes or segregation as a whole, and its granule tail is the least one its live data costs
+/// (exact for an arena's or plan slab's data packed from the slab's start; less than replay's
+/// where live data sits above a hole). The runtime has no moment at which it reads every pool at
+/// once without taking their locks on the allocation path: each pool is measured at its own
+/// peak, so two pools that peak at different moments of the step count both peaks, as
+/// [`StepReport::peak_used`] does, and the idle memory a pool holds at the device's peak only
+/// because its own peak came earlier or later is not shown (`steppool replay`, which sees the
+/// moment, counts it as segregation). So the runtime's `unattributed_bytes` and
+/// `peak_shift_bytes` are always 0, and its parts sum exactly to `peak_reserved − peak_used` of
+/// the pool, the phase and the step.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct StepReport {
@@ -132,6 +228,10 @@ pub struct StepReport {
     /// The devices' graph memory pools (`cuDeviceGetGraphMemAttribute`), summed over the open
     /// devices, once the runtime has captured; zero before.
     pub graph_memory: GraphMemory,
+    /// Where [`peak_reserved`](Self::peak_reserved) − [`peak_used`](Self::peak_used) went:
+    /// rounding, granule tails, segregation and holes, summed over the pools (see the
+    /// [report's docs](StepReport#the-overhead-breakdown) for what the runtime can and cannot see).
+    pub breakdown: Breakdown,
 }
 
 /// Memory of the devices' graph memory pools, which the driver's graph allocation nodes use and
@@ -185,6 +285,7 @@ impl StepReport {
                         allocations: 0,
                         frees: 0,
                         free_space: None,
+                        breakdown: Breakdown::default(),
                     });
                     phases.last_mut().expect("just pushed")
                 }
@@ -195,6 +296,7 @@ impl StepReport {
             report.released += pool.released;
             report.allocations += pool.allocations;
             report.frees += pool.frees;
+            report.breakdown += pool.breakdown;
             if let Some(space) = pool.free_space {
                 let sum = report.free_space.get_or_insert_with(FreeSpace::default);
                 sum.largest_free = sum.largest_free.max(space.largest_free);
@@ -202,6 +304,7 @@ impl StepReport {
             }
         }
         phases.sort_by_key(|p| p.phase);
+        let breakdown = pools.iter().map(|pool| pool.breakdown).sum();
         Self {
             index,
             duration,
@@ -213,6 +316,7 @@ impl StepReport {
             warnings: Vec::new(),
             graph_launches: 0,
             graph_memory: GraphMemory::default(),
+            breakdown,
         }
     }
 
@@ -272,6 +376,16 @@ impl fmt::Display for StepReport {
                 p.allocations
             )?;
         }
+        let b = &self.breakdown;
+        writeln!(
+            f,
+            "  overhead {}: rounding {}, granule tails {}, segregation {}, holes {}",
+            Bytes(self.peak_reserved().saturating_sub(self.peak_used())),
+            Bytes(b.rounding_bytes),
+            Bytes(b.granule_tail_bytes),
+            Bytes(b.segregation_bytes),
+            Bytes(b.hole_bytes)
+        )?;
         for pool in &self.pools {
             if let Some(plan) = &pool.plan {
                 writeln!(
@@ -392,5 +506,127 @@ impl PlanStats {
     /// The largest plan's bytes over its lower bound, the slab's overhead over perfect packing.
     pub fn overhead(&self) -> Option<f64> {
         self.plans.iter().max_by_key(|plan| plan.bytes).map(PlanSummary::overhead)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A pool of `phase` on `device` with the given step numbers and 2 MiB granules.
+    fn pool(device: usize, phase: Phase, [used, served, reserved]: [u64; 3]) -> PoolStats {
+        PoolStats {
+            pool: PoolId { device, stream: 0, phase },
+            phase_name: format!("phase {}", phase.index()),
+            scope: Scope::Step,
+            strategy: Strategy::Direct,
+            used: 0,
+            peak_used: used,
+            reserved,
+            peak_reserved: reserved,
+            peak_served: served,
+            granule: 2 * MIB,
+            breakdown: Breakdown::default(),
+            allocations: 1,
+            frees: 1,
+            released: 0,
+            largest_request: used,
+            free_space: None,
+            plan: None,
+            chosen: None,
+        }
+    }
+
+    fn report(mut pools: Vec<PoolStats>) -> StepReport {
+        attribute_overhead(&mut pools);
+        StepReport::new(0, Duration::ZERO, Duration::ZERO, 0, pools, 0)
+    }
+
+    fn exact(report: &StepReport) {
+        assert_eq!(report.breakdown.total(), report.peak_reserved() as i64 - report.peak_used() as i64);
+        for phase in &report.phases {
+            assert_eq!(phase.breakdown.total(), phase.peak_reserved as i64 - phase.peak_used as i64, "{}", phase.name);
+        }
+    }
+
+    #[test]
+    fn rounding_tails_and_holes_of_one_growing_pool() {
+        // 5 MiB + 100 B live, served as 5 MiB + 512: 412 B of rounding; its last granule ends at
+        // 6 MiB: 1 MiB − 512 B of tail; the pool holds 10 MiB, so the other 4 MiB are holes.
+        let step = report(vec![pool(0, Phase::ACTIVATIONS, [5 * MIB + 100, 5 * MIB + 512, 10 * MIB])]);
+        let expected = Breakdown {
+            rounding_bytes: 412,
+            granule_tail_bytes: MIB - 512,
+            hole_bytes: 4 * MIB,
+            ..Breakdown::default()
+        };
+        assert_eq!(step.breakdown, expected);
+        assert_eq!(step.pools[0].breakdown, expected);
+        exact(&step);
+    }
+
+    #[test]
+    fn idle_memory_of_the_other_pools_is_segregation() {
+        // Activations has the most live bytes: its idle is holes. Gradients holds 6 MiB with
+        // 1 MiB live at its peak: 1 MiB of tail, 4 MiB of segregation. Weights (on device 1) are
+        // their device's peak pool (the only one): their idle is holes there.
+        let step = report(vec![
+            pool(0, Phase::ACTIVATIONS, [3 * MIB, 3 * MIB, 8 * MIB]),
+            pool(0, Phase::GRADIENTS, [MIB, MIB, 6 * MIB]),
+            pool(1, Phase::WEIGHTS, [2 * MIB, 2 * MIB, 4 * MIB]),
+        ]);
+        let of = |phase: Phase| step.phase(phase).unwrap().breakdown;
+        assert_eq!(
+            of(Phase::ACTIVATIONS),
+            Breakdown { granule_tail_bytes: MIB, hole_bytes: 4 * MIB, ..Breakdown::default() }
+        );
+        assert_eq!(
+            of(Phase::GRADIENTS),
+            Breakdown { granule_tail_bytes: MIB, segregation_bytes: 4 * MIB, ..Breakdown::default() }
+        );
+        assert_eq!(of(Phase::WEIGHTS), Breakdown { hole_bytes: 2 * MIB, ..Breakdown::default() });
+        assert_eq!(
+            step.breakdown,
+            Breakdown {
+                granule_tail_bytes: 2 * MIB,
+                segregation_bytes: 4 * MIB,
+                hole_bytes: 6 * MIB,
+                ..Breakdown::default()
+            }
+        );
+        exact(&step);
+    }
+
+    #[test]
+    fn a_pool_that_allocated_nothing_in_the_step_holds_no_holes() {
+        // Activations had the most live bytes at its peak of the pools that allocated; the
+        // weights, with more, allocated nothing in the step.
+        let mut weights = pool(0, Phase::WEIGHTS, [30 * MIB, 30 * MIB, 32 * MIB]);
+        weights.allocations = 0;
+        let step = report(vec![
+            weights,
+            pool(0, Phase::GRADIENTS, [2 * MIB, 2 * MIB, 8 * MIB]),
+            pool(0, Phase::ACTIVATIONS, [6 * MIB, 6 * MIB, 16 * MIB]),
+        ]);
+        assert_eq!(step.phase(Phase::ACTIVATIONS).unwrap().breakdown.hole_bytes, 10 * MIB);
+        assert_eq!(step.phase(Phase::GRADIENTS).unwrap().breakdown.segregation_bytes, 6 * MIB);
+        assert_eq!(step.phase(Phase::WEIGHTS).unwrap().breakdown.segregation_bytes, 2 * MIB);
+        assert_eq!(step.breakdown.granule_tail_bytes, 0);
+        exact(&step);
+    }
+
+    #[test]
+    fn the_tail_never_exceeds_what_the_pool_holds_beyond_its_data() {
+        // 1 MiB live in a pool of 1.5 MiB (mapped pages of 512 KiB with a 2 MiB granule
+        // assumed): the tail is the 512 KiB held, no more.
+        let step = report(vec![pool(0, Phase::WORKSPACE, [MIB, MIB, 3 * MIB / 2])]);
+        assert_eq!(step.breakdown, Breakdown { granule_tail_bytes: MIB / 2, ..Breakdown::default() });
+        // A pool with nothing live is nobody's peak: all segregation.
+        let idle = report(vec![pool(0, Phase::WORKSPACE, [0, 0, 4 * MIB])]);
+        assert_eq!(idle.breakdown, Breakdown { segregation_bytes: 4 * MIB, ..Breakdown::default() });
+        exact(&step);
+        exact(&idle);
     }
 }

@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 
 use super::{Warning, WarningKind};
 use crate::error::{OomReport, Verdict};
-use crate::report::FreeSpace;
 use crate::report::StepReport;
+use crate::report::{Breakdown, FreeSpace};
 
 fn free_space(space: Option<FreeSpace>) -> Value {
     match space {
@@ -21,6 +21,18 @@ fn free_space(space: Option<FreeSpace>) -> Value {
         }),
         None => Value::Null,
     }
+}
+
+/// An overhead breakdown as a JSON object, with the field names of `steppool replay --json`.
+fn breakdown(breakdown: &Breakdown) -> Value {
+    json!({
+        "rounding_bytes": breakdown.rounding_bytes,
+        "granule_tail_bytes": breakdown.granule_tail_bytes,
+        "segregation_bytes": breakdown.segregation_bytes,
+        "hole_bytes": breakdown.hole_bytes,
+        "unattributed_bytes": breakdown.unattributed_bytes,
+        "peak_shift_bytes": breakdown.peak_shift_bytes,
+    })
 }
 
 /// A step report as a JSON object.
@@ -41,6 +53,7 @@ pub fn step_json(report: &StepReport) -> Value {
                 "allocations": p.allocations,
                 "frees": p.frees,
                 "free_space": free_space(p.free_space),
+                "breakdown": breakdown(&p.breakdown),
             })
         })
         .collect();
@@ -56,6 +69,9 @@ pub fn step_json(report: &StepReport) -> Value {
                 "peak_used_bytes": p.peak_used,
                 "reserved_bytes": p.reserved,
                 "peak_reserved_bytes": p.peak_reserved,
+                "peak_served_bytes": p.peak_served,
+                "granule_bytes": p.granule,
+                "breakdown": breakdown(&p.breakdown),
                 "allocations": p.allocations,
                 "frees": p.frees,
                 "released_bytes": p.released,
@@ -86,6 +102,7 @@ pub fn step_json(report: &StepReport) -> Value {
         "peak_reserved_bytes": report.peak_reserved(),
         "fragmentation_ratio": crate::fragmentation_ratio(report.peak_used(), report.peak_reserved()),
         "released_bytes": report.released(),
+        "breakdown": breakdown(&report.breakdown),
         "phases": phases,
         "pools": pools,
         "warnings": report.warnings.iter().map(|w| w.rule().name()).collect::<Vec<_>>(),

@@ -4,7 +4,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::phase::{Scope, Strategy};
-use crate::report::{FreeSpace, PoolId};
+use crate::report::{Breakdown, FreeSpace, PoolId};
 use crate::warning::WarningRule;
 
 /// The counters of one pool (one phase on one stream of one device), over its life.
@@ -133,6 +133,9 @@ pub struct Metrics {
     pub steps: u64,
     /// The fragmentation ratio of each phase on each device in the last step.
     pub fragmentation: Vec<PhaseFragmentation>,
+    /// Where each phase's overhead went on each device, in the last step and in the step of the
+    /// device's highest peak reservation so far.
+    pub overhead: Vec<PhaseOverhead>,
     /// How often each rule has fired, for the rules that have.
     pub warnings: Vec<WarningCount>,
 }
@@ -144,6 +147,18 @@ pub struct PhaseFragmentation {
     pub group: GroupKey,
     /// `1 - peak_used / peak_reserved` summed over the phase's pools on the device.
     pub ratio: f64,
+}
+
+/// A phase's part of the [overhead breakdown](crate::StepReport#the-overhead-breakdown) on a device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhaseOverhead {
+    /// The phase on its device ([`GroupKey::Phase`]).
+    pub group: GroupKey,
+    /// Its breakdown in the last step (the sum of its pools' on the device).
+    pub last_step: Breakdown,
+    /// Its breakdown in the step whose peak reservation on the device is the highest so far (the
+    /// most live bytes, then the earliest, on ties): the run's peak as the runtime sees it.
+    pub run_peak: Breakdown,
 }
 
 /// How often a warning rule has fired.

@@ -49,7 +49,9 @@ pub(crate) use history::{Recorder, thread_number};
 #[cfg(feature = "prometheus")]
 pub use http::{MAX_REQUEST_BYTES, MetricsServer, ServeOptions};
 pub(crate) use metrics::Retired;
-pub use metrics::{DeviceMemory, GroupKey, Metrics, PhaseFragmentation, PoolMetrics, Usage, WarningCount};
+pub use metrics::{
+    DeviceMemory, GroupKey, Metrics, PhaseFragmentation, PhaseOverhead, PoolMetrics, Usage, WarningCount,
+};
 pub(crate) use warnings::WarningState;
 pub use warnings::{
     FragmentationRule, LowHeadroomRule, ReservedCreepRule, ScatteredFreeRule, Warning, WarningKind, WarningRule,

@@ -177,6 +177,44 @@ impl Metrics {
                 );
             }
         }
+        // The runtime's unattributed bytes and peak shift are always 0 (see `StepReport`): the
+        // four parts it measures.
+        type OverheadRead = fn(&super::PhaseOverhead) -> crate::report::Breakdown;
+        let overheads: [(Family<'_>, OverheadRead); 2] = [
+            (
+                Family {
+                    name: "steppool_overhead_bytes",
+                    kind: "gauge",
+                    help: "Peak reserved - peak used of the phase in the last step, by kind: rounding, granule_tail, segregation, holes.",
+                },
+                |o| o.last_step,
+            ),
+            (
+                Family {
+                    name: "steppool_peak_overhead_bytes",
+                    kind: "gauge",
+                    help: "The same split in the step of the device's highest peak reserved so far.",
+                },
+                |o| o.run_peak,
+            ),
+        ];
+        for (family, read) in &overheads {
+            if self.overhead.is_empty() {
+                break;
+            }
+            header(&mut out, family);
+            for overhead in &self.overhead {
+                let super::GroupKey::Phase { device, phase } = &overhead.group else { continue };
+                for (kind, bytes) in &read(overhead).parts()[..4] {
+                    let _ = writeln!(
+                        out,
+                        "{}{{device=\"{device}\",phase=\"{}\",kind=\"{kind}\"}} {bytes}",
+                        family.name,
+                        escape(phase)
+                    );
+                }
+            }
+        }
         type DeviceRead = fn(&super::DeviceMemory) -> u64;
         let devices: [(Family<'_>, DeviceRead); 4] = [
             (

@@ -39,6 +39,7 @@
 //! [`read::read_trace`]); none is on by default.
 
 pub mod analysis;
+pub mod breakdown;
 mod error;
 #[cfg(feature = "jsonl")]
 pub mod jsonl;

@@ -1,6 +1,11 @@
 //! Where a run's overhead goes: the split of peak reserved − peak live into size rounding,
 //! granule tails, segregation and holes, read from the memory layout at the peak.
 //!
+//! One definition and one implementation, shared by `steppool replay`, which reads the layout of
+//! the simulated device at a run's peak, and by the runtime's `StepReport`, which builds a
+//! [`Snapshot`] of what it knows of its pools at each step's peak (see the runtime's `report`
+//! module for what that is and what it cannot see).
+//!
 //! # The moment measured
 //!
 //! The **peak moment** is, of the allocations after which the run's reservation (summed over
@@ -36,6 +41,10 @@
 //!
 //! By construction, rounding + tails + segregation + holes + unattributed + peak shift = `R − L`.
 
+use std::iter::Sum;
+use std::ops::{Add, AddAssign};
+
+#[cfg(feature = "jsonl")]
 use serde::Serialize;
 
 /// A reserved range of the layout at the peak moment.
@@ -81,7 +90,8 @@ pub struct Snapshot {
 
 /// The split of peak reserved − peak live, in bytes. The parts sum to it exactly; see the
 /// [module docs](self) for their definitions.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "jsonl", derive(Serialize))]
 pub struct Breakdown {
     /// Footprints beyond the requested bytes.
     pub rounding_bytes: u64,
@@ -103,6 +113,47 @@ impl Breakdown {
         (self.rounding_bytes + self.granule_tail_bytes + self.segregation_bytes + self.hole_bytes) as i64
             + self.unattributed_bytes
             + self.peak_shift_bytes
+    }
+
+    /// The parts as `(name, bytes)`, in the order reports print them, by the names metrics and
+    /// tables use: `rounding`, `granule_tail`, `segregation`, `holes`, `unattributed`,
+    /// `peak_shift`.
+    pub fn parts(&self) -> [(&'static str, i64); 6] {
+        [
+            ("rounding", self.rounding_bytes as i64),
+            ("granule_tail", self.granule_tail_bytes as i64),
+            ("segregation", self.segregation_bytes as i64),
+            ("holes", self.hole_bytes as i64),
+            ("unattributed", self.unattributed_bytes),
+            ("peak_shift", self.peak_shift_bytes),
+        ]
+    }
+}
+
+impl AddAssign for Breakdown {
+    /// Part by part: the breakdown of two disjoint sets of pools is the sum of theirs.
+    fn add_assign(&mut self, other: Self) {
+        self.rounding_bytes += other.rounding_bytes;
+        self.granule_tail_bytes += other.granule_tail_bytes;
+        self.segregation_bytes += other.segregation_bytes;
+        self.hole_bytes += other.hole_bytes;
+        self.unattributed_bytes += other.unattributed_bytes;
+        self.peak_shift_bytes += other.peak_shift_bytes;
+    }
+}
+
+impl Add for Breakdown {
+    type Output = Self;
+
+    fn add(mut self, other: Self) -> Self {
+        self += other;
+        self
+    }
+}
+
+impl Sum for Breakdown {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), Add::add)
     }
 }
 
