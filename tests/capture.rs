@@ -626,9 +626,11 @@ fn eager_steps_between_launches_are_served_apart_from_the_lent_slab_until_it_com
     assert_eq!(stats.peak_reserved, held, "served from the slab it got back, nothing beside it");
     // And it can be lent again.
     let step = rt.begin_step().unwrap();
-    let (again, ranges) = capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap();
+    let (again, _) = capture_step(&step, phase, &stream, CaptureMemory::PlanSlab).unwrap();
     assert!(again.slab_lent());
-    assert_eq!(ranges, graph_ranges, "the same slab, the same plan");
+    // The plan may have been repacked since (a plan laid out in allocation order is packed once
+    // its sequence repeats), but it is served from the same slab: nothing is taken beside it.
+    assert_eq!(pool(&rt, phase, &stream).reserved, held, "lent again, nothing taken beside it");
     again.launch().unwrap();
     step.end().unwrap();
     assert!(rt.take_errors().is_empty());
