@@ -510,11 +510,10 @@ fn main() -> ExitCode {
             .inspect_err(|why| eprintln!("no CUDA device answered ({why}); using the simulated device"))
             .ok(),
     };
-    // The environment's simulated device (faults included, `STEPPOOL_SIM_FAULTS`), at the
-    // capacity asked for.
+    // The environment's simulated device (faults included, `STEPPOOL_SIM_FAULTS`; virtual memory
+    // management as a GPU has it unless `STEPPOOL_SIM_VMM=0`), at the capacity asked for.
     let sim_config = match SimConfig::from_env() {
-        // Virtual memory management as a GPU has it: arenas grow in place.
-        Ok(config) => SimConfig { capacities: vec![options.capacity], vmm_supported: true, ..config },
+        Ok(config) => SimConfig { capacities: vec![options.capacity], ..config },
         Err(error) => {
             eprintln!("training_loop: {error}");
             return ExitCode::FAILURE;

@@ -122,9 +122,10 @@ struct Seen {
     driver_errors: u64,
 }
 
-/// Runs `ops` with faults at `rate` from `seed`.
-fn run(ops: &[Op], seed: u64, rate: f64) -> Result<Seen, TestCaseError> {
-    let driver = Driver::simulated(SimConfig::with_capacity(CAPACITY)).unwrap();
+/// Runs `ops` with faults at `rate` from `seed`, on a device with or without (`vmm`) virtual
+/// memory management (slabs, chunks and arenas as ranges of mapped pages, or pool allocations).
+fn run(ops: &[Op], seed: u64, rate: f64, vmm: bool) -> Result<Seen, TestCaseError> {
+    let driver = Driver::simulated(SimConfig { vmm_supported: vmm, ..SimConfig::with_capacity(CAPACITY) }).unwrap();
     let sim = driver.sim().expect("a simulated driver");
     let rt = Runtime::with_driver(driver.clone()).unwrap();
     let phases = declare(&rt);
@@ -244,8 +245,9 @@ proptest! {
         ops in prop::collection::vec(op(), 1..80),
         seed in any::<u64>(),
         rate in 0.0f64..0.08,
+        vmm in any::<bool>(),
     ) {
-        run(&ops, seed, rate)?;
+        run(&ops, seed, rate, vmm)?;
     }
 
     #[test]
@@ -253,13 +255,14 @@ proptest! {
         mut ops in prop::collection::vec(op(), 1..60),
         at in any::<prop::sample::Index>(),
         seed in any::<u64>(),
+        vmm in any::<bool>(),
     ) {
         let at = at.index(ops.len());
         ops.insert(at, Op::Sticky);
         // Operations after the poison that reach the driver see it; the runtime then refuses
         // every operation with it.
         ops.extend([Op::BeginStep, Op::Alloc { phase: 3, stream: 0, bytes: MIB }, Op::EndStep]);
-        let seen = run(&ops, seed, 0.0)?;
+        let seen = run(&ops, seed, 0.0, vmm)?;
         prop_assert!(seen.lost, "the sticky error was never reached");
     }
 }
@@ -285,10 +288,12 @@ fn the_fault_test_meets_faults_and_survives_them() {
         }
         ops.push(Op::EndStep);
     }
-    let seen = run(&ops, 7, 0.03).unwrap();
-    assert!(!seen.lost);
-    assert!(seen.faults >= 20, "faults were injected: {seen:?}");
-    assert!(seen.driver_errors >= 5, "the runtime returned driver errors and went on: {seen:?}");
+    for vmm in [true, false] {
+        let seen = run(&ops, 7, 0.03, vmm).unwrap();
+        assert!(!seen.lost);
+        assert!(seen.faults >= 20, "faults were injected (vmm {vmm}): {seen:?}");
+        assert!(seen.driver_errors >= 5, "the runtime returned driver errors and went on (vmm {vmm}): {seen:?}");
+    }
 }
 
 /// Live ranges by start: (end, phase index, allocation id).
@@ -306,7 +311,9 @@ fn threads_allocating_across_step_ends_under_faults_lose_nothing() {
     // step end takes exclusively: a thread never frees a pointer a step end released (the
     // raw API's contract), and the released ranges leave the set with the release.
     for seed in [1u64, 2, 3] {
-        let driver = Driver::simulated(SimConfig::with_capacity(CAPACITY)).unwrap();
+        // Seeds 1 and 3 on ranges of mapped pages, seed 2 on pool slabs.
+        let config = SimConfig { vmm_supported: seed != 2, ..SimConfig::with_capacity(CAPACITY) };
+        let driver = Driver::simulated(config).unwrap();
         let sim = driver.sim().expect("a simulated driver");
         let rt = Runtime::with_driver(driver.clone()).unwrap();
         let phases = declare(&rt);

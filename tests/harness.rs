@@ -57,12 +57,22 @@ pub fn runtime() -> steppool::Runtime {
 }
 
 /// A runtime on a simulated device of `capacity` bytes, whatever `STEPPOOL_DEVICE` says: for
-/// tests that need a device of a known size (out-of-memory) or its layout.
+/// tests that need a device of a known size (out-of-memory) or its layout. It has virtual memory
+/// management, as a GPU does ([`pool_slab_runtime`] is the device without it).
 pub fn simulated_runtime(capacity: u64) -> steppool::Runtime {
     steppool::Runtime::builder()
         .simulated(steppool_sys::sim::SimConfig::with_capacity(capacity))
         .build()
         .expect("building a simulated runtime")
+}
+
+/// A runtime on a simulated device of `capacity` bytes without virtual memory management, whatever
+/// `STEPPOOL_DEVICE` says: slabs, chunks and arenas are pool allocations, the fallback of devices
+/// and drivers without it, for tests that read that layout.
+pub fn pool_slab_runtime(capacity: u64) -> steppool::Runtime {
+    let config =
+        steppool_sys::sim::SimConfig { vmm_supported: false, ..steppool_sys::sim::SimConfig::with_capacity(capacity) };
+    steppool::Runtime::builder().simulated(config).build().expect("building a simulated runtime")
 }
 
 /// Device 0 of the selected driver, with its primary context retained and current on the

@@ -10,7 +10,7 @@
 use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict};
 use steppool_sys::sim::{PoolLayout, SimConfig};
 use steppool_sys::{CUmemPool_attribute, CUresult, CUstream_flags, Driver};
-use steppool_tests::{runtime, simulated_runtime};
+use steppool_tests::{pool_slab_runtime, runtime, simulated_runtime};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -546,7 +546,7 @@ fn a_panic_inside_a_step_releases_the_step_and_leaves_the_runtime_usable() {
 
 #[test]
 fn the_arena_bumps_resets_keeps_slabs_and_returns_the_surplus() {
-    let rt = simulated_runtime(8 * GIB);
+    let rt = pool_slab_runtime(8 * GIB);
     let scratch = rt
         .declare_phase(
             PhaseSpec::new("scratch", Scope::Step)
@@ -583,8 +583,53 @@ fn the_arena_bumps_resets_keeps_slabs_and_returns_the_surplus() {
 }
 
 #[test]
+fn the_arena_bumps_through_one_range_that_grows_in_place() {
+    // With virtual memory management (the simulated device's default, as a GPU's) the arena's
+    // slabs are one reserved range: nothing comes from the pool, pages are mapped as the bump
+    // passes, an oversize request continues the bump instead of taking a slab of its own.
+    let rt = simulated_runtime(8 * GIB);
+    let scratch = rt
+        .declare_phase(
+            PhaseSpec::new("scratch", Scope::Step)
+                .strategy(Strategy::Arena { slab_bytes: 64 * MIB })
+                .trim(TrimPolicy::KeepRecentPeak { steps: 1 }),
+        )
+        .unwrap();
+    let device = rt.device(0).unwrap();
+    let stream = device.create_stream().unwrap();
+    let mapped = || rt.driver().sim().unwrap().mapped_ranges().iter().map(|r| r.size).sum::<u64>();
+    let step = rt.begin_step().unwrap();
+    let a = step.alloc(scratch, 1000, &stream).unwrap();
+    let b = step.alloc(scratch, 100, &stream).unwrap();
+    assert_eq!(b.ptr(), a.ptr() + 1024, "bump, 512-byte aligned");
+    let base = a.ptr();
+    drop(a);
+    let c = step.alloc(scratch, 512, &stream).unwrap();
+    assert_eq!(c.ptr(), base + 1536, "free is a no-op: no reuse within the step");
+    let big = step.alloc(scratch, 100 * MIB, &stream).unwrap();
+    assert!(big.ptr() >= base + 2048 && big.ptr() < base + 64 * MIB, "in the same range: {:#x}", big.ptr());
+    assert!(layout(&rt, scratch, &stream).allocations.is_empty(), "nothing from the pool");
+    let reserved = stats_of(&rt, scratch, &stream).reserved;
+    assert_eq!(reserved, mapped(), "the phase reserves what is mapped");
+    assert_eq!(reserved, (big.ptr() - base + 100 * MIB).next_multiple_of(2 * MIB), "pages up to the bump");
+    drop((b, c, big));
+    let report = step.end().unwrap();
+    assert_eq!(report.phase(scratch).unwrap().peak_used, 100 * MIB + 612, "b, c and big at once");
+
+    let step = rt.begin_step().unwrap();
+    let again = step.alloc(scratch, 4096, &stream).unwrap();
+    assert_eq!(again.ptr(), base, "reset in O(1): the range is reused from its start");
+    drop(again);
+    step.end().unwrap();
+    assert!(stats_of(&rt, scratch, &stream).reserved < reserved, "pages past the recent peak went back");
+    assert_eq!(stats_of(&rt, scratch, &stream).reserved, mapped());
+    device.release_idle().unwrap();
+    assert_eq!((stats_of(&rt, scratch, &stream).reserved, mapped()), (0, 0), "release_idle unmaps the rest");
+}
+
+#[test]
 fn arena_frees_in_stack_order_give_memory_back_across_slabs() {
-    let rt = simulated_runtime(GIB);
+    let rt = pool_slab_runtime(GIB);
     let stack =
         rt.declare_phase(PhaseSpec::new("stack", Scope::Step).strategy(Strategy::Arena { slab_bytes: MIB })).unwrap();
     let stream = rt.device(0).unwrap().create_stream().unwrap();
@@ -754,7 +799,7 @@ fn out_of_memory_recovery_reaches_the_slabs_arenas_and_plans_keep() {
 
 #[test]
 fn release_idle_gives_back_an_arenas_spare_slabs_in_one_call() {
-    let rt = simulated_runtime(4 * GIB);
+    let rt = pool_slab_runtime(4 * GIB);
     let spec = PhaseSpec::new("activations", Scope::Step)
         .strategy(Strategy::Arena { slab_bytes: 256 * MIB })
         .trim(TrimPolicy::Never);

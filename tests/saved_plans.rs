@@ -10,8 +10,15 @@ use steppool_trace::plans::{PhasePlans, PlanKey, PlannedBlock, SavedPlan};
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
+/// A simulated device with virtual memory management, as a GPU has it (planned slabs are ranges).
 fn runtime() -> Runtime {
-    Runtime::builder().simulated(SimConfig::with_capacity(8 * GIB)).build().unwrap()
+    runtime_with(true)
+}
+
+/// A simulated device with or without (`vmm`) virtual memory management: without it, planned
+/// slabs are pool allocations.
+fn runtime_with(vmm: bool) -> Runtime {
+    Runtime::builder().simulated(SimConfig { vmm_supported: vmm, ..SimConfig::with_capacity(8 * GIB) }).build().unwrap()
 }
 
 /// One transformer-like step: activations kept for the backward pass, scratch freed at once,
@@ -25,8 +32,8 @@ fn step(step: &Step, phase: Phase, stream: &Stream) {
     while kept.pop().is_some() {}
 }
 
-fn planned_runtime(plans: Option<PhasePlans>) -> (Runtime, Phase, Stream) {
-    let rt = runtime();
+fn planned_runtime(plans: Option<PhasePlans>, vmm: bool) -> (Runtime, Phase, Stream) {
+    let rt = runtime_with(vmm);
     let mut spec = PhaseSpec::new("act", Scope::Step).strategy(Strategy::PLANNED);
     if let Some(plans) = plans {
         spec = spec.plans(plans);
@@ -44,8 +51,14 @@ fn plan_counts(rt: &Runtime, phase: Phase) -> (u64, u64, u64) {
 
 #[test]
 fn a_run_loaded_from_saved_plans_has_no_recording_step() {
+    for vmm in [true, false] {
+        loaded_on(vmm);
+    }
+}
+
+fn loaded_on(vmm: bool) {
     // The first run records its first step and serves the second from the plan.
-    let (rt, phase, stream) = planned_runtime(None);
+    let (rt, phase, stream) = planned_runtime(None, vmm);
     let first = rt.begin_step().unwrap();
     step(&first, phase, &stream);
     let report = first.end().unwrap();
@@ -63,7 +76,7 @@ fn a_run_loaded_from_saved_plans_has_no_recording_step() {
     let text = file.to_json();
     let read = PlanFile::from_json(&text).unwrap();
     assert_eq!(read, file);
-    let rt2 = runtime();
+    let rt2 = runtime_with(vmm);
     let phase2 = rt2.declare_phase(PhaseSpec::new("act", Scope::Step).strategy(Strategy::PLANNED)).unwrap();
     rt2.load_plans(&read).unwrap();
     assert_eq!(rt2.phase_spec(phase2).unwrap().plans.as_deref(), Some(&read.phases[0]));
@@ -74,7 +87,9 @@ fn a_run_loaded_from_saved_plans_has_no_recording_step() {
     let report = first.end().unwrap();
     let plan = report.pools.iter().find(|p| p.pool.phase == phase2).unwrap().plan.clone().unwrap();
     assert_eq!((plan.planned, plan.unplanned, plan.deviations, plan.replans), (12, 0, 0, 0));
-    assert_eq!(plan.slab_bytes, file.phases[0].plans[0].bytes);
+    // The slab is a pool allocation of the plan's size, or the range's whole pages.
+    let bytes = file.phases[0].plans[0].bytes;
+    assert_eq!(plan.slab_bytes, if vmm { bytes.next_multiple_of(2 * MIB) } else { bytes });
     assert_eq!(
         report.phase(phase2).unwrap().peak_reserved,
         steady,
@@ -84,14 +99,14 @@ fn a_run_loaded_from_saved_plans_has_no_recording_step() {
 
 #[test]
 fn plans_are_loaded_through_the_spec_as_well() {
-    let (rt, phase, stream) = planned_runtime(None);
+    let (rt, phase, stream) = planned_runtime(None, true);
     for _ in 0..2 {
         let s = rt.begin_step().unwrap();
         step(&s, phase, &stream);
         s.end().unwrap();
     }
     let saved = rt.saved_plans().phases.remove(0);
-    let (rt, phase, stream) = planned_runtime(Some(saved));
+    let (rt, phase, stream) = planned_runtime(Some(saved), true);
     let s = rt.begin_step().unwrap();
     step(&s, phase, &stream);
     assert_eq!(plan_counts(&rt, phase), (12, 0, 0));

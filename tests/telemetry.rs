@@ -15,7 +15,7 @@ use steppool::telemetry::{
 use steppool::{
     Breakdown, CaptureMemory, CaptureMode, Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict,
 };
-use steppool_tests::simulated_runtime;
+use steppool_tests::{pool_slab_runtime, simulated_runtime};
 
 const MIB: u64 = 1 << 20;
 
@@ -116,7 +116,13 @@ fn failures_recoveries_and_ooms_are_counted() {
 
 #[test]
 fn step_reports_know_the_free_space_where_the_layout_is_known() {
-    let runtime = simulated_runtime(1 << 30);
+    // The arena's 16 MiB pool slab, or (virtual memory management) the pages mapped in its range.
+    for (runtime, arena_free) in [(pool_slab_runtime(1 << 30), 11 * MIB), (simulated_runtime(1 << 30), MIB)] {
+        free_space_of_a_step(runtime, arena_free);
+    }
+}
+
+fn free_space_of_a_step(runtime: Runtime, arena_free: u64) {
     let arena = runtime
         .declare_phase(PhaseSpec::new("scratch", Scope::Step).strategy(Strategy::Arena { slab_bytes: 16 * MIB }))
         .unwrap();
@@ -134,7 +140,7 @@ fn step_reports_know_the_free_space_where_the_layout_is_known() {
     // simulated device too.
     assert_eq!(activations.free_space, None);
     let arena_space = stats.iter().find(|p| p.pool.phase == arena).unwrap().free_space.unwrap();
-    assert_eq!(arena_space.largest_free, 11 * MIB);
+    assert_eq!(arena_space.largest_free, arena_free);
     assert_eq!(arena_space.fragmentation(), 0.0);
     drop((keep, scratch, tail));
     let report = step.end().unwrap();
@@ -318,7 +324,8 @@ fn fragmentation_stays_silent_on_steady_steps_and_small_waste() {
 /// `spare` bytes free; the pool served an 8 MiB request in an earlier step.
 fn scattered(spare: u64) -> (Runtime, Vec<Warning>) {
     let capacity = 128 * MIB;
-    let runtime = simulated_runtime(capacity);
+    // Pool slabs: on a range the arena's pieces would be one contiguous bump.
+    let runtime = pool_slab_runtime(capacity);
     runtime.telemetry().set_warning_rules(WarningRules {
         scattered_free: Some(ScatteredFreeRule { window: 4 }),
         ..WarningRules::none()
@@ -531,8 +538,12 @@ fn oom_reports_say_fragmentation_or_demand_with_the_numbers() {
 /// A runtime that ran three steps on two streams, with the history recorded; the streams are
 /// returned so their pools stay.
 fn busy_runtime() -> (Runtime, Vec<steppool::StepReport>, [steppool::Stream; 2]) {
+    // Pool slabs: the history records each page mapped in an arena's range as a segment of its
+    // own, so a 3 MiB block across two pages lies in no one segment of the memory snapshot.
+    let config =
+        steppool_sys::sim::SimConfig { vmm_supported: false, ..steppool_sys::sim::SimConfig::with_capacity(2 << 30) };
     let runtime = Runtime::builder()
-        .simulated(steppool_sys::sim::SimConfig::with_capacity(2 << 30))
+        .simulated(config)
         .record_history(1 << 16)
         .warning_rules(fragmentation_rules(0.5, 1))
         .build()

@@ -612,8 +612,9 @@ fn run_steppool(
     saved: Option<&mut PlanFile>,
 ) -> Result<(Run, Option<Snapshot>)> {
     let device_count = device_count(trace, analysis);
-    // Virtual memory management as a GPU has it: planned slabs, persistent chunks and arenas
-    // grow in place.
+    // Virtual memory management as a GPU has it (the simulated device's default, named here so
+    // that replay figures never depend on it): planned slabs, persistent chunks and arenas grow
+    // in place.
     let config = SimConfig {
         capacities: vec![capacity; device_count],
         vmm_supported: true,

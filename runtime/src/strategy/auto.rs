@@ -8,7 +8,8 @@
 //! ([`Strategy::arena_slab`]: an eighth of the recorded peak of live bytes, 2 MiB to 256 MiB), and
 //! [`Planned`] — serves the recorded scope [`TRIAL_SCOPES`] times over a pool of its own on a
 //! simulated device (the same model of the CUDA pool `steppool replay` runs on, with its 2 MiB
-//! granule, never the real device: nothing is taken from it), and the peak it reserves from its
+//! granule, but without virtual memory management, so slabs are pool allocations; never the real
+//! device: nothing is taken from it), and the peak it reserves from its
 //! second scope on is read from the pool's high-water mark. The rule takes the least of the
 //! candidates that completed, the first listed (the simpler) on ties. The pool then serves every
 //! later scope with the chosen strategy, after giving back (a stream wait, then a trim) what the
@@ -176,7 +177,10 @@ pub(crate) fn trials(entry: &Arc<PhaseEntry>, events: &[Recorded]) -> Vec<Trial>
 
 /// `strategy` serving the recorded scope [`TRIAL_SCOPES`] times over a pool of a simulated device.
 fn trial(entry: &Arc<PhaseEntry>, strategy: Strategy, events: &[Recorded]) -> Result<Trial> {
-    let config = SimConfig::with_capacity(steppool_sys::sim::MAX_CAPACITY);
+    // Pool slabs, as the trials were measured: with virtual memory management an arena's bump
+    // through one range ties the plan on a scope that strands holes, and the tie would go to the
+    // arena. Whether the trials should follow the device's virtual memory management is open.
+    let config = SimConfig { vmm_supported: false, ..SimConfig::with_capacity(steppool_sys::sim::MAX_CAPACITY) };
     let driver = Driver::simulated(config)?;
     let device = Arc::new(DeviceCore::open(&driver, 0)?);
     let raw = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING)?;

@@ -21,7 +21,8 @@
 //! # Configuration
 //!
 //! Read once, at the first call, from the environment: `STEPPOOL_SIM_DEVICES` (for example
-//! `2x16GiB`), `STEPPOOL_SIM_GRANULE` and `STEPPOOL_SIM_HOST_MEMORY` (see
+//! `2x16GiB`), `STEPPOOL_SIM_GRANULE`, `STEPPOOL_SIM_VMM` (virtual memory management, on unless
+//! `0`, as a GPU has it), `STEPPOOL_SIM_HOST_MEMORY` and `STEPPOOL_SIM_FAULTS` (see
 //! [`SimConfig::from_env`]). A configuration that does not parse is said once on stderr, and then
 //! every entry point but the error-text ones returns `CUDA_ERROR_NOT_INITIALIZED`.
 //!

@@ -17,8 +17,10 @@ pub const MAX_DEVICES: usize = 64;
 
 /// Configuration of a simulated driver and its devices.
 ///
-/// [`SimConfig::default`] is one 80 GiB device with 2 MiB granules that supports memory pools;
-/// [`SimConfig::from_env`] reads `STEPPOOL_SIM_DEVICES` and `STEPPOOL_SIM_GRANULE` over that.
+/// [`SimConfig::default`] is one 80 GiB device with 2 MiB granules that supports memory pools and
+/// virtual memory management; [`SimConfig::from_env`] reads `STEPPOOL_SIM_DEVICES`,
+/// `STEPPOOL_SIM_GRANULE`, `STEPPOOL_SIM_VMM`, `STEPPOOL_SIM_HOST_MEMORY` and
+/// `STEPPOOL_SIM_FAULTS` over that.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
     /// Capacity in bytes of each device, by ordinal.
@@ -32,11 +34,12 @@ pub struct SimConfig {
     pub memory_pools_supported: bool,
     /// Whether devices may access each other's pools (`cuDeviceCanAccessPeer`).
     pub peer_access: bool,
-    /// What `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` reports; without it the
-    /// virtual memory management calls (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, ...)
-    /// return `CUDA_ERROR_NOT_SUPPORTED`, as on devices and drivers that lack them. Off by
-    /// default, so the runtime takes pool slabs and chunks (a GPU has it: the trace replay and
-    /// the training-loop example turn it on, as an H100 answers).
+    /// What `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` reports. On by default, as
+    /// every H100, H200 and A100 answers, so the runtime places memory as it would on such a GPU
+    /// (planned slabs, persistent chunks and arenas as address ranges that grow in place). Off
+    /// (`STEPPOOL_SIM_VMM=0`), the virtual memory management calls (`cuMemAddressReserve`,
+    /// `cuMemCreate`, `cuMemMap`, ...) return `CUDA_ERROR_NOT_SUPPORTED`, as on devices and
+    /// drivers that lack them, and the runtime takes pool slabs and chunks instead.
     pub vmm_supported: bool,
     /// Whether device memory is backed by host memory, so that memset, copies and the
     /// repository's fill kernels have effect (`STEPPOOL_SIM_HOST_MEMORY=1`). Off by default: a
@@ -57,7 +60,7 @@ impl Default for SimConfig {
             driver_version: DEFAULT_DRIVER_VERSION,
             memory_pools_supported: true,
             peer_access: true,
-            vmm_supported: false,
+            vmm_supported: true,
             host_memory: false,
             faults: None,
         }
@@ -85,11 +88,11 @@ pub enum SimConfigError {
         /// What was wrong with it.
         source: ParseBytesError,
     },
-    /// `STEPPOOL_SIM_HOST_MEMORY` is neither on nor off.
-    #[error(
-        "STEPPOOL_SIM_HOST_MEMORY=`{value}` is not a switch: write `1` (or `true`, `on`) or `0` (or `false`, `off`)"
-    )]
-    HostMemory {
+    /// A switch (`STEPPOOL_SIM_HOST_MEMORY`, `STEPPOOL_SIM_VMM`) is neither on nor off.
+    #[error("{variable}=`{value}` is not a switch: write `1` (or `true`, `on`) or `0` (or `false`, `off`)")]
+    Switch {
+        /// The variable that held it.
+        variable: &'static str,
         /// The value that was read.
         value: String,
     },
@@ -125,21 +128,36 @@ impl SimConfig {
     }
 
     /// The defaults, overridden by `STEPPOOL_SIM_DEVICES` (for example `2x80GiB`),
-    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`) and `STEPPOOL_SIM_HOST_MEMORY` (`1` or `0`)
-    /// where they are set.
+    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`), `STEPPOOL_SIM_VMM` (`0` for a device without
+    /// virtual memory management, `1` by default), `STEPPOOL_SIM_HOST_MEMORY` (`1` or `0`) and
+    /// `STEPPOOL_SIM_FAULTS` where they are set.
     pub fn from_env() -> Result<Self, SimConfigError> {
+        Self::from_variables(|variable| std::env::var(variable).ok())
+    }
+
+    /// [`SimConfig::from_env`] over the variables `lookup` answers.
+    fn from_variables(lookup: impl Fn(&'static str) -> Option<String>) -> Result<Self, SimConfigError> {
         let mut config = Self::default();
-        if let Ok(value) = std::env::var("STEPPOOL_SIM_DEVICES") {
+        if let Some(value) = lookup("STEPPOOL_SIM_DEVICES") {
             config.capacities = parse_devices(&value)?;
         }
-        if let Ok(value) = std::env::var("STEPPOOL_SIM_GRANULE") {
+        if let Some(value) = lookup("STEPPOOL_SIM_GRANULE") {
             config.granule = parse_bytes(&value)
                 .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_GRANULE", source })?;
         }
-        if let Ok(value) = std::env::var("STEPPOOL_SIM_HOST_MEMORY") {
-            config.host_memory = parse_switch(&value).ok_or(SimConfigError::HostMemory { value })?;
+        let switch = |variable: &'static str| match lookup(variable) {
+            Some(value) if !value.trim().is_empty() => {
+                parse_switch(&value).map(Some).ok_or(SimConfigError::Switch { variable, value })
+            }
+            _ => Ok(None),
+        };
+        if let Some(on) = switch("STEPPOOL_SIM_VMM")? {
+            config.vmm_supported = on;
         }
-        if let Ok(value) = std::env::var("STEPPOOL_SIM_FAULTS")
+        if let Some(on) = switch("STEPPOOL_SIM_HOST_MEMORY")? {
+            config.host_memory = on;
+        }
+        if let Some(value) = lookup("STEPPOOL_SIM_FAULTS")
             && !value.trim().is_empty()
         {
             config.faults = Some(FaultPlan::parse(&value)?);
@@ -165,7 +183,8 @@ impl SimConfig {
         Ok(())
     }
 
-    /// A one-line description, such as `2 × 80 GiB, 2 MiB granules`.
+    /// A one-line description, such as `2 × 80 GiB, 2 MiB granules` (with
+    /// `, no virtual memory management` where it is off).
     pub fn describe(&self) -> String {
         let mut groups: Vec<(usize, u64)> = Vec::new();
         for &capacity in &self.capacities {
@@ -177,7 +196,8 @@ impl SimConfig {
         let devices: Vec<String> =
             groups.iter().map(|(count, capacity)| format!("{count} × {}", Bytes(*capacity))).collect();
         let backed = if self.host_memory { ", host-backed" } else { "" };
-        format!("{}, {} granules{backed}", devices.join(" + "), Bytes(self.granule))
+        let vmm = if self.vmm_supported { "" } else { ", no virtual memory management" };
+        format!("{}, {} granules{backed}{vmm}", devices.join(" + "), Bytes(self.granule))
     }
 }
 
@@ -239,6 +259,24 @@ mod tests {
     }
 
     #[test]
+    fn virtual_memory_management_is_on_unless_switched_off() {
+        let with = |vmm: Option<&str>| {
+            SimConfig::from_variables(|variable| {
+                (variable == "STEPPOOL_SIM_VMM").then_some(vmm).flatten().map(str::to_owned)
+            })
+        };
+        assert!(SimConfig::default().vmm_supported, "as every H100, H200 and A100 answers");
+        assert!(with(None).unwrap().vmm_supported);
+        assert!(with(Some("")).unwrap().vmm_supported, "empty is unset");
+        assert!(with(Some("on")).unwrap().vmm_supported);
+        assert!(!with(Some("0")).unwrap().vmm_supported);
+        assert!(!with(Some("off")).unwrap().vmm_supported);
+        let error = with(Some("sometimes")).unwrap_err();
+        assert_eq!(error, SimConfigError::Switch { variable: "STEPPOOL_SIM_VMM", value: "sometimes".to_owned() });
+        assert!(error.to_string().starts_with("STEPPOOL_SIM_VMM=`sometimes` is not a switch"), "{error}");
+    }
+
+    #[test]
     fn switches() {
         assert_eq!(parse_switch(" On "), Some(true));
         assert_eq!(parse_switch("0"), Some(false));
@@ -249,5 +287,7 @@ mod tests {
     fn describes_itself() {
         let config = SimConfig { capacities: vec![80 << 30, 80 << 30, 16 << 30], ..SimConfig::default() };
         assert_eq!(config.describe(), "2 × 80 GiB + 1 × 16 GiB, 2 MiB granules");
+        let config = SimConfig { vmm_supported: false, ..SimConfig::with_capacity(1 << 30) };
+        assert_eq!(config.describe(), "1 × 1 GiB, 2 MiB granules, no virtual memory management");
     }
 }

@@ -98,7 +98,8 @@
 //!   captures.
 //! - **Virtual memory management.** Reserved address ranges, physical allocations counted
 //!   against the device's capacity at granule size, mappings and access: the rules and the codes
-//!   for misuse are in `vmm.rs`.
+//!   for misuse are in `vmm.rs`. Reported by default, as on an H100, H200 or A100; a device
+//!   without it (`STEPPOOL_SIM_VMM=0`) refuses those calls with `CUDA_ERROR_NOT_SUPPORTED`.
 //! - **Not modelled.** IPC export and import return `CUDA_ERROR_NOT_SUPPORTED`, and pools with
 //!   export handle types are refused with it.
 

@@ -36,9 +36,10 @@
 //! - **Host memory.** On a host-backed device each physical allocation has a zeroed host block,
 //!   so what a kernel or copy writes through one mapping reads back through any other.
 //!
-//! Without `vmm_supported` in the configuration (the default), the device attribute
+//! The device reports virtual memory management by default, as every H100, H200 and A100 does.
+//! With `vmm_supported` off in the configuration (`STEPPOOL_SIM_VMM=0`), the device attribute
 //! `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` is 0 and every call here returns
-//! `CUDA_ERROR_NOT_SUPPORTED`.
+//! `CUDA_ERROR_NOT_SUPPORTED`, as on a device or driver without it.
 //!
 //! Handles are checked like every other handle of the simulated device: one of another kind or
 //! another simulated driver is refused with `CUDA_ERROR_INVALID_VALUE`.
@@ -399,7 +400,7 @@ mod tests {
     }
 
     fn current(config: SimConfig) -> Driver {
-        let driver = Driver::simulated(SimConfig { vmm_supported: true, ..config }).unwrap();
+        let driver = Driver::simulated(config).unwrap();
         let ctx = driver.primary_context_retain(0).unwrap();
         // SAFETY: `ctx` was just retained from this driver.
         unsafe { driver.context_set_current(ctx) }.unwrap();
@@ -553,7 +554,8 @@ mod tests {
 
     #[test]
     fn without_support_every_call_is_refused_and_faults_reach_the_calls() {
-        let driver = Driver::simulated(SimConfig::with_capacity(64 * MIB)).unwrap();
+        let config = SimConfig { vmm_supported: false, ..SimConfig::with_capacity(64 * MIB) };
+        let driver = Driver::simulated(config).unwrap();
         let ctx = driver.primary_context_retain(0).unwrap();
         // SAFETY: `ctx` was just retained from this driver.
         unsafe { driver.context_set_current(ctx) }.unwrap();
