@@ -536,12 +536,17 @@ fn oom_reports_say_fragmentation_or_demand_with_the_numbers() {
 // ----- exporters --------------------------------------------------------------------------------
 
 /// A runtime that ran three steps on two streams, with the history recorded; the streams are
-/// returned so their pools stay.
+/// returned so their pools stay. The device has virtual memory management, as the simulated
+/// device has by default.
 fn busy_runtime() -> (Runtime, Vec<steppool::StepReport>, [steppool::Stream; 2]) {
-    // Pool slabs: the history records each page mapped in an arena's range as a segment of its
-    // own, so a 3 MiB block across two pages lies in no one segment of the memory snapshot.
+    busy_runtime_on(true)
+}
+
+/// [`busy_runtime`] on a device with virtual memory management (`vmm`: slabs and arenas are
+/// address ranges whose pages are mapped on demand) or without (they are pool allocations).
+fn busy_runtime_on(vmm: bool) -> (Runtime, Vec<steppool::StepReport>, [steppool::Stream; 2]) {
     let config =
-        steppool_sys::sim::SimConfig { vmm_supported: false, ..steppool_sys::sim::SimConfig::with_capacity(2 << 30) };
+        steppool_sys::sim::SimConfig { vmm_supported: vmm, ..steppool_sys::sim::SimConfig::with_capacity(2 << 30) };
     let runtime = Runtime::builder()
         .simulated(config)
         .record_history(1 << 16)
@@ -1018,23 +1023,26 @@ fn recording_is_bounded_and_says_what_it_dropped() {
 /// Walks a snapshot's events backwards from its final state, as memory_viz's "Allocator State
 /// History" view does, and checks that every live block lies in a live segment at every point,
 /// and that the category `unknown` is present whenever categories are (the viewer needs both).
+/// As in the viewer, undoing a `segment_unmap` merges the pages into the segment of their stream
+/// they touch, and undoing a `segment_map` cuts them out of the segment holding them.
 fn check_viewer_consistency(bytes: &[u8]) {
     let snapshot = serde_pickle::value_from_slice(bytes, DeOptions::new()).expect("a valid pickle");
     let top = dict(&snapshot);
-    let mut segments: Vec<(i64, i64)> = Vec::new();
+    // Live segments: address, size, stream.
+    let mut segments: Vec<(i64, i64, i64)> = Vec::new();
     let mut blocks: HashMap<i64, i64> = HashMap::new();
     for segment in list(top["segments"]).iter().map(dict) {
-        segments.push((int(segment["address"]), int(segment["total_size"])));
+        segments.push((int(segment["address"]), int(segment["total_size"]), int(segment["stream"])));
         for block in list(segment["blocks"]).iter().map(dict) {
             if text(block["state"]) == "active_allocated" {
                 blocks.insert(int(block["address"]), int(block["size"]));
             }
         }
     }
-    let check = |segments: &[(i64, i64)], blocks: &HashMap<i64, i64>, at: &str| {
+    let check = |segments: &[(i64, i64, i64)], blocks: &HashMap<i64, i64>, at: &str| {
         for (&addr, &size) in blocks {
             assert!(
-                segments.iter().any(|&(base, len)| base <= addr && addr + size <= base + len),
+                segments.iter().any(|&(base, len, _)| base <= addr && addr + size <= base + len),
                 "block {addr:#x}+{size} outside every segment {at}"
             );
         }
@@ -1044,7 +1052,7 @@ fn check_viewer_consistency(bytes: &[u8]) {
     let categories: Vec<&str> = events.iter().map(|e| text(e["category"])).collect();
     assert!(categories.contains(&"unknown"));
     for (index, event) in events.iter().enumerate().rev() {
-        let (addr, size) = (int(event["addr"]), int(event["size"]));
+        let (addr, size, stream) = (int(event["addr"]), int(event["size"]), int(event["stream"]));
         match text(event["action"]) {
             "free_completed" => {
                 blocks.insert(addr, size);
@@ -1052,11 +1060,35 @@ fn check_viewer_consistency(bytes: &[u8]) {
             "alloc" => {
                 blocks.remove(&addr);
             }
-            "segment_free" => segments.push((addr, size)),
+            "segment_free" => segments.push((addr, size, stream)),
             "segment_alloc" => {
                 let at =
-                    segments.iter().position(|&(base, _)| base == addr).expect("a segment allocated is live after");
+                    segments.iter().position(|&(base, ..)| base == addr).expect("a segment allocated is live after");
                 segments.swap_remove(at);
+            }
+            "segment_unmap" => {
+                let (mut base, mut len) = (addr, size);
+                if let Some(at) = segments.iter().position(|&(b, l, s)| b + l == base && s == stream) {
+                    let (b, l, _) = segments.swap_remove(at);
+                    (base, len) = (b, l + len);
+                }
+                if let Some(at) = segments.iter().position(|&(b, _, s)| b == base + len && s == stream) {
+                    len += segments.swap_remove(at).1;
+                }
+                segments.push((base, len, stream));
+            }
+            "segment_map" => {
+                let at = segments
+                    .iter()
+                    .position(|&(base, len, _)| base <= addr && addr + size <= base + len)
+                    .expect("pages mapped are in a live segment after");
+                let (base, len, stream) = segments.swap_remove(at);
+                if base < addr {
+                    segments.push((base, addr - base, stream));
+                }
+                if addr + size < base + len {
+                    segments.push((addr + size, base + len - addr - size, stream));
+                }
             }
             _ => {}
         }
@@ -1066,10 +1098,17 @@ fn check_viewer_consistency(bytes: &[u8]) {
 
 #[test]
 fn the_snapshot_replays_backwards_in_the_viewer_without_a_block_outside_its_segment() {
-    let (runtime, _, _streams) = busy_runtime();
-    let mut bytes = Vec::new();
-    runtime.telemetry().history().write_memory_snapshot(&mut bytes).unwrap();
-    check_viewer_consistency(&bytes);
+    // Both layouts: pool slabs, and ranges whose pages are mapped on demand (expandable segments).
+    for vmm in [false, true] {
+        let (runtime, _, _streams) = busy_runtime_on(vmm);
+        let mut bytes = Vec::new();
+        runtime.telemetry().history().write_memory_snapshot(&mut bytes).unwrap();
+        check_viewer_consistency(&bytes);
+        let snapshot = serde_pickle::value_from_slice(&bytes, DeOptions::new()).unwrap();
+        let events = list(&list(dict(&snapshot)["device_traces"])[0]).iter().map(dict).collect::<Vec<_>>();
+        let maps = events.iter().filter(|e| text(e["action"]) == "segment_map").count();
+        assert_eq!(maps > 0, vmm, "segment_map entries exactly where pages are mapped");
+    }
 }
 
 #[test]

@@ -582,7 +582,9 @@ impl Source for DeviceSource {
             let released = unsafe { device.driver.mem_release(handle) };
             if self.recorder.is_on() {
                 let pool_reserved = self.reserved_or_zero();
-                self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes: granule, pool_reserved });
+                let unmapped =
+                    EventKind::SegmentUnmap { pool: self.id, range: base, ptr, bytes: granule, pool_reserved };
+                self.recorder.record(unmapped);
             }
             if let Err(error) = released {
                 self.owed_pages.push((None, handle));
@@ -656,10 +658,18 @@ impl Source for DeviceSource {
         self.mapped += bytes;
         self.mapped_high = self.mapped_high.max(self.mapped);
         if self.recorder.is_on() {
+            // One mapping per run of contiguous pages, as the range's segment grew by each.
+            let pool_reserved = self.reserved_or_zero();
+            let mut runs: Vec<(usize, usize)> = Vec::new();
             for &(page, _) in &added {
-                let pool_reserved = self.reserved_or_zero();
-                let ptr = base + page as u64 * granule;
-                self.recorder.record(EventKind::SegmentAlloc { pool: self.id, ptr, bytes: granule, pool_reserved });
+                match runs.last_mut() {
+                    Some((_, end)) if *end == page => *end += 1,
+                    _ => runs.push((page, page + 1)),
+                }
+            }
+            for (from, to) in runs {
+                let (ptr, bytes) = (base + from as u64 * granule, (to - from) as u64 * granule);
+                self.recorder.record(EventKind::SegmentMap { pool: self.id, range: base, ptr, bytes, pool_reserved });
             }
         }
         Ok(bytes)
@@ -785,12 +795,10 @@ impl DeviceSource {
         self.ranges.get_mut(&base).expect("range").pages.extend(added.into_iter().map(Some));
         self.mapped += count * granule;
         self.mapped_high = self.mapped_high.max(self.mapped);
-        if self.recorder.is_on() {
-            for page in from..target {
-                let pool_reserved = self.reserved_or_zero();
-                let ptr = base + page as u64 * granule;
-                self.recorder.record(EventKind::SegmentAlloc { pool: self.id, ptr, bytes: granule, pool_reserved });
-            }
+        if self.recorder.is_on() && target > from {
+            let pool_reserved = self.reserved_or_zero();
+            let (ptr, bytes) = (base + from as u64 * granule, (target - from) as u64 * granule);
+            self.recorder.record(EventKind::SegmentMap { pool: self.id, range: base, ptr, bytes, pool_reserved });
         }
         Ok(())
     }
@@ -818,7 +826,9 @@ impl DeviceSource {
             let released = unsafe { device.driver.mem_release(handle) };
             if self.recorder.is_on() {
                 let pool_reserved = self.reserved_or_zero();
-                self.recorder.record(EventKind::SegmentFree { pool: self.id, ptr, bytes: granule, pool_reserved });
+                let unmapped =
+                    EventKind::SegmentUnmap { pool: self.id, range: base, ptr, bytes: granule, pool_reserved };
+                self.recorder.record(unmapped);
             }
             if let Err(error) = released {
                 self.owed_pages.push((None, handle));

@@ -75,6 +75,35 @@ pub enum EventKind {
         /// The CUDA pool's reservation after it.
         pool_reserved: u64,
     },
+    /// Pages mapped into an address range a pool reserved (a planned slab, a persistent chunk
+    /// or an arena under virtual memory management): the range is one segment that grows by
+    /// them, as PyTorch's expandable segments do.
+    SegmentMap {
+        /// The pool.
+        pool: PoolId,
+        /// The range's address.
+        range: CUdeviceptr,
+        /// The first page's address.
+        ptr: CUdeviceptr,
+        /// The pages' bytes.
+        bytes: u64,
+        /// The pool's reservation after it.
+        pool_reserved: u64,
+    },
+    /// Pages unmapped from an address range a pool reserved: its segment shrinks by them (and
+    /// splits where they lay between mapped pages).
+    SegmentUnmap {
+        /// The pool.
+        pool: PoolId,
+        /// The range's address.
+        range: CUdeviceptr,
+        /// The first page's address.
+        ptr: CUdeviceptr,
+        /// The pages' bytes.
+        bytes: u64,
+        /// The pool's reservation after it.
+        pool_reserved: u64,
+    },
     /// A pool's reservation read after a boundary's trim or an out-of-memory recovery.
     Reserved {
         /// The pool.
@@ -144,15 +173,64 @@ pub enum EventKind {
     },
 }
 
-/// A segment live at the end of the history, and the blocks inside it.
+/// A segment live at the end of the history, and the blocks inside it. In an address range a
+/// pool reserved, a segment is a stretch of contiguous mapped pages (the whole mapped range
+/// unless pages were unmapped between mapped ones), as PyTorch reports an expandable segment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LiveSegment {
     /// The pool that holds it.
     pub pool: PoolId,
     /// Its address.
     pub ptr: CUdeviceptr,
-    /// Its size.
+    /// Its size: for a range's segment, its mapped bytes.
     pub bytes: u64,
+    /// The address range it lies in, for mapped pages; `None` for memory taken from a CUDA pool.
+    pub range: Option<CUdeviceptr>,
+}
+
+/// Live segments by device and address.
+pub(crate) type Segments = BTreeMap<(usize, CUdeviceptr), LiveSegment>;
+
+/// Adds `segment` to `segments`; mapped pages join the segment of their range they touch.
+pub(crate) fn add_segment(segments: &mut Segments, mut segment: LiveSegment) {
+    let device = segment.pool.device;
+    if segment.range.is_some() {
+        let left = segments.range(..(device, segment.ptr)).next_back().map(|(&key, left)| (key, left));
+        if let Some((key, left)) = left
+            && key.0 == device
+            && left.range == segment.range
+            && left.ptr + left.bytes == segment.ptr
+        {
+            segment.ptr = left.ptr;
+            segment.bytes += left.bytes;
+            segments.remove(&key);
+        }
+        let end = (device, segment.ptr + segment.bytes);
+        if segments.get(&end).is_some_and(|right| right.range == segment.range) {
+            segment.bytes += segments.remove(&end).map_or(0, |right| right.bytes);
+        }
+    }
+    segments.insert((device, segment.ptr), segment);
+}
+
+/// Takes `[ptr, ptr + bytes)` on `device` out of `segments`: a whole segment, or unmapped pages
+/// of a range's segment, which keeps the pages on either side.
+pub(crate) fn remove_segment(segments: &mut Segments, device: usize, ptr: CUdeviceptr, bytes: u64) {
+    let Some((&key, _)) = segments
+        .range(..=(device, ptr))
+        .next_back()
+        .filter(|&(&(d, _), segment)| d == device && ptr < segment.ptr + segment.bytes)
+    else {
+        return;
+    };
+    let Some(segment) = segments.remove(&key) else { return };
+    let (end, segment_end) = (ptr + bytes, segment.ptr + segment.bytes);
+    if segment.ptr < ptr {
+        segments.insert(key, LiveSegment { bytes: ptr - segment.ptr, ..segment.clone() });
+    }
+    if end < segment_end {
+        segments.insert((device, end), LiveSegment { ptr: end, bytes: segment_end - end, ..segment });
+    }
 }
 
 /// A live allocation at the end of the history.
@@ -216,6 +294,8 @@ impl EventKind {
             | Self::Free { pool, .. }
             | Self::SegmentAlloc { pool, .. }
             | Self::SegmentFree { pool, .. }
+            | Self::SegmentMap { pool, .. }
+            | Self::SegmentUnmap { pool, .. }
             | Self::Reserved { pool, .. }
             | Self::Oom { pool, .. } => Some(pool),
             _ => None,
@@ -229,7 +309,7 @@ struct RecorderState {
     started: u64,
     events: VecDeque<Event>,
     dropped: u64,
-    segments: BTreeMap<(usize, CUdeviceptr), LiveSegment>,
+    segments: Segments,
     blocks: BTreeMap<(usize, CUdeviceptr), LiveBlock>,
 }
 
@@ -314,10 +394,15 @@ impl Recorder {
                 state.blocks.remove(&(pool.device, *ptr));
             }
             EventKind::SegmentAlloc { pool, ptr, bytes, .. } => {
-                state.segments.insert((pool.device, *ptr), LiveSegment { pool: *pool, ptr: *ptr, bytes: *bytes });
+                let segment = LiveSegment { pool: *pool, ptr: *ptr, bytes: *bytes, range: None };
+                add_segment(&mut state.segments, segment);
             }
-            EventKind::SegmentFree { pool, ptr, .. } => {
-                state.segments.remove(&(pool.device, *ptr));
+            EventKind::SegmentMap { pool, range, ptr, bytes, .. } => {
+                let segment = LiveSegment { pool: *pool, ptr: *ptr, bytes: *bytes, range: Some(*range) };
+                add_segment(&mut state.segments, segment);
+            }
+            EventKind::SegmentFree { pool, ptr, bytes, .. } | EventKind::SegmentUnmap { pool, ptr, bytes, .. } => {
+                remove_segment(&mut state.segments, pool.device, *ptr, *bytes);
             }
             _ => {}
         }
@@ -353,5 +438,40 @@ impl Recorder {
             blocks: state.blocks.values().cloned().collect(),
             ..History::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LiveSegment, Segments, add_segment, remove_segment};
+    use crate::Phase;
+    use crate::report::PoolId;
+
+    #[test]
+    fn mapped_pages_join_their_ranges_segment_and_unmapped_ones_split_it() {
+        let pool = PoolId { device: 0, stream: 1, phase: Phase::ACTIVATIONS };
+        let page = |range, ptr, bytes| LiveSegment { pool, ptr, bytes, range: Some(range) };
+        let spans = |segments: &Segments| segments.values().map(|s| (s.ptr, s.bytes, s.range)).collect::<Vec<_>>();
+        let mut segments = Segments::new();
+        // A pool allocation ending where a range begins stays a segment of its own.
+        add_segment(&mut segments, LiveSegment { pool, ptr: 0, bytes: 100, range: None });
+        add_segment(&mut segments, page(100, 100, 20));
+        add_segment(&mut segments, page(100, 140, 20));
+        assert_eq!(spans(&segments), [(0, 100, None), (100, 20, Some(100)), (140, 20, Some(100))]);
+        // The hole filled: one segment of the mapped bytes. Another range's pages beside it do
+        // not join it.
+        add_segment(&mut segments, page(100, 120, 20));
+        add_segment(&mut segments, page(160, 160, 20));
+        assert_eq!(spans(&segments), [(0, 100, None), (100, 60, Some(100)), (160, 20, Some(160))]);
+        // A page unmapped in the middle leaves the pages on either side.
+        remove_segment(&mut segments, 0, 120, 20);
+        assert_eq!(
+            spans(&segments),
+            [(0, 100, None), (100, 20, Some(100)), (140, 20, Some(100)), (160, 20, Some(160))]
+        );
+        remove_segment(&mut segments, 0, 140, 20);
+        remove_segment(&mut segments, 0, 0, 100);
+        remove_segment(&mut segments, 1, 100, 20); // another device's: nothing there
+        assert_eq!(spans(&segments), [(100, 20, Some(100)), (160, 20, Some(160))]);
     }
 }

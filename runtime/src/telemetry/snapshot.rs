@@ -4,7 +4,14 @@
 //!
 //! Mapping: a *segment* is memory a pool's strategy took from its CUDA pool (an arena slab, or
 //! for the `Pool` strategy the allocation itself, as PyTorch's own `cudaMallocAsync` backend
-//! reports); a *block* is an allocation. Each event carries one frame naming its phase and step
+//! reports); a *block* is an allocation. Under virtual memory management a planned slab, a
+//! persistent chunk or an arena is an address range whose pages are mapped on demand: it is one
+//! *expandable* segment (`is_expandable`), as PyTorch reports its `expandable_segments`, sized by
+//! its mapped bytes, whose growth and shrinking are `segment_map` and `segment_unmap` entries of
+//! the pages concerned; the viewer merges mapped pages into the segment they touch and splits it
+//! around unmapped ones, so a block across pages lies in one segment at every point (a range
+//! with pages unmapped between mapped ones is one segment per stretch of mapped pages, as in
+//! PyTorch). Each event carries one frame naming its phase and step
 //! (`steppool phase `activations`:3:step 3`), and a `category` with the phase name, which the
 //! viewer colours and lists in its legend. Frees are written as `free_requested` followed by
 //! `free_completed`, stream order being the runtime's concern.
@@ -27,7 +34,7 @@ use steppool_sys::bytes::Bytes;
 
 use steppool_trace::pytorch::{self, Action, Block, BlockState, Frame, Segment, Snapshot, TraceEntry};
 
-use super::history::{EventKind, History};
+use super::history::{EventKind, History, LiveSegment, Segments, add_segment, remove_segment};
 use crate::phase::ALIGNMENT;
 use crate::report::PoolId;
 
@@ -75,22 +82,25 @@ fn snapshot(history: &History) -> Snapshot {
     // inside a live segment at every point. Segments live when the retained window began are the
     // final ones with the window's segment events undone; a block that lands in no known segment
     // (in an arena slab taken before recording began) gets a segment of its own around it.
-    let mut segments: HashSet<(usize, u64, u64)> =
-        history.segments.iter().map(|s| (s.pool.device, s.ptr, s.bytes)).collect();
+    let mut live_segments: Segments = history.segments.iter().map(|s| ((s.pool.device, s.ptr), s.clone())).collect();
     for event in history.events.iter().rev() {
         match event.kind {
-            EventKind::SegmentAlloc { pool, ptr, bytes, .. } => {
-                segments.remove(&(pool.device, ptr, bytes));
+            EventKind::SegmentAlloc { pool, ptr, bytes, .. } | EventKind::SegmentMap { pool, ptr, bytes, .. } => {
+                remove_segment(&mut live_segments, pool.device, ptr, bytes);
             }
             EventKind::SegmentFree { pool, ptr, bytes, .. } => {
-                segments.insert((pool.device, ptr, bytes));
+                add_segment(&mut live_segments, LiveSegment { pool, ptr, bytes, range: None });
+            }
+            EventKind::SegmentUnmap { pool, range, ptr, bytes, .. } => {
+                add_segment(&mut live_segments, LiveSegment { pool, ptr, bytes, range: Some(range) });
             }
             _ => {}
         }
     }
-    let mut live_segments: BTreeMap<(usize, u64), u64> = segments.into_iter().map(|(d, p, b)| ((d, p), b)).collect();
-    let inside = |live: &BTreeMap<(usize, u64), u64>, device: usize, ptr: u64| {
-        live.range(..=(device, ptr)).next_back().is_some_and(|(&(d, base), &size)| d == device && ptr < base + size)
+    let inside = |live: &Segments, device: usize, ptr: u64| {
+        live.range(..=(device, ptr))
+            .next_back()
+            .is_some_and(|(&(d, _), segment)| d == device && ptr < segment.ptr + segment.bytes)
     };
     let mut own_segments: HashSet<(usize, u64)> = HashSet::new();
     // Blocks allocated inside the retained window: frees of older ones are left out, since the
@@ -109,7 +119,8 @@ fn snapshot(history: &History) -> Snapshot {
                 allocated.insert((pool.device, *ptr));
                 if !inside(&live_segments, pool.device, *ptr) {
                     own_segments.insert((pool.device, *ptr));
-                    live_segments.insert((pool.device, *ptr), *bytes);
+                    let own = LiveSegment { pool: *pool, ptr: *ptr, bytes: *bytes, range: None };
+                    add_segment(&mut live_segments, own);
                     let frames = frames(history, *pool, None, None);
                     traces[pool.device].push(trace_entry(
                         Action::SegmentAlloc,
@@ -142,7 +153,7 @@ fn snapshot(history: &History) -> Snapshot {
                     traces[pool.device].push(trace_entry(action, *ptr, *bytes, *pool, t, frames, category));
                 }
                 if own_segments.remove(&(pool.device, *ptr)) {
-                    live_segments.remove(&(pool.device, *ptr));
+                    remove_segment(&mut live_segments, pool.device, *ptr, *bytes);
                     let frames = frames(history, *pool, None, None);
                     traces[pool.device].push(trace_entry(
                         Action::SegmentFree,
@@ -155,13 +166,31 @@ fn snapshot(history: &History) -> Snapshot {
                     ));
                 }
             }
-            EventKind::SegmentAlloc { pool, ptr, bytes, .. } | EventKind::SegmentFree { pool, ptr, bytes, .. } => {
-                let action = if matches!(event.kind, EventKind::SegmentAlloc { .. }) {
-                    live_segments.insert((pool.device, *ptr), *bytes);
-                    Action::SegmentAlloc
-                } else {
-                    live_segments.remove(&(pool.device, *ptr));
-                    Action::SegmentFree
+            EventKind::SegmentAlloc { pool, ptr, bytes, .. }
+            | EventKind::SegmentFree { pool, ptr, bytes, .. }
+            | EventKind::SegmentMap { pool, ptr, bytes, .. }
+            | EventKind::SegmentUnmap { pool, ptr, bytes, .. } => {
+                let action = match event.kind {
+                    EventKind::SegmentAlloc { .. } => {
+                        add_segment(
+                            &mut live_segments,
+                            LiveSegment { pool: *pool, ptr: *ptr, bytes: *bytes, range: None },
+                        );
+                        Action::SegmentAlloc
+                    }
+                    EventKind::SegmentMap { range, .. } => {
+                        let segment = LiveSegment { pool: *pool, ptr: *ptr, bytes: *bytes, range: Some(range) };
+                        add_segment(&mut live_segments, segment);
+                        Action::SegmentMap
+                    }
+                    EventKind::SegmentFree { .. } => {
+                        remove_segment(&mut live_segments, pool.device, *ptr, *bytes);
+                        Action::SegmentFree
+                    }
+                    _ => {
+                        remove_segment(&mut live_segments, pool.device, *ptr, *bytes);
+                        Action::SegmentUnmap
+                    }
                 };
                 // The viewer requires the category `unknown` once any event has a category.
                 traces[pool.device].push(trace_entry(
@@ -231,18 +260,19 @@ fn snapshot(history: &History) -> Snapshot {
 
     // Live segments, each tiled by its live blocks and the free gaps between them; a live block
     // outside every known segment (allocated before recording began) gets a segment of its own.
-    let mut segments: Vec<(PoolId, u64, u64)> = history.segments.iter().map(|s| (s.pool, s.ptr, s.bytes)).collect();
+    let mut segments: Vec<(PoolId, u64, u64, bool)> =
+        history.segments.iter().map(|s| (s.pool, s.ptr, s.bytes, s.range.is_some())).collect();
     for block in &history.blocks {
-        let inside = segments.iter().any(|&(pool, base, size)| {
+        let inside = segments.iter().any(|&(pool, base, size, _)| {
             pool.device == block.pool.device && base <= block.ptr && block.ptr < base + size
         });
         if !inside {
-            segments.push((block.pool, block.ptr, block.bytes));
+            segments.push((block.pool, block.ptr, block.bytes, false));
         }
     }
-    segments.sort_by_key(|&(pool, base, _)| (pool.device, base));
+    segments.sort_by_key(|&(pool, base, _, _)| (pool.device, base));
     let mut segment_values = Vec::new();
-    for &(pool, base, size) in &segments {
+    for &(pool, base, size, is_expandable) in &segments {
         let end = base + size;
         let mut blocks = Vec::new();
         let mut cursor = base;
@@ -280,7 +310,7 @@ fn snapshot(history: &History) -> Snapshot {
             stream: u64::from(pool.stream),
             segment_type: "large".to_owned(),
             pool_id: (0, pool.phase.index() as u64),
-            is_expandable: false,
+            is_expandable,
             frames: frames(history, pool, None, None),
             blocks,
         });
@@ -305,7 +335,9 @@ fn free_gap(address: u64, size: u64) -> Block {
 impl History {
     /// Writes the history as a PyTorch memory snapshot pickle, as `torch.cuda.memory._snapshot()`
     /// does, for pytorch.org/memory_viz. Segments are what pools took from their CUDA pools (arena
-    /// slabs, or a `Pool` strategy's allocations themselves); blocks are allocations, each tagged
+    /// slabs, or a `Pool` strategy's allocations themselves) or, under virtual memory management,
+    /// the mapped pages of the address ranges they reserved, each range an expandable segment that
+    /// `segment_map` and `segment_unmap` entries grow and shrink; blocks are allocations, each tagged
     /// with its phase and step in its frame and its `category`. The devices' graph memory pools,
     /// read at each step's end once a capture has begun, have no addresses the runtime knows:
     /// each reading is a `snapshot` entry in its device's trace whose frame names the step, the

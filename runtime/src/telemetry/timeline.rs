@@ -76,6 +76,8 @@ fn series(history: &History) -> Series {
             }
             EventKind::SegmentAlloc { pool, pool_reserved, .. }
             | EventKind::SegmentFree { pool, pool_reserved, .. }
+            | EventKind::SegmentMap { pool, pool_reserved, .. }
+            | EventKind::SegmentUnmap { pool, pool_reserved, .. }
             | EventKind::Reserved { pool, pool_reserved } => {
                 reserved.insert(*pool, *pool_reserved);
             }

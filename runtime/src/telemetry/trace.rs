@@ -59,6 +59,8 @@ impl History {
                 }
                 EventKind::SegmentAlloc { .. }
                 | EventKind::SegmentFree { .. }
+                | EventKind::SegmentMap { .. }
+                | EventKind::SegmentUnmap { .. }
                 | EventKind::Reserved { .. }
                 | EventKind::GraphLaunch { .. }
                 | EventKind::GraphMemory { .. } => continue,
