@@ -30,10 +30,11 @@ use std::collections::BTreeMap;
 use steppool_sys::handle::{EventHandle, PoolHandle};
 
 use steppool_sys::{
-    CUdevice, CUdeviceptr, CUevent_flags, CUmemGenericAllocationHandle, CUmemPool_attribute, CUmemoryPool, PoolProps,
+    CUdevice, CUdeviceptr, CUevent_flags, CUmemGenericAllocationHandle, CUmemPool_attribute, CUmemoryPool, Driver,
+    PoolProps,
 };
 
-use crate::device_core::read_write;
+use crate::device_core::{DeviceCore, read_write};
 use crate::error::{Error, Result};
 use crate::report::PoolId;
 use crate::stream_core::StreamCore;
@@ -570,25 +571,10 @@ impl Source for DeviceSource {
         device.make_current()?;
         let mut unmapped = 0;
         for page in from..to {
-            let Some(handle) = self.ranges[&base].pages[page] else { continue };
-            let ptr = base + page as u64 * granule;
-            // SAFETY: the page was mapped by this source with this handle; the stream was waited
-            // for, and the caller no longer uses the memory.
-            unsafe { device.driver.mem_unmap(ptr, granule) }?;
-            self.ranges.get_mut(&base).expect("range").pages[page] = None;
-            self.mapped -= granule;
-            unmapped += granule;
-            // SAFETY: the handle is this source's and no longer mapped.
-            let released = unsafe { device.driver.mem_release(handle) };
-            if self.recorder.is_on() {
-                let pool_reserved = self.reserved_or_zero();
-                let unmapped =
-                    EventKind::SegmentUnmap { pool: self.id, range: base, ptr, bytes: granule, pool_reserved };
-                self.recorder.record(unmapped);
-            }
-            if let Err(error) = released {
-                self.owed_pages.push((None, handle));
-                return Err(error.into());
+            if self.ranges[&base].pages[page].is_some() {
+                // The stream was waited for above, and the caller no longer uses the memory.
+                self.unmap_page(&device, base, page, granule)?;
+                unmapped += granule;
             }
         }
         Ok(unmapped)
@@ -638,16 +624,8 @@ impl Source for DeviceSource {
         }
         if let Err(error) = outcome {
             // Nothing used the new pages: they go back at once.
-            for (page, handle) in added.into_iter().rev() {
-                let ptr = base + page as u64 * granule;
-                // SAFETY: each page was mapped above with this handle and never used.
-                if unsafe { driver.mem_unmap(ptr, granule) }.is_err() {
-                    self.owed_pages.push((Some(ptr), handle));
-                // SAFETY: as above; the handle is no longer mapped.
-                } else if unsafe { driver.mem_release(handle) }.is_err() {
-                    self.owed_pages.push((None, handle));
-                }
-            }
+            let pages = added.into_iter().rev().map(|(page, handle)| (base + page as u64 * granule, handle));
+            self.give_back_unused(driver, pages, granule);
             return Err(error.into());
         }
         let range = self.ranges.get_mut(&base).expect("range");
@@ -779,16 +757,12 @@ impl DeviceSource {
         }
         if let Err(error) = outcome {
             // Nothing used the new pages: they go back at once.
-            for (page, handle) in added.into_iter().enumerate().rev() {
-                let ptr = base + (from + page) as u64 * granule;
-                // SAFETY: each page was mapped above with this handle and never used.
-                if unsafe { driver.mem_unmap(ptr, granule) }.is_err() {
-                    self.owed_pages.push((Some(ptr), handle));
-                // SAFETY: as above; the handle is no longer mapped.
-                } else if unsafe { driver.mem_release(handle) }.is_err() {
-                    self.owed_pages.push((None, handle));
-                }
-            }
+            let pages = added
+                .into_iter()
+                .enumerate()
+                .rev()
+                .map(|(page, handle)| (base + (from + page) as u64 * granule, handle));
+            self.give_back_unused(driver, pages, granule);
             return Err(error.into());
         }
         let count = added.len() as u64;
@@ -810,32 +784,63 @@ impl DeviceSource {
         device.make_current()?;
         while self.ranges[&base].pages.len() > target {
             let page = self.ranges[&base].pages.len() - 1;
-            let Some(handle) = self.ranges[&base].pages[page] else {
-                // A hole: nothing mapped there.
-                self.ranges.get_mut(&base).expect("range").pages.pop();
-                continue;
+            // The caller waited for every use of the page. Once unmapped (its release refused
+            // or not) it is a hole, popped; a page the driver would not unmap stays.
+            let unmapped = if self.ranges[&base].pages[page].is_some() {
+                self.unmap_page(&device, base, page, granule)
+            } else {
+                Ok(())
             };
-            let ptr = base + page as u64 * granule;
-            // SAFETY: the page was mapped by this source with this handle; the caller waited for
-            // every use of it.
-            unsafe { device.driver.mem_unmap(ptr, granule) }?;
-            self.ranges.get_mut(&base).expect("range").pages.pop();
-            self.mapped -= granule;
-            // SAFETY: the handle is this source's and no longer mapped; a release the driver
-            // refuses leaves memory held, never a dangling mapping.
-            let released = unsafe { device.driver.mem_release(handle) };
-            if self.recorder.is_on() {
-                let pool_reserved = self.reserved_or_zero();
-                let unmapped =
-                    EventKind::SegmentUnmap { pool: self.id, range: base, ptr, bytes: granule, pool_reserved };
-                self.recorder.record(unmapped);
+            if self.ranges[&base].pages[page].is_none() {
+                self.ranges.get_mut(&base).expect("range").pages.pop();
             }
-            if let Err(error) = released {
-                self.owed_pages.push((None, handle));
-                return Err(error.into());
-            }
+            unmapped?;
         }
         Ok(())
+    }
+
+    /// Unmaps and releases the mapped page `page` of the range at `base`, leaving a hole there.
+    /// The caller has waited for every use of it. A release the driver refuses leaves memory
+    /// owed (retried later), never a dangling mapping.
+    fn unmap_page(&mut self, device: &DeviceCore, base: CUdeviceptr, page: usize, granule: u64) -> Result<()> {
+        let handle = self.ranges[&base].pages[page].expect("a mapped page");
+        let ptr = base + page as u64 * granule;
+        // SAFETY: the page was mapped by this source with this handle, and the caller waited for
+        // every use of it.
+        unsafe { device.driver.mem_unmap(ptr, granule) }?;
+        self.ranges.get_mut(&base).expect("range").pages[page] = None;
+        self.mapped -= granule;
+        // SAFETY: the handle is this source's and no longer mapped.
+        let released = unsafe { device.driver.mem_release(handle) };
+        if self.recorder.is_on() {
+            let pool_reserved = self.reserved_or_zero();
+            let unmapped = EventKind::SegmentUnmap { pool: self.id, range: base, ptr, bytes: granule, pool_reserved };
+            self.recorder.record(unmapped);
+        }
+        if let Err(error) = released {
+            self.owed_pages.push((None, handle));
+            return Err(error.into());
+        }
+        Ok(())
+    }
+
+    /// Gives back pages mapped by a call that then failed, before anything used them; what the
+    /// driver refuses is owed.
+    fn give_back_unused(
+        &mut self,
+        driver: &Driver,
+        pages: impl Iterator<Item = (CUdeviceptr, CUmemGenericAllocationHandle)>,
+        granule: u64,
+    ) {
+        for (ptr, handle) in pages {
+            // SAFETY: each page was mapped by the failed call with this handle and never used.
+            if unsafe { driver.mem_unmap(ptr, granule) }.is_err() {
+                self.owed_pages.push((Some(ptr), handle));
+            // SAFETY: as above; the handle is no longer mapped.
+            } else if unsafe { driver.mem_release(handle) }.is_err() {
+                self.owed_pages.push((None, handle));
+            }
+        }
     }
 }
 
