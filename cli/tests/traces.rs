@@ -57,7 +57,7 @@ fn sidecar_steps_are_used_and_inference_finds_the_same_boundaries() {
 
         let bytes = std::fs::read(&path).unwrap();
         let mut inferred = read::read_bytes(&path, &bytes).unwrap();
-        assert!(matches!(steps::infer(&mut inferred), StepSource::Inferred { every: 1 }), "{name}");
+        assert!(matches!(steps::infer(&mut inferred), StepSource::Inferred { every: 1, .. }), "{name}");
         let begins = |trace: &Trace| -> Vec<u64> {
             // The record (line) each step begins before.
             let mut lines = Vec::new();
