@@ -265,6 +265,7 @@ fn period(allocs_before: &[usize], points: &[usize]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scope::Scope;
 
     fn alloc(ptr: u64, bytes: u64) -> Event {
         let mut event = Event::new(0, EventKind::Alloc, Location::File);
@@ -393,6 +394,21 @@ mod tests {
         assert!(!points.contains(&starts[3]) && !points.contains(&starts[4]), "{points:?}");
         let found = boundaries(&events).unwrap();
         assert_eq!((&found.starts, found.every, found.long_lived), (&starts, 1, 1), "{found:?}");
+
+        // The replay keeps the buffer's real lifetime: made in one inferred step and freed in a
+        // later one, it is persistent, and no boundary releases it; the steps' own memory is
+        // step-scoped.
+        let mut trace = Trace::new("held", crate::trace::TraceFormat::Rmm);
+        trace.events = events;
+        infer(&mut trace);
+        let analysis = crate::analysis::analyse(&trace).unwrap();
+        let scopes = |bytes: u64| -> Vec<(Scope, bool)> {
+            let of = analysis.allocations.iter().filter(|a| a.bytes == bytes);
+            of.map(|a| (a.scope, a.released_at_boundary)).collect()
+        };
+        assert_eq!(scopes(64), vec![(Scope::Persistent, false)]);
+        assert_eq!(scopes(8), vec![(Scope::Step, false); 8 * 32]);
+        assert_eq!(scopes(100), vec![(Scope::Persistent, false); 2]);
     }
 
     #[test]
