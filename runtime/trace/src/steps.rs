@@ -374,6 +374,25 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_prefetched_one_step_ahead_is_left_out_as_long_lived() {
+        // Step k copies in the batch of step k + 1, which frees it: every boundary has a batch
+        // live across it.
+        let mut events = set_up(1);
+        let mut starts = Vec::new();
+        for batch in 0..8 {
+            let start = step(&mut events);
+            events.insert(start + 10, alloc(101 + batch, 4));
+            events.insert(start + 40, free(100 + batch));
+            starts.push(start);
+        }
+        assert!(quiescent_points(&events, &Lifetimes::new(&events), events.len() + 1).is_empty());
+        let found = boundaries(&events).unwrap();
+        // Batches 1 to 7 are long-lived; batch 0 is made in the set-up and freed early in step 0, and
+        // the last one is never freed.
+        assert_eq!((&found.starts[1..], found.every, found.long_lived), (&starts[1..], 1, 7), "{found:?}");
+    }
+
+    #[test]
     fn a_buffer_held_across_two_steps_is_left_out_as_long_lived() {
         // A buffer made in step 2 and freed in step 4 spans the boundaries before steps 3 and 4.
         let mut events = set_up(0);
