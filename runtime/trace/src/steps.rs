@@ -27,12 +27,14 @@
 //! their numbers of events and allocations, and the smallest period `r` at which at least three
 //! quarters of them repeat makes every `r`th point a step boundary. The first segment (warm-up)
 //! and the last are left out of the comparison, and a period longer than one needs at least three
-//! repeats seen, so that two steps of the same size by chance do not pair up. The first step
+//! pairs of segments compared, so that two steps of the same size by chance do not pair up. The
+//! trace alone cannot tell a pass inside a step from a step of its own: a loop recorded as steps
+//! train, train, eval infers as one step of all three. The first step
 //! begins at the first allocation that counts: what comes before it (weights, optimizer state,
 //! long-lived batches) is set-up, as a recording's own step boundaries have it.
 //!
 //! Each search is linear in the events, and there are about `log(n / 16) / log(4 / 3)` of them
-//! (37 for 100,000 events), plus a period search bounded by 64 points a step.
+//! (31 for 100,000 events), plus a period search bounded by 64 points a step.
 //!
 //! A long-lived allocation keeps its real lifetime in the replay: made before an inferred boundary
 //! and freed after it, it is persistent (see [`crate::analysis`]), never released at a boundary.
