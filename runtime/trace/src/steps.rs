@@ -31,7 +31,9 @@
 //! trace alone cannot tell a pass inside a step from a step of its own: a loop recorded as steps
 //! train, train, eval infers as one step of all three. The first step
 //! begins at the first allocation that counts: what comes before it (weights, optimizer state,
-//! long-lived batches) is set-up, as a recording's own step boundaries have it.
+//! long-lived batches) is set-up, as a recording's own step boundaries have it. Each later step
+//! begins, likewise, at the first allocation of its quiescent run: memory left out as long-lived
+//! and freed at the end of a step (gradients freed by `zero_grad`, say) stays in that step.
 //!
 //! Each search is linear in the events, and there are about `log(n / 16) / log(4 / 3)` of them
 //! (31 for 100,000 events), plus a period search bounded by 64 points a step.
@@ -208,9 +210,10 @@ fn regular(starts: &[usize], end: usize) -> bool {
     lengths.last().is_some_and(|&longest| 2 * longest <= 3 * median)
 }
 
-/// Event indices `p` (0 < p < n) before which no allocation that counts under `limit` is live, the
-/// first of each run of consecutive such indices, and only where an allocation follows before the
-/// next point (a point must start something).
+/// Event indices `p` (0 < p < n) before which no allocation that counts under `limit` is live: in
+/// each run of consecutive such indices, the first that is an allocation (a step begins with its
+/// first allocation, and frees of long-lived memory at the end of a step stay in it), and only
+/// where an allocation was made since the previous point.
 fn quiescent_points(events: &[Event], lifetimes: &Lifetimes, limit: usize) -> Vec<usize> {
     let n = events.len();
     // crossing[p]: counted allocations made before event p and freed at or after it.
@@ -233,6 +236,12 @@ fn quiescent_points(events: &[Event], lifetimes: &Lifetimes, limit: usize) -> Ve
         previous_quiet = quiet;
         if matches!(events[p].kind, EventKind::Alloc) {
             allocated_since = true;
+        }
+    }
+    // Each run of quiet indices ends at the allocation that ends it, so this scans each run once.
+    for point in &mut points {
+        while *point < n && !matches!(events[*point].kind, EventKind::Alloc) {
+            *point += 1;
         }
     }
     // A point after which nothing is allocated does not start a step.
@@ -392,6 +401,24 @@ mod tests {
         // Batches 1 to 7 are long-lived; batch 0 is made in the set-up and freed early in step 0, and
         // the last one is never freed.
         assert_eq!((&found.starts[1..], found.every, found.long_lived), (&starts[1..], 1, 7), "{found:?}");
+    }
+
+    #[test]
+    fn a_step_keeps_the_frees_of_long_lived_memory_at_its_end() {
+        // Step k allocates a buffer in its middle and frees the previous step's at its end, after
+        // its own memory is gone: the boundary falls after those frees, at the next allocation.
+        let mut events = set_up(0);
+        let mut starts = Vec::new();
+        for index in 0..8u64 {
+            let start = step(&mut events);
+            events.insert(start + 20, alloc(200 + index, 64));
+            if index > 0 {
+                events.push(free(200 + index - 1));
+            }
+            starts.push(start);
+        }
+        let found = boundaries(&events).unwrap();
+        assert_eq!((&found.starts, found.every, found.long_lived), (&starts, 1, 7), "{found:?}");
     }
 
     #[test]
