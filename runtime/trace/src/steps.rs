@@ -21,6 +21,9 @@
 //! [`MOST_LONG_LIVED`] of the freed allocations would be left out: memory that many allocations
 //! hold is each step's own work, not state that outlives steps. If no limit gives regular steps,
 //! the first limit that gives any boundaries is taken; if none does, the trace has no steps.
+//! Lifetime alone cannot tell memory held about one step (a batch prefetched one step ahead) from
+//! a step's own memory of about that lifetime (gradients kept across the micro-steps of gradient
+//! accumulation): there no limit separates them, and the steps found are the first limit's.
 //!
 //! At each limit, quiescent points inside a step (between an evaluation pass and a training pass,
 //! say) are told apart by periodicity: the segments between consecutive points are compared by
