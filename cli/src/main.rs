@@ -33,7 +33,8 @@ struct Cli {
 enum Command {
     /// Events, steps, threads and streams, peak live bytes, sizes, and lifetimes by phase.
     Inspect {
-        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace.
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace. Its
+        /// steps are its own, else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
         trace: PathBuf,
         /// Also write the inspection as JSON to this file.
         #[arg(long, value_name = "FILE")]
@@ -43,7 +44,8 @@ enum Command {
     /// reserved, overhead (whole run and steady), the distance to the offline limit, the outcome
     /// at the capacity, the smallest capacity that completes, and where the overhead goes.
     Replay {
-        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace.
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace. Its
+        /// steps are its own, else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
         trace: PathBuf,
         /// Memory of each simulated device (`80GiB`, `1.5 GiB`); default: the trace's device, or
         /// 80 GiB.
@@ -73,7 +75,8 @@ enum Command {
     /// Replay the trace under the planned strategy and save the plans its step phase kept, for a
     /// later run to load (`Runtime::load_plans`, `steppool replay --plan`).
     Plan {
-        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace.
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace. Its
+        /// steps are its own, else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
         trace: PathBuf,
         /// The plan file to write (JSON, format `steppool-plans`).
         #[arg(short, long, value_name = "PLAN")]

@@ -47,6 +47,20 @@ fn peak_live_bytes_is_the_true_peak() {
     }
 }
 
+/// The record (line) each step of `trace` begins before.
+fn begins(trace: &Trace) -> Vec<u64> {
+    let mut lines = Vec::new();
+    for window in trace.events.windows(2) {
+        if matches!(window[0].kind, EventKind::StepBegin(_)) {
+            lines.push(match window[1].location {
+                Location::Line(line) => line,
+                other => panic!("{other:?}"),
+            });
+        }
+    }
+    lines
+}
+
 #[test]
 fn sidecar_steps_are_used_and_inference_finds_the_same_boundaries() {
     for (name, steps) in [("vit_static_train", 5), ("t5_varlen_train", 6)] {
@@ -57,22 +71,75 @@ fn sidecar_steps_are_used_and_inference_finds_the_same_boundaries() {
 
         let bytes = std::fs::read(&path).unwrap();
         let mut inferred = read::read_bytes(&path, &bytes).unwrap();
-        assert!(matches!(steps::infer(&mut inferred), StepSource::Inferred { every: 1 }), "{name}");
-        let begins = |trace: &Trace| -> Vec<u64> {
-            // The record (line) each step begins before.
-            let mut lines = Vec::new();
-            for window in trace.events.windows(2) {
-                if matches!(window[0].kind, EventKind::StepBegin(_)) {
-                    lines.push(match window[1].location {
-                        Location::Line(line) => line,
-                        other => panic!("{other:?}"),
-                    });
-                }
-            }
-            lines
-        };
+        assert!(matches!(steps::infer(&mut inferred), StepSource::Inferred { every: 1, .. }), "{name}");
         assert_eq!(begins(&with_sidecar), begins(&inferred), "{name}");
     }
+}
+
+/// The recorded RMM logs, each with its sidecar of step starts.
+fn recorded_logs() -> Vec<PathBuf> {
+    let mut logs: Vec<PathBuf> = std::fs::read_dir(data("recorded"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "csv"))
+        .collect();
+    logs.sort();
+    logs
+}
+
+#[test]
+fn recorded_logs_copied_without_their_sidecar_infer_the_sidecars_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = recorded_logs();
+    assert!(logs.len() >= 7, "{logs:?}");
+    for path in logs {
+        let name = path.file_stem().unwrap().to_str().unwrap().to_owned();
+        let with_sidecar = read::read_trace(&path).unwrap();
+        assert!(matches!(with_sidecar.steps, StepSource::Sidecar(_)), "{name}: {:?}", with_sidecar.steps);
+        let copy = dir.path().join(path.file_name().unwrap());
+        std::fs::copy(&path, &copy).unwrap();
+        let inferred = read::read_trace(&copy).unwrap();
+        // train_eval's steps go train, train, eval, and the pattern that repeats is all three: one
+        // inferred step is three of the sidecar's.
+        let every = if name == "train_eval" { 3 } else { 1 };
+        assert!(
+            matches!(inferred.steps, StepSource::Inferred { every: e, .. } if e == every),
+            "{name}: {:?}",
+            inferred.steps
+        );
+        let sidecar: Vec<u64> = begins(&with_sidecar).into_iter().step_by(every).collect();
+        assert_eq!(begins(&inferred), sidecar, "{name}");
+        assert_eq!(inferred.step_count(), sidecar.len(), "{name}");
+    }
+}
+
+#[test]
+fn the_binary_replays_a_log_without_its_sidecar_as_with_it() {
+    // bert_static's input batches live from before the first step to teardown: inference leaves
+    // them out as long-lived and finds the sidecar's eight steps.
+    let dir = tempfile::tempdir().unwrap();
+    let path = data("recorded/bert_static.csv");
+    let copy = dir.path().join("bert_static.csv");
+    std::fs::copy(&path, &copy).unwrap();
+    let mut documents = Vec::new();
+    for (trace, out) in [(&path, "sidecar.json"), (&copy, "inferred.json")] {
+        let json = dir.path().join(out);
+        let output = steppool(&["replay", trace.to_str().unwrap(), "--json", json.to_str().unwrap()]);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        documents.push((stdout, document));
+    }
+    let (sidecar, inferred) = (&documents[0], &documents[1]);
+    assert!(sidecar.0.contains("8 steps from"), "{}", sidecar.0);
+    assert!(
+        inferred.0.contains("8 steps inferred") && inferred.0.contains("8 longer-lived left out"),
+        "{}",
+        inferred.0
+    );
+    assert_eq!(inferred.1["results"], sidecar.1["results"]);
+    assert_eq!(inferred.1["recommended"], sidecar.1["recommended"]);
+    assert_eq!(inferred.1["recommended"], "planned");
 }
 
 #[test]

@@ -2,13 +2,47 @@
 //! inferred from the trace's periodic pattern.
 //!
 //! Inference looks for the *quiescent points* of the lifetime graph: the places between two events
-//! where no allocation that the trace ever frees is live, only those it never frees (weights,
-//! optimizer state). A training loop passes through one at every step boundary, when the step's
-//! activations, gradients and workspace are gone. Quiescent points inside a step (between an
-//! evaluation pass and a training pass, say) are told apart by periodicity: the segments between
-//! consecutive points are compared by their numbers of events and allocations, and the smallest
-//! period `r` at which at least three quarters of them repeat makes every `r`th point a step
-//! boundary. The first segment (warm-up) is left out of the comparison.
+//! where no allocation that counts is live. A training loop passes through one at every step
+//! boundary, when the step's activations, gradients and workspace are gone and only state that
+//! outlives steps (weights, optimizer state, batches held for the run) is left.
+//!
+//! Which allocations count is found by trying lifetime limits from the longest down. At the first
+//! limit every allocation that is ever freed counts, and only those never freed are left out. A
+//! real trace also frees some memory that outlives many steps: input batches allocated before the
+//! loop and freed at teardown, batches prefetched up front and freed one per step, a buffer held
+//! across a few steps. Each such allocation hides every boundary it spans, and at the first limit
+//! there may be no quiescent point at all, or steps merged into segments several steps long. So
+//! the limit is lowered, by a quarter at a time down to [`SHORTEST_LIMIT`] events, and an
+//! allocation freed `limit` or more events after it was made is left out as long-lived, until the
+//! boundaries found are *regular*: no step is longer than one and a half times the median step
+//! (the lower median, in events). A missed boundary makes a step about twice as long as its
+//! neighbours; steps of variable length (sequence length, batch size) keep their number of
+//! operations, so they pass. The search stops short once more than one in
+//! [`MOST_LONG_LIVED`] of the freed allocations would be left out: memory that many allocations
+//! hold is each step's own work, not state that outlives steps. If no limit gives regular steps,
+//! the first limit that gives any boundaries is taken; if none does, the trace has no steps.
+//! Lifetime alone cannot tell memory held about one step (a batch prefetched one step ahead) from
+//! a step's own memory of about that lifetime (gradients kept across the micro-steps of gradient
+//! accumulation): there no limit separates them, and the steps found are the first limit's.
+//!
+//! At each limit, quiescent points inside a step (between an evaluation pass and a training pass,
+//! say) are told apart by periodicity: the segments between consecutive points are compared by
+//! their numbers of events and allocations, and the smallest period `r` at which at least three
+//! quarters of them repeat makes every `r`th point a step boundary. The first segment (warm-up)
+//! and the last are left out of the comparison, and a period longer than one needs at least three
+//! pairs of segments compared, so that two steps of the same size by chance do not pair up. The
+//! trace alone cannot tell a pass inside a step from a step of its own: a loop recorded as steps
+//! train, train, eval infers as one step of all three. The first step
+//! begins at the first allocation that counts: what comes before it (weights, optimizer state,
+//! long-lived batches) is set-up, as a recording's own step boundaries have it. Each later step
+//! begins, likewise, at the first allocation of its quiescent run: memory left out as long-lived
+//! and freed at the end of a step (gradients freed by `zero_grad`, say) stays in that step.
+//!
+//! Each search is linear in the events, and there are about `log(n / 16) / log(4 / 3)` of them
+//! (31 for 100,000 events), plus a period search bounded by 64 points a step.
+//!
+//! A long-lived allocation keeps its real lifetime in the replay: made before an inferred boundary
+//! and freed after it, it is persistent (see [`crate::analysis`]), never released at a boundary.
 
 use crate::error::Location;
 use crate::trace::{Event, EventKind, StepSource, Trace};
@@ -45,23 +79,27 @@ pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     trace.events = events;
 }
 
+/// The shortest lifetime limit, in events, that inference tries (see the module docs).
+pub const SHORTEST_LIMIT: usize = 16;
+
+/// Inference stops lowering the lifetime limit once more than one in this many freed allocations
+/// would be left out as long-lived (see the module docs).
+pub const MOST_LONG_LIVED: usize = 16;
+
 /// Infers step boundaries (see the module docs), inserts them, and says how it found them.
 pub fn infer(trace: &mut Trace) -> StepSource {
-    let points = quiescent_points(&trace.events);
-    if points.is_empty() {
+    let Some(found) = boundaries(&trace.events) else {
         return StepSource::None;
-    }
-    let every = period(&trace.events, &points);
-    let starts: Vec<usize> = std::iter::once(0).chain(points.iter().copied().skip(every - 1).step_by(every)).collect();
-    let mut events = Vec::with_capacity(trace.events.len() + 2 * starts.len());
+    };
+    let mut events = Vec::with_capacity(trace.events.len() + 2 * found.starts.len());
     let mut step = 0u64;
     let mut clock = 0;
-    let mut boundary = starts.iter().peekable();
+    let mut boundary = found.starts.iter().peekable();
     for (index, event) in std::mem::take(&mut trace.events).into_iter().enumerate() {
         if boundary.peek().is_some_and(|&&start| start == index) {
             boundary.next();
             let at = clock.max(event.t_ns);
-            if index > 0 {
+            if step > 0 {
                 events.push(Event::new(at, EventKind::StepEnd(step - 1), event.location));
             }
             events.push(Event::new(at, EventKind::StepBegin(step), event.location));
@@ -74,30 +112,118 @@ pub fn infer(trace: &mut Trace) -> StepSource {
         events.push(Event::new(clock, EventKind::StepEnd(step - 1), Location::File));
     }
     trace.events = events;
-    StepSource::Inferred { every }
+    StepSource::Inferred { every: found.every, long_lived: found.long_lived, limit: found.limit }
 }
 
-/// Event indices `p` (0 < p < n) before which no allocation that is freed later is live, the first
-/// of each run of consecutive such indices, and only where an allocation follows before the next
-/// point (a point must start something).
-fn quiescent_points(events: &[Event]) -> Vec<usize> {
-    let n = events.len();
-    // crossing[p]: allocations made before event p and freed at or after it.
-    let mut delta = vec![0i64; n + 1];
-    let mut live: std::collections::HashMap<(u32, u64), usize> = std::collections::HashMap::new();
-    for (index, event) in events.iter().enumerate() {
-        match event.kind {
-            EventKind::Alloc if event.bytes > 0 => {
-                live.insert((event.device, event.ptr), index);
-            }
-            EventKind::Free { .. } => {
-                if let Some(alloc) = live.remove(&(event.device, event.ptr)) {
-                    delta[alloc + 1] += 1;
-                    delta[index + 1] -= 1;
+/// Step boundaries found by [`boundaries`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Found {
+    /// Event indices at which the steps begin, ascending.
+    starts: Vec<usize>,
+    /// Quiescent points per step.
+    every: usize,
+    /// Freed allocations left out as long-lived.
+    long_lived: usize,
+    /// The lifetime limit (events) at and above which they were left out; `None` when none was.
+    limit: Option<usize>,
+}
+
+/// The allocations that are freed, by the indices of their allocation and free events.
+struct Lifetimes {
+    spans: Vec<(usize, usize)>,
+    /// `allocs_before[i]`: allocation events before event `i`.
+    allocs_before: Vec<usize>,
+}
+
+impl Lifetimes {
+    fn new(events: &[Event]) -> Lifetimes {
+        let mut live: std::collections::HashMap<(u32, u64), usize> = std::collections::HashMap::new();
+        let mut spans = Vec::new();
+        let mut allocs_before = Vec::with_capacity(events.len() + 1);
+        let mut allocs = 0;
+        for (index, event) in events.iter().enumerate() {
+            allocs_before.push(allocs);
+            match event.kind {
+                EventKind::Alloc => {
+                    allocs += 1;
+                    if event.bytes > 0 {
+                        live.insert((event.device, event.ptr), index);
+                    }
                 }
+                EventKind::Free { .. } => {
+                    if let Some(alloc) = live.remove(&(event.device, event.ptr)) {
+                        spans.push((alloc, index));
+                    }
+                }
+                _ => {}
             }
-            _ => {}
         }
+        allocs_before.push(allocs);
+        Lifetimes { spans, allocs_before }
+    }
+
+    /// The allocations that count under `limit`: freed fewer than `limit` events after they were
+    /// made.
+    fn counted(&self, limit: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.spans.iter().copied().filter(move |&(alloc, free)| free - alloc < limit)
+    }
+}
+
+/// The step boundaries of `events` under the rule of the module docs; `None` when no lifetime
+/// limit gives a quiescent point.
+fn boundaries(events: &[Event]) -> Option<Found> {
+    let lifetimes = Lifetimes::new(events);
+    let freed = lifetimes.spans.len();
+    // Every lifetime is shorter than the trace: at this limit every freed allocation counts.
+    let mut limit = events.len() + 1;
+    let mut first = None;
+    loop {
+        let long_lived = freed - lifetimes.counted(limit).count();
+        if long_lived * MOST_LONG_LIVED > freed {
+            break;
+        }
+        let points = quiescent_points(events, &lifetimes, limit);
+        if let Some(&first_point) = points.first() {
+            let every = period(&lifetimes.allocs_before, &points);
+            // The first step begins at the first allocation that counts (before the first point).
+            let begin = lifetimes.counted(limit).map(|(alloc, _)| alloc).min().unwrap_or(0).min(first_point);
+            let starts: Vec<usize> =
+                std::iter::once(begin).chain(points.iter().copied().skip(every - 1).step_by(every)).collect();
+            let found = Found { starts, every, long_lived, limit: (long_lived > 0).then_some(limit) };
+            if regular(&found.starts, events.len()) {
+                return Some(found);
+            }
+            first.get_or_insert(found);
+        }
+        if limit <= SHORTEST_LIMIT {
+            break;
+        }
+        limit = (limit * 3 / 4).max(SHORTEST_LIMIT);
+    }
+    first
+}
+
+/// Whether no step (from each start to the next, the last to `end`) is longer than one and a half
+/// times the lower median step.
+fn regular(starts: &[usize], end: usize) -> bool {
+    let mut lengths: Vec<usize> =
+        starts.iter().zip(starts.iter().skip(1).chain(std::iter::once(&end))).map(|(a, b)| b - a).collect();
+    lengths.sort_unstable();
+    let median = lengths[(lengths.len() - 1) / 2];
+    lengths.last().is_some_and(|&longest| 2 * longest <= 3 * median)
+}
+
+/// Event indices `p` (0 < p < n) before which no allocation that counts under `limit` is live: in
+/// each run of consecutive such indices, the first that is an allocation (a step begins with its
+/// first allocation, and frees of long-lived memory at the end of a step stay in it), and only
+/// where an allocation was made since the previous point.
+fn quiescent_points(events: &[Event], lifetimes: &Lifetimes, limit: usize) -> Vec<usize> {
+    let n = events.len();
+    // crossing[p]: counted allocations made before event p and freed at or after it.
+    let mut delta = vec![0i64; n + 1];
+    for (alloc, free) in lifetimes.counted(limit) {
+        delta[alloc + 1] += 1;
+        delta[free + 1] -= 1;
     }
     let mut points = Vec::new();
     let mut crossing = 0i64;
@@ -115,31 +241,35 @@ fn quiescent_points(events: &[Event]) -> Vec<usize> {
             allocated_since = true;
         }
     }
-    // A point after which nothing is allocated does not start a step.
-    while let Some(&last) = points.last() {
-        if events[last..].iter().any(|e| matches!(e.kind, EventKind::Alloc)) {
-            break;
+    // Each run of quiet indices ends at the allocation that ends it, so this scans each run once.
+    for point in &mut points {
+        while *point < n && !matches!(events[*point].kind, EventKind::Alloc) {
+            *point += 1;
         }
+    }
+    // A point after which nothing is allocated does not start a step.
+    let total = lifetimes.allocs_before[n];
+    while points.last().is_some_and(|&last| lifetimes.allocs_before[last] == total) {
         points.pop();
     }
     points
 }
 
-/// The smallest number of quiescent points per step at which the segments between them repeat.
-fn period(events: &[Event], points: &[usize]) -> usize {
-    let bounds: Vec<usize> =
-        std::iter::once(0).chain(points.iter().copied()).chain(std::iter::once(events.len())).collect();
-    let segments: Vec<(usize, usize)> = bounds
-        .windows(2)
-        .map(|w| (w[1] - w[0], events[w[0]..w[1]].iter().filter(|e| matches!(e.kind, EventKind::Alloc)).count()))
-        .collect();
+/// The smallest number of quiescent points per step at which the segments between them repeat;
+/// `allocs_before` is [`Lifetimes::allocs_before`] (its last entry counts all the events).
+fn period(allocs_before: &[usize], points: &[usize]) -> usize {
+    let end = allocs_before.len() - 1;
+    let bounds: Vec<usize> = std::iter::once(0).chain(points.iter().copied()).chain(std::iter::once(end)).collect();
+    let segments: Vec<(usize, usize)> =
+        bounds.windows(2).map(|w| (w[1] - w[0], allocs_before[w[1]] - allocs_before[w[0]])).collect();
     // Leave out the warm-up segment and the last one (a run may stop mid-step).
     let body = if segments.len() > 3 { &segments[1..segments.len() - 1] } else { &segments[..] };
     // Steps of more than 64 quiescent points are not looked for: the search is quadratic.
     for r in 1..=(body.len() / 2).min(64) {
         let pairs = body.len() - r;
         let same = (0..pairs).filter(|&j| body[j] == body[j + r]).count();
-        if same * 4 >= pairs * 3 {
+        // A longer period needs three pairs seen: two steps of one size by chance are no pattern.
+        if same * 4 >= pairs * 3 && (r == 1 || pairs >= 3) {
             return r;
         }
     }
@@ -149,6 +279,7 @@ fn period(events: &[Event], points: &[usize]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scope::Scope;
 
     fn alloc(ptr: u64, bytes: u64) -> Event {
         let mut event = Event::new(0, EventKind::Alloc, Location::File);
@@ -163,11 +294,30 @@ mod tests {
         event
     }
 
+    /// One training step's own memory: 32 nested allocations (a forward pass's activations, freed
+    /// backwards), all freed in the step; returns the index of its first event. Of its 64 events,
+    /// the 32nd is its peak.
+    fn step(events: &mut Vec<Event>) -> usize {
+        let start = events.len();
+        events.extend((0..32).map(|i| alloc(10 + i, 8)));
+        events.extend((0..32).rev().map(|i| free(10 + i)));
+        start
+    }
+
+    /// Weights that are never freed, then `batches` allocations made before the loop.
+    fn set_up(batches: u64) -> Vec<Event> {
+        let mut events = vec![alloc(1, 100), alloc(2, 100)];
+        events.extend((0..batches).map(|batch| alloc(100 + batch, 4)));
+        events
+    }
+
     #[test]
     fn quiescent_points_are_where_only_never_freed_memory_is_live() {
         // weights (never freed), then two steps of a, b.
         let events = vec![alloc(1, 100), alloc(2, 10), alloc(3, 10), free(3), free(2), alloc(2, 10), free(2)];
-        assert_eq!(quiescent_points(&events), vec![5]);
+        assert_eq!(quiescent_points(&events, &Lifetimes::new(&events), events.len() + 1), vec![5]);
+        let found = boundaries(&events).unwrap();
+        assert_eq!((found.starts, found.every, found.long_lived, found.limit), (vec![1, 5], 1, 0, None));
     }
 
     #[test]
@@ -178,8 +328,161 @@ mod tests {
             events.extend([alloc(2, 1), free(2)]);
             events.extend([alloc(3, 1), alloc(4, 1), alloc(5, 1), free(5), free(4), free(3)]);
         }
-        let points = quiescent_points(&events);
+        let lifetimes = Lifetimes::new(&events);
+        let points = quiescent_points(&events, &lifetimes, events.len() + 1);
         assert_eq!(points.len(), 11);
-        assert_eq!(period(&events, &points), 2);
+        assert_eq!(period(&lifetimes.allocs_before, &points), 2);
+        assert_eq!(boundaries(&events).unwrap().starts, vec![1, 9, 17, 25, 33, 41]);
+    }
+
+    #[test]
+    fn two_steps_of_one_size_by_chance_are_no_period() {
+        // Steps of sizes a b c b c d: b c b c repeats at period 2, seen twice only.
+        let sizes = [1, 2, 3, 2, 3, 4];
+        let mut events = vec![alloc(1, 100)];
+        let mut starts = Vec::new();
+        for n in sizes {
+            starts.push(events.len());
+            events.extend((0..n).map(|i| alloc(10 + i, 1)));
+            events.extend((0..n).rev().map(|i| free(10 + i)));
+        }
+        let found = boundaries(&events).unwrap();
+        assert_eq!((found.every, found.starts), (1, starts));
+    }
+
+    #[test]
+    fn batches_freed_at_teardown_are_left_out_as_long_lived() {
+        // Eight batches made before the loop and freed after it: no point is quiescent while they
+        // count.
+        let mut events = set_up(8);
+        let starts: Vec<usize> = (0..6).map(|_| step(&mut events)).collect();
+        events.extend((0..8).map(|batch| free(100 + batch)));
+        assert!(quiescent_points(&events, &Lifetimes::new(&events), events.len() + 1).is_empty());
+        let found = boundaries(&events).unwrap();
+        assert_eq!((&found.starts, found.every, found.long_lived), (&starts, 1, 8));
+
+        let mut trace = Trace::new("teardown", crate::trace::TraceFormat::Rmm);
+        trace.events = events;
+        let source = infer(&mut trace);
+        assert_eq!(source, StepSource::Inferred { every: 1, long_lived: 8, limit: found.limit });
+        assert_eq!(trace.step_count(), 6);
+    }
+
+    #[test]
+    fn batches_prefetched_and_freed_one_per_step_are_left_out_as_long_lived() {
+        // Eight batches made up front; step k frees batch k in its middle. Batch k spans the
+        // boundaries before steps 1..=k.
+        let mut events = set_up(8);
+        let mut starts = Vec::new();
+        for batch in 0..8 {
+            let start = events.len();
+            step(&mut events);
+            events.insert(start + 32, free(100 + batch));
+            starts.push(start);
+        }
+        let found = boundaries(&events).unwrap();
+        // Step 0 begins with the first batch that counts: the set-up goes with it or before it.
+        assert!(found.starts[0] <= starts[0], "{found:?}");
+        assert_eq!((&found.starts[1..], found.every), (&starts[1..], 1), "{found:?}");
+        assert!(found.long_lived >= 7, "{found:?}");
+    }
+
+    #[test]
+    fn a_batch_prefetched_one_step_ahead_is_left_out_as_long_lived() {
+        // Step k copies in the batch of step k + 1, which frees it: every boundary has a batch
+        // live across it.
+        let mut events = set_up(1);
+        let mut starts = Vec::new();
+        for batch in 0..8 {
+            let start = step(&mut events);
+            events.insert(start + 10, alloc(101 + batch, 4));
+            events.insert(start + 40, free(100 + batch));
+            starts.push(start);
+        }
+        assert!(quiescent_points(&events, &Lifetimes::new(&events), events.len() + 1).is_empty());
+        let found = boundaries(&events).unwrap();
+        // Batches 1 to 7 are long-lived; batch 0 is made in the set-up and freed early in step 0, and
+        // the last one is never freed.
+        assert_eq!((&found.starts[1..], found.every, found.long_lived), (&starts[1..], 1, 7), "{found:?}");
+    }
+
+    #[test]
+    fn a_step_keeps_the_frees_of_long_lived_memory_at_its_end() {
+        // Step k allocates a buffer in its middle and frees the previous step's at its end, after
+        // its own memory is gone: the boundary falls after those frees, at the next allocation.
+        let mut events = set_up(0);
+        let mut starts = Vec::new();
+        for index in 0..8u64 {
+            let start = step(&mut events);
+            events.insert(start + 20, alloc(200 + index, 64));
+            if index > 0 {
+                events.push(free(200 + index - 1));
+            }
+            starts.push(start);
+        }
+        let found = boundaries(&events).unwrap();
+        assert_eq!((&found.starts, found.every, found.long_lived), (&starts, 1, 7), "{found:?}");
+    }
+
+    #[test]
+    fn a_buffer_held_across_two_steps_is_left_out_as_long_lived() {
+        // A buffer made in step 2 and freed in step 4 spans the boundaries before steps 3 and 4.
+        let mut events = set_up(0);
+        let mut starts = Vec::new();
+        for index in 0..8 {
+            let start = step(&mut events);
+            if index == 2 {
+                events.insert(start + 3, alloc(50, 64));
+            }
+            if index == 4 {
+                events.insert(start + 40, free(50));
+            }
+            starts.push(start);
+        }
+        // Every freed allocation counting, steps 2, 3 and 4 make one segment.
+        let lifetimes = Lifetimes::new(&events);
+        let points = quiescent_points(&events, &lifetimes, events.len() + 1);
+        assert!(!points.contains(&starts[3]) && !points.contains(&starts[4]), "{points:?}");
+        let found = boundaries(&events).unwrap();
+        assert_eq!((&found.starts, found.every, found.long_lived), (&starts, 1, 1), "{found:?}");
+
+        // The replay keeps the buffer's real lifetime: made in one inferred step and freed in a
+        // later one, it is persistent, and no boundary releases it; the steps' own memory is
+        // step-scoped.
+        let mut trace = Trace::new("held", crate::trace::TraceFormat::Rmm);
+        trace.events = events;
+        infer(&mut trace);
+        let analysis = crate::analysis::analyse(&trace).unwrap();
+        let scopes = |bytes: u64| -> Vec<(Scope, bool)> {
+            let of = analysis.allocations.iter().filter(|a| a.bytes == bytes);
+            of.map(|a| (a.scope, a.released_at_boundary)).collect()
+        };
+        assert_eq!(scopes(64), vec![(Scope::Persistent, false)]);
+        assert_eq!(scopes(8), vec![(Scope::Step, false); 8 * 32]);
+        assert_eq!(scopes(100), vec![(Scope::Persistent, false); 2]);
+    }
+
+    #[test]
+    fn irregular_steps_at_every_limit_keep_the_first_boundaries_found() {
+        // One quiescent point, after a long first step: no limit makes the steps regular.
+        let mut events = set_up(0);
+        for i in 0..20 {
+            events.push(alloc(10 + i, 1));
+        }
+        for i in (0..20).rev() {
+            events.push(free(10 + i));
+        }
+        let second = events.len();
+        events.extend([alloc(40, 1), free(40)]);
+        let found = boundaries(&events).unwrap();
+        assert_eq!((found.starts, found.long_lived, found.limit), (vec![2, second], 0, None));
+    }
+
+    #[test]
+    fn a_trace_without_frees_has_no_steps() {
+        let mut trace = Trace::new("weights", crate::trace::TraceFormat::Rmm);
+        trace.events = set_up(4);
+        assert_eq!(infer(&mut trace), StepSource::None);
+        assert_eq!(trace.step_count(), 0);
     }
 }

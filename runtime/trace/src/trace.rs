@@ -134,11 +134,16 @@ pub enum StepSource {
     Trace,
     /// `steps_start_ns` of a sidecar JSON file.
     Sidecar(PathBuf),
-    /// Inferred from the trace's periodic pattern: the points where only allocations that are
-    /// never freed are live, repeating every `every` such points.
+    /// Inferred from the trace's periodic pattern (see [`crate::steps`]): the points where no
+    /// allocation that counts is live, one step every `every` such points.
     Inferred {
         /// How many quiescent points make one step.
         every: usize,
+        /// How many freed allocations were left out as long-lived, as those never freed are.
+        long_lived: usize,
+        /// The lifetime (events from allocation to free) at and above which an allocation was
+        /// left out; `None` when every freed allocation counted.
+        limit: Option<usize>,
     },
     /// No steps: the trace has none and no pattern was found.
     None,
@@ -149,11 +154,21 @@ impl fmt::Display for StepSource {
         match self {
             StepSource::Trace => f.write_str("from the trace"),
             StepSource::Sidecar(path) => write!(f, "from {}", path.display()),
-            StepSource::Inferred { every: 1 } => {
-                f.write_str("inferred: the points where every allocation that is ever freed has been freed")
-            }
-            StepSource::Inferred { every } => {
-                write!(f, "inferred: every {every}th point where every allocation that is ever freed has been freed")
+            StepSource::Inferred { every, long_lived, limit } => {
+                f.write_str("inferred: ")?;
+                match every {
+                    1 => f.write_str("the points")?,
+                    every => write!(f, "one step every {every} points")?,
+                }
+                f.write_str(" where every allocation that is ever freed")?;
+                if let Some(limit) = limit {
+                    write!(f, " within {limit} events")?;
+                }
+                f.write_str(" has been freed")?;
+                if *long_lived > 0 {
+                    write!(f, " ({long_lived} longer-lived left out)")?;
+                }
+                Ok(())
             }
             StepSource::None => f.write_str("none found: every allocation is replayed as persistent"),
         }
