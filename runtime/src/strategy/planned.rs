@@ -85,7 +85,10 @@
 //! to 1.036×, the shared ViT 1.015× to 1.027×); recording it in fallback chunks, as before, leaves
 //! the last chunk mostly unused at the scope's peak (up to 256 MiB: the generated ResNet trace at
 //! scale 1, 1.043× against torch-expandable's 1.012×). With both, that ResNet trace reaches 1.003×,
-//! the generated curriculum at scale 1 1.002× (1.043× before), and no trace measured holds more.
+//! the generated curriculum at scale 1 1.002× (1.043× before), and no trace measured reserves
+//! more at 80 GiB; the recorded KV-cache trace needs one 2 MiB page more on its smallest device (a
+//! 15 KiB allocation of its recording keeps an otherwise free page mapped, where the chunks packed
+//! small requests together).
 //! The waits are paid only by scopes the slab did not serve from a plan (a recording, a new shape,
 //! a deviation), as the fallback chunks' are, and are bounded by sixty-four per range's worth of
 //! bytes freed.
