@@ -1229,9 +1229,9 @@ fn the_shared_training_traces_stay_near_the_limit_from_the_second_step() {
     // (178 MiB for 175.8), 1.047 on pool slabs (184 MiB: the persistent chunks' tails and the
     // slab's rounding). The target is 1.03 plus a granule; guarded at 1.05 against regressions.
     let (limit, planned) = check_against_limit("vit_static_train", &trace_program("vit_static_train"), 1, 1.05);
-    // The recording step gives its emptied chunks back as the gradients and optimizer state
-    // arrive, so it reserves no more than the steps after it (it was 1.183 × the limit when the
-    // chunks stayed until the step's end).
+    // The recording step gives back what it freed as the gradients and optimizer state arrive
+    // (its free pages on ranges, its emptied chunks on pool slabs), so it reserves no more than
+    // the steps after it (it was 1.183 × the limit when the chunks stayed until the step's end).
     for planned in &planned {
         assert!(
             planned.whole as f64 <= 1.05 * limit as f64 + (2 * MIB) as f64,
