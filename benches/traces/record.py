@@ -17,7 +17,16 @@ and ``manifest.json`` describing every trace (model, pattern, steps, micro-steps
 bytes, events, torch version). Not run by CI:
 
     python3 -m venv venv && venv/bin/pip install -r benches/traces/requirements.txt
-    venv/bin/python benches/traces/record.py [--out DIR] [--only NAME ...]
+    venv/bin/python benches/traces/record.py [--out DIR] [--only NAME ...] [--seed N] [--steps N]
+                                             [--size X] [--width X]
+
+``--steps`` replaces every workload's step count; ``--size`` multiplies every batch dimension
+(sequences a batch or micro-batch, images a batch, requests generated together) and ``--width``
+every model's width (model dimension, in multiples of 64, attention heads kept, so heads widen;
+feed-forward and expert hidden sizes, in multiples of 16; ResNet's base channels). Live memory
+grows about linearly with ``--size`` (activations) and with ``--width`` (activations, and weights
+and optimizer state quadratically). The defaults (each workload's own steps, size 1, width 1)
+record the shapes of the committed traces.
 
 Everything is seeded, but CPU addresses and times differ between runs.
 """
@@ -38,6 +47,23 @@ from torch.utils.checkpoint import checkpoint
 
 # Micro-batches a step in the accumulation workloads.
 ACCUMULATION = 4
+
+
+class Scale:
+    """`--size` and `--width`: multipliers of the batch dimensions and of the models' widths."""
+
+    def __init__(self, size=1.0, width=1.0):
+        if size <= 0 or width <= 0:
+            raise ValueError(f"--size {size} and --width {width} must be positive")
+        self.size, self.width = size, width
+
+    def batch(self, n):
+        """A batch dimension of `n` at size 1."""
+        return max(1, round(n * self.size))
+
+    def dim(self, n, multiple):
+        """A width of `n` at width 1, a multiple of `multiple`."""
+        return max(multiple, round(n * self.width / multiple) * multiple)
 
 # ---------------------------------------------------------------------------------------------
 # Models: small versions of the architectures the patterns name.
@@ -222,42 +248,46 @@ def train_steps(model, opt, batches, mark, micro=1, autocast=False):
             opt.zero_grad(set_to_none=True)
 
 
-def bert_static(mark, steps):
-    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=False, max_len=128)
+def bert_static(mark, steps, scale):
+    dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(8)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=False, max_len=128)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
-    batches = [[torch.randint(0, 8192, (8, 128))] for _ in range(steps)]
+    batches = [[torch.randint(0, 8192, (batch, 128))] for _ in range(steps)]
     train_steps(model, opt, batches, mark)
-    return dict(model="BERT-style encoder, 4 layers, d=256, ffn 1024, vocab 8192, 128 positions",
-                pattern="static shapes: batch 8 x 128 tokens every step, masked-LM head, AdamW")
+    return dict(model=f"BERT-style encoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192, 128 positions",
+                pattern=f"static shapes: batch {batch} x 128 tokens every step, masked-LM head, AdamW")
 
 
-def gpt2_varlen(mark, steps):
-    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=512)
+def gpt2_varlen(mark, steps, scale):
+    dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(4)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=512)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
     lengths = [random.choice(range(64, 513, 32)) for _ in range(steps)]
-    batches = [[torch.randint(0, 8192, (4, s))] for s in lengths]
+    batches = [[torch.randint(0, 8192, (batch, s))] for s in lengths]
     train_steps(model, opt, batches, mark)
-    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192",
-                pattern=f"variable sequence length per step (batch 4, lengths {lengths}), AdamW")
+    return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
+                pattern=f"variable sequence length per step (batch {batch}, lengths {lengths}), AdamW")
 
 
-def llama_accum(mark, steps):
-    model = Transformer(vocab=8192, dim=256, layers=4, heads=8, kv_heads=2, ffn=688, causal=True, llama=True)
+def llama_accum(mark, steps, scale):
+    dim, ffn, batch = scale.dim(256, 64), scale.dim(688, 16), scale.batch(2)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=8, kv_heads=2, ffn=ffn, causal=True, llama=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
-    batches = [[torch.randint(0, 8192, (2, 256)) for _ in range(ACCUMULATION)] for _ in range(steps)]
+    batches = [[torch.randint(0, 8192, (batch, 256)) for _ in range(ACCUMULATION)] for _ in range(steps)]
     train_steps(model, opt, batches, mark, micro=ACCUMULATION)
-    return dict(model="Llama-style decoder, 4 layers, d=256, 8 heads / 2 KV heads, SwiGLU 688, vocab 8192",
-                pattern="4x gradient accumulation: 4 micro-batches of 2 x 256 tokens, one AdamW step a step")
+    return dict(model=f"Llama-style decoder, 4 layers, d={dim}, 8 heads / 2 KV heads, SwiGLU {ffn}, vocab 8192",
+                pattern=f"4x gradient accumulation: 4 micro-batches of {batch} x 256 tokens, one AdamW step a step")
 
 
-def resnet_varbatch(mark, steps):
-    model = ResNet(width=16)
+def resnet_varbatch(mark, steps, scale):
+    width = scale.dim(16, 1)
+    model = ResNet(width=width)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     KEEP.append((model, opt))
-    sizes = [random.choice([8, 12, 16, 24, 32]) for _ in range(steps)]
+    sizes = [scale.batch(random.choice([8, 12, 16, 24, 32])) for _ in range(steps)]
     for step, batch in enumerate(sizes):
         with mark(step):
             x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 100, (batch,))
@@ -267,40 +297,44 @@ def resnet_varbatch(mark, steps):
             opt.step()
             opt.zero_grad(set_to_none=True)
             del x, y
-    return dict(model="ResNet-18 layout at width 16, 32x32 images, 100 classes, BatchNorm",
+    return dict(model=f"ResNet-18 layout at width {width}, 32x32 images, 100 classes, BatchNorm",
                 pattern=f"variable batch per step ({sizes}), SGD with momentum")
 
 
-def moe_routing(mark, steps):
-    model = Transformer(vocab=4096, dim=192, layers=3, heads=4, ffn=384, causal=True, llama=True, experts=8)
+def moe_routing(mark, steps, scale):
+    dim, ffn, batch = scale.dim(192, 64), scale.dim(384, 16), scale.batch(4)
+    model = Transformer(vocab=4096, dim=dim, layers=3, heads=4, ffn=ffn, causal=True, llama=True, experts=8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     KEEP.append((model, opt))
-    batches = [[torch.randint(0, 4096, (4, 128))] for _ in range(steps)]
+    batches = [[torch.randint(0, 4096, (batch, 128))] for _ in range(steps)]
     train_steps(model, opt, batches, mark)
-    return dict(model="mixture-of-experts decoder, 3 layers, d=192, 8 SwiGLU experts of 384, top-2, vocab 4096",
+    return dict(model=f"mixture-of-experts decoder, 3 layers, d={dim}, 8 SwiGLU experts of {ffn}, top-2, vocab 4096"
+                      + ("" if batch == 4 else f", batch {batch} x 128"),
                 pattern="variable routing: each expert's token count changes every step and layer, AdamW")
 
 
-def llama_ckpt_bf16(mark, steps):
-    model = Transformer(vocab=8192, dim=256, layers=4, heads=8, kv_heads=2, ffn=688, causal=True, llama=True,
+def llama_ckpt_bf16(mark, steps, scale):
+    dim, ffn, batch = scale.dim(256, 64), scale.dim(688, 16), scale.batch(4)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=8, kv_heads=2, ffn=ffn, causal=True, llama=True,
                         checkpointed=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
-    batches = [[torch.randint(0, 8192, (4, 256))] for _ in range(steps)]
+    batches = [[torch.randint(0, 8192, (batch, 256))] for _ in range(steps)]
     train_steps(model, opt, batches, mark, autocast=True)
-    return dict(model="Llama-style decoder, 4 layers, d=256, 8 heads / 2 KV heads, SwiGLU 688, vocab 8192",
-                pattern="activation checkpointing per block (non-reentrant) under bf16 autocast, batch 4 x 256")
+    return dict(model=f"Llama-style decoder, 4 layers, d={dim}, 8 heads / 2 KV heads, SwiGLU {ffn}, vocab 8192",
+                pattern=f"activation checkpointing per block (non-reentrant) under bf16 autocast, batch {batch} x 256")
 
 
 @torch.no_grad()
-def gpt2_kv_generate(mark, steps):
-    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=1024).eval()
+def gpt2_kv_generate(mark, steps, scale):
+    dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(8)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=1024).eval()
     KEEP.append(model)
     requests = [(random.choice(range(32, 257, 16)), random.choice(range(16, 49, 8))) for _ in range(steps)]
     for step, (prompt, new) in enumerate(requests):
         with mark(step):
             caches = [dict() for _ in model.blocks]
-            tokens = torch.randint(0, 8192, (8, prompt))
+            tokens = torch.randint(0, 8192, (batch, prompt))
             logits = model(tokens, caches, 0)
             offset = prompt
             for _ in range(new):
@@ -308,13 +342,14 @@ def gpt2_kv_generate(mark, steps):
                 logits = model(token, caches, offset)
                 offset += 1
             del caches, logits, tokens, token
-    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192, inference",
-                pattern=f"KV-cache generation, batch 8, one request a step (prompt, new tokens): {requests}; "
+    return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192, inference",
+                pattern=f"KV-cache generation, batch {batch}, one request a step (prompt, new tokens): {requests}; "
                         "the cache grows by concatenation each token")
 
 
-def train_eval(mark, steps):
-    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=256)
+def train_eval(mark, steps, scale):
+    dim, ffn, train, evaluate = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(8), scale.batch(16)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=256)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
     kinds = []
@@ -325,33 +360,34 @@ def train_eval(mark, steps):
                 model.eval()
                 with torch.no_grad():
                     for _ in range(2):
-                        tokens = torch.randint(0, 8192, (16, 256))
+                        tokens = torch.randint(0, 8192, (evaluate, 256))
                         loss = lm_loss(model(tokens), tokens)
                         del loss
                 model.train()
             else:
                 kinds.append("train")
-                tokens = torch.randint(0, 8192, (8, 256))
+                tokens = torch.randint(0, 8192, (train, 256))
                 loss = lm_loss(model(tokens), tokens)
                 loss.backward()
                 del loss
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             del tokens
-    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192",
+    return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
                 pattern=f"training interleaved with evaluation passes (each its own step): {kinds}; "
-                        "train batch 8 x 256, eval 2 batches of 16 x 256 without gradients")
+                        f"train batch {train} x 256, eval 2 batches of {evaluate} x 256 without gradients")
 
 
-def curriculum_accum(mark, steps):
-    model = Transformer(vocab=8192, dim=256, layers=4, heads=4, ffn=1024, causal=True, max_len=512)
+def curriculum_accum(mark, steps, scale):
+    dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(2)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=512)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     KEEP.append((model, opt))
     lengths = [int(64 + (512 - 64) * step / max(steps - 1, 1)) // 32 * 32 for step in range(steps)]
-    batches = [[torch.randint(0, 8192, (2, s)) for _ in range(ACCUMULATION)] for s in lengths]
+    batches = [[torch.randint(0, 8192, (batch, s)) for _ in range(ACCUMULATION)] for s in lengths]
     train_steps(model, opt, batches, mark, micro=ACCUMULATION)
-    return dict(model="GPT-2-style decoder, 4 layers, d=256, ffn 1024, vocab 8192",
-                pattern=f"sequence-length curriculum {lengths} with 4x gradient accumulation (micro-batch 2)")
+    return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
+                pattern=f"sequence-length curriculum {lengths} with 4x gradient accumulation (micro-batch {batch})")
 
 
 WORKLOADS = {
@@ -377,13 +413,14 @@ class Marks:
         return record_function(f"steppool_step_{step}" if micro is None else f"steppool_micro_{step}_{micro}")
 
 
-def record(name, out_dir, seed):
-    fn, steps = WORKLOADS[name]
+def record(name, out_dir, seed, steps=None, scale=Scale()):
+    fn, default_steps = WORKLOADS[name]
+    steps = steps or default_steps
     random.seed(seed)
     torch.manual_seed(seed)
     chrome = os.path.join(out_dir, f".{name}.chrome.json")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        info = fn(Marks(), steps)
+        info = fn(Marks(), steps, scale)
     prof.export_chrome_trace(chrome)
     with open(chrome) as f:
         events = json.load(f)["traceEvents"]
@@ -467,7 +504,7 @@ def record(name, out_dir, seed):
                 steps=steps, micro_steps_per_step=micro, events=len(rows),
                 allocations=sum(1 for r in rows if r[1] == "alloc"), peak_live_bytes=peak,
                 live_at_end_bytes=total, implied_frees=implied,
-                bytes=os.path.getsize(path), seed=seed, **info)
+                bytes=os.path.getsize(path), seed=seed, size=scale.size, width=scale.width, **info)
 
 
 def main():
@@ -477,7 +514,15 @@ def main():
     parser.add_argument("--out", default=default_out)
     parser.add_argument("--only", nargs="*", choices=sorted(WORKLOADS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, help="steps of every workload (default: each its own)")
+    parser.add_argument("--size", type=float, default=1.0, help="multiplier of every batch dimension")
+    parser.add_argument("--width", type=float, default=1.0, help="multiplier of every model's width")
     args = parser.parse_args()
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps {args.steps}: at least 1")
+    if args.size <= 0 or args.width <= 0:
+        parser.error(f"--size {args.size} and --width {args.width} must be positive")
+    scale = Scale(args.size, args.width)
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     manifest_path = os.path.join(args.out, "manifest.json")
@@ -488,7 +533,7 @@ def main():
     manifest["recorded_with"] = (f"benches/traces/record.py, torch {torch.__version__} on the CPU, "
                                  "torch.profiler profile_memory=True, one thread")
     for name in args.only or WORKLOADS:
-        entry = record(name, args.out, args.seed)
+        entry = record(name, args.out, args.seed, args.steps, scale)
         entry["torch"] = torch.__version__
         manifest["traces"][name] = entry
         print(f"{name}: {entry['events']} events, peak live {entry['peak_live_bytes'] / 2**20:.1f} MiB, "
