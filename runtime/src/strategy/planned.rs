@@ -72,8 +72,8 @@
 //! overlapping lifetime holds, else past the plan's end — while the rest of the scope follows its
 //! plan held 876 to 896 MiB a step: such an allocation (a saved activation, live until the
 //! backward pass) holds its whole size beside its idle planned range, and an entry whose range a
-//! grown one took goes apart in turn. Laying the largest sizes out in allocation order held 892
-//! MiB.
+//! grown one took goes apart in turn. Laying the largest sizes out in allocation order made plans
+//! of 892 to 897 MiB.
 //!
 //! A scope of a new shape (no plan has its first sizes) borrows the smallest plan whose first
 //! sizes are each at least its own (a shorter sequence after a longer one: every slot fits), and
