@@ -341,6 +341,38 @@ pub struct Run {
     pub peak_op: Option<usize>,
     /// Live and reserved bytes over the run.
     pub timeline: Timeline,
+    /// What the planned strategy's plans served over the run, summed over its steps' reports
+    /// ([`PlanStats`](steppool::PlanStats)); `None` for a run without a planned pool.
+    pub plans: Option<PlanTotals>,
+}
+
+/// The planned strategy's counters ([`PlanStats`](steppool::PlanStats)) summed over a run's
+/// steps and pools: how often a plan served, and how often a scope left it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanTotals {
+    /// Allocations served at their planned offset.
+    pub planned: u64,
+    /// Allocations served otherwise: every allocation of a scope being recorded, and those after
+    /// a deviation.
+    pub unplanned: u64,
+    /// Allocations a plan was in use for but could not serve (a size larger than its entry where
+    /// the range is taken, an allocation the plan lacks, a planned range held late).
+    pub deviations: u64,
+    /// Scopes (steps, micro-steps) that deviated from their plan.
+    pub deviated_scopes: u64,
+    /// Scopes served from a plan, deviated or not.
+    pub planned_scopes: u64,
+}
+
+impl PlanTotals {
+    /// Adds one step's counters of one pool.
+    fn add(&mut self, stats: &steppool::PlanStats) {
+        self.planned += stats.planned;
+        self.unplanned += stats.unplanned;
+        self.deviations += stats.deviations;
+        self.deviated_scopes += stats.deviated_scopes;
+        self.planned_scopes += stats.plans.iter().map(|plan| plan.scopes).sum::<u64>();
+    }
 }
 
 impl Run {
@@ -677,6 +709,7 @@ fn run_steppool(
     let mut snapshot = None;
     let mut timeline = Timeline::new(trace.events.len(), options.timeline_points);
     let mut failure = None;
+    let mut plans = None;
 
     let sample =
         |device: usize, reserved: &mut [u64], device_peak: &mut [u64], total: &mut u64, event: usize| -> Result<()> {
@@ -767,12 +800,17 @@ fn run_steppool(
                 // SAFETY: as for the allocations: nothing uses simulated memory.
                 let ended = unsafe {
                     if op == Op::EndStep {
-                        runtime.raw().end_step().map(drop)
+                        runtime.raw().end_step().map(Some)
                     } else {
-                        runtime.raw().end_micro_step().map(drop)
+                        runtime.raw().end_micro_step().map(|_| None)
                     }
                 };
-                ended.map_err(|e| at(event, e))?;
+                // The planned pools' counters cover the whole step, its micro-steps included.
+                if let Some(report) = ended.map_err(|e| at(event, e))? {
+                    for stats in report.pools.iter().filter_map(|pool| pool.plan.as_ref()) {
+                        plans.get_or_insert_with(PlanTotals::default).add(stats);
+                    }
+                }
                 if op == Op::EndStep {
                     released_by_boundary.drain(..).for_each(|id| alive[id as usize] = false);
                 }
@@ -796,6 +834,7 @@ fn run_steppool(
         steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
         peak_op: peaks.op,
         timeline,
+        plans,
     };
     if let Some(saved) = saved {
         *saved = runtime.saved_plans();
@@ -954,6 +993,7 @@ fn run_torch(
         steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
         peak_op: peaks.op,
         timeline,
+        plans: None,
     };
     (run, snapshot)
 }

@@ -317,6 +317,25 @@ pub struct ResultJson {
     pub min_capacity_bytes: Option<u64>,
     /// Where it failed at the chosen capacity.
     pub failure: Option<FailureJson>,
+    /// What the planned strategy's plans served over the run (up to the failure, if one
+    /// happened); null for strategies without plans.
+    pub plans: Option<PlansJson>,
+}
+
+/// The planned strategy's plans over a run in `steppool replay --json`: the runtime's
+/// [`PlanStats`](steppool::PlanStats) counters summed over the steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PlansJson {
+    /// Allocations served at their planned offset.
+    pub planned_allocations: u64,
+    /// Allocations served otherwise (recording scopes, and allocations after a deviation).
+    pub unplanned_allocations: u64,
+    /// Allocations a plan was in use for but could not serve.
+    pub deviations: u64,
+    /// Scopes that deviated from their plan.
+    pub deviated_scopes: u64,
+    /// Scopes served from a plan, deviated or not.
+    pub planned_scopes: u64,
 }
 
 /// A failed allocation in `steppool replay --json`.
@@ -397,6 +416,13 @@ pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyRe
                     requested_bytes: f.requested,
                     phase: f.phase.clone(),
                     verdict: f.verdict.to_string(),
+                }),
+                plans: r.run.plans.map(|p| PlansJson {
+                    planned_allocations: p.planned,
+                    unplanned_allocations: p.unplanned,
+                    deviations: p.deviations,
+                    deviated_scopes: p.deviated_scopes,
+                    planned_scopes: p.planned_scopes,
                 }),
             })
             .collect(),
@@ -519,6 +545,28 @@ pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyR
                 w,
                 "{}",
                 if unattributed { format!(" {:>13}", signed(b.unattributed_bytes)) } else { String::new() }
+            );
+        }
+    }
+    if results.iter().any(|r| r.run.plans.is_some()) {
+        let _ = writeln!(w, "\nplans over the run (the runtime's plan counters, summed over the steps)");
+        let _ = writeln!(
+            w,
+            "  {:<17} {:>12} {:>12} {:>11} {:>24}",
+            "strategy", "planned", "unplanned", "deviations", "deviated/planned scopes"
+        );
+        for r in results {
+            let Some(p) = r.run.plans else { continue };
+            let total = p.planned + p.unplanned;
+            let share = if total == 0 { 0.0 } else { p.planned as f64 * 100.0 / total as f64 };
+            let _ = writeln!(
+                w,
+                "  {:<17} {:>12} {:>12} {:>11} {:>24}",
+                r.run.strategy,
+                format!("{} ({share:.1} %)", p.planned),
+                p.unplanned,
+                p.deviations,
+                format!("{} / {}", p.deviated_scopes, p.planned_scopes)
             );
         }
     }

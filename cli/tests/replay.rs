@@ -127,3 +127,37 @@ fn the_planned_smallest_device_is_no_larger_than_the_pool_and_the_torch_models()
         }
     }
 }
+
+/// The planned strategy's plan counters, summed over the run's steps, say how often its plans
+/// served and how often a scope left its plan; the other strategies have none.
+#[test]
+fn the_planned_strategy_counts_what_its_plans_served_and_its_deviations() {
+    use steppool_cli::patterns::{Pattern, PatternOptions, generate};
+    let run = |pattern: Pattern| {
+        let options = PatternOptions { steps: 6, seed: 1, scale: 0.01, micro_steps: false };
+        let trace = generate(pattern, &options).unwrap();
+        let analysis = analyse(&trace).unwrap();
+        let mut allocators = select("planned").unwrap();
+        allocators.extend(select("torch-expandable").unwrap());
+        let options = ReplayOptions { bisect: false, ..ReplayOptions::new(80 << 30) };
+        let results = replay(&trace, &analysis, &allocators, &options, &Silent).unwrap();
+        let limit = limit(&analysis).unwrap();
+        let json = serde_json::to_value(replay_json(&inspect(&trace, &analysis), 80 << 30, &results, &limit)).unwrap();
+        assert_eq!(json["results"][1]["plans"], serde_json::Value::Null, "a PyTorch model has no plans");
+        assert_eq!(results[1].run.plans, None);
+        let plans = results[0].run.plans.expect("the planned strategy's counters");
+        let shown = &json["results"][0]["plans"];
+        assert_eq!(shown["deviations"], plans.deviations);
+        assert_eq!(shown["planned_allocations"], plans.planned);
+        assert_eq!(shown["deviated_scopes"], plans.deviated_scopes);
+        plans
+    };
+    // Static shapes: the first step is recorded, the five after it are served from its plan.
+    let plans = run(Pattern::BertStatic);
+    assert_eq!((plans.deviations, plans.deviated_scopes, plans.planned_scopes), (0, 0, 5));
+    assert_eq!(plans.planned, 5 * plans.unplanned, "each step has the recorded step's allocations");
+    // Routed experts: the token counts change every step, and steps leave their plan.
+    let plans = run(Pattern::MoeRouting);
+    assert_eq!(plans.planned_scopes, 5);
+    assert!(plans.deviated_scopes > 0 && plans.deviations >= plans.deviated_scopes, "{plans:?}");
+}

@@ -51,7 +51,9 @@ pub enum Strategy {
     /// at the same time never overlap. Later scopes of that shape get allocation *i* at its
     /// planned offset when it is no larger than planned, or larger when the grown range is clear
     /// of every live allocation (a plan refreshed after the same allocations and frees with
-    /// other sizes keeps, per entry, the largest size seen). A deviation (a larger size whose
+    /// other sizes keeps, per entry, the largest size seen, or, where the sizes vary in shares of
+    /// a fixed total such as tokens routed to experts, the latest sizes laid out in allocation
+    /// order). A deviation (a larger size whose
     /// range is taken, an extra allocation, a planned range still held) is served, as is the rest
     /// of that scope, best-fit from the slab's free ranges, then from the chunks, and refreshes
     /// the plan at the scope's end. A chunk goes back as soon as nothing in it is handed out. Plans are keyed by the scope's first `signature_len` sizes, or by
