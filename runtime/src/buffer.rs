@@ -10,6 +10,7 @@ use steppool_sys::CUdeviceptr;
 use crate::error::Result;
 use crate::phase::Phase;
 use crate::pool::PhasePool;
+use crate::strategy::Served;
 use crate::stream::Stream;
 use crate::stream_core::StreamCore;
 
@@ -22,6 +23,8 @@ use crate::stream_core::StreamCore;
 /// recorded with [`Buffer::record_use`].
 pub struct Buffer<'a> {
     ptr: CUdeviceptr,
+    /// Where the pool's strategy filed it ([`Served::slot`]), for its free.
+    slot: u32,
     bytes: u64,
     pool: PoolRef<'a>,
     uses: Vec<Arc<StreamCore>>,
@@ -64,8 +67,13 @@ impl Deref for PoolRef<'_> {
 }
 
 impl<'a> Buffer<'a> {
-    pub(crate) fn new(ptr: CUdeviceptr, bytes: u64, pool: PoolRef<'a>) -> Self {
-        Self { ptr, bytes, pool, uses: Vec::new(), freed: false, _scope: PhantomData }
+    pub(crate) fn new(served: Served, bytes: u64, pool: PoolRef<'a>) -> Self {
+        Self { ptr: served.ptr, slot: served.slot, bytes, pool, uses: Vec::new(), freed: false, _scope: PhantomData }
+    }
+
+    /// The allocation as the pool's strategy handed it out.
+    fn served(&self) -> Served {
+        Served { ptr: self.ptr, slot: self.slot }
     }
 
     /// The device pointer.
@@ -122,14 +130,14 @@ impl<'a> Buffer<'a> {
     /// [`Runtime::take_errors`](crate::Runtime::take_errors).
     pub fn free(mut self) -> Result<()> {
         self.freed = true;
-        self.pool.lock().free(self.ptr, self.bytes, &self.uses)
+        self.pool.lock().free(self.served(), self.bytes, &self.uses)
     }
 }
 
 impl Drop for Buffer<'_> {
     fn drop(&mut self) {
         if !self.freed {
-            self.pool.free_or_record(self.ptr, self.bytes, &self.uses);
+            self.pool.free_or_record(self.served(), self.bytes, &self.uses);
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use steppool_sys::{CUdeviceptr, Driver};
+use steppool_sys::Driver;
 
 use crate::control::Control;
 use crate::device_core::DeviceCore;
@@ -18,6 +18,7 @@ use crate::pool::{PhasePool, PoolGuard, PoolSinks, PoolSlots, StepPools};
 use crate::raw_table::RawTable;
 use crate::registry::Registry;
 use crate::report::{MicroStepReport, PoolStats, StepReport};
+use crate::strategy::Served;
 use crate::stream_core::StreamCore;
 use crate::telemetry::{DeviceMemory, EventKind, History, Metrics};
 
@@ -100,7 +101,7 @@ impl RuntimeInner {
     /// out-of-memory: every pool of the device gives back what its live allocations do not need
     /// (the failing one too: a planned slab's free pages, empty chunks), the device is
     /// synchronized and its pools trimmed, and the allocation is tried again.
-    /// Returns the pool, borrowed from `slots`.
+    /// Returns the pool, borrowed from `slots`, and the allocation.
     #[inline]
     pub(crate) fn allocate<'s>(
         &self,
@@ -109,7 +110,7 @@ impl RuntimeInner {
         stream: &Arc<StreamCore>,
         slots: &'s PoolSlots,
         caller: Caller,
-    ) -> Result<(&'s Arc<PhasePool>, CUdeviceptr)> {
+    ) -> Result<(&'s Arc<PhasePool>, Served)> {
         self.errors.guard(|| self.allocate_checked(phase, bytes, stream, slots, caller))
     }
 
@@ -121,7 +122,7 @@ impl RuntimeInner {
         stream: &Arc<StreamCore>,
         slots: &'s PoolSlots,
         caller: Caller,
-    ) -> Result<(&'s Arc<PhasePool>, CUdeviceptr)> {
+    ) -> Result<(&'s Arc<PhasePool>, Served)> {
         let pool = self.pool(stream, slots, phase)?;
         let spec = pool.spec();
         let allowed = matches!(
@@ -179,19 +180,19 @@ impl RuntimeInner {
     }
 
     #[inline]
-    fn try_allocate(&self, pool: &Arc<PhasePool>, bytes: u64, raw: bool) -> Result<CUdeviceptr> {
+    fn try_allocate(&self, pool: &Arc<PhasePool>, bytes: u64, raw: bool) -> Result<Served> {
         let mut guard = pool.lock();
         if raw {
             // Under the pool's lock: an allocation either lands before the release (and is
             // released) or is refused.
             self.control.admit_raw(pool.scope())?;
         }
-        let ptr = guard.allocate(bytes)?;
+        let served = guard.allocate(bytes)?;
         if raw {
-            guard.insert_raw(ptr, bytes);
-            self.raw.register(ptr, bytes, pool);
+            guard.insert_raw(served, bytes);
+            self.raw.register(served.ptr, bytes, pool);
         }
-        Ok(ptr)
+        Ok(served)
     }
 
     /// Gives back the idle memory of every pool on `device`: strategies first return what their

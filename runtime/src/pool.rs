@@ -19,9 +19,9 @@ use crate::error::{Error, ErrorSink, Result};
 use crate::phase::{ALIGNMENT, MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::{PoolId, PoolStats};
 use crate::source::{DeviceSource, Source};
-use crate::strategy::{Allocator, allocator};
+use crate::strategy::{Allocator, Served, allocator};
 use crate::stream_core::StreamCore;
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{PoolMutex, PoolMutexGuard, lock_pool, pool_state_mut};
 use crate::telemetry::{self, EventKind, PoolMetrics, Recorder, Retired, Usage, thread_number};
 
 /// The pools of one stream, by phase index.
@@ -31,6 +31,8 @@ pub(crate) type PoolSlots = [OnceLock<Arc<PhasePool>>; MAX_PHASES];
 #[derive(Debug)]
 pub(crate) struct RawAllocation {
     pub(crate) bytes: u64,
+    /// Where the strategy filed it ([`Served::slot`]).
+    pub(crate) slot: u32,
     /// Other streams it was used on; its free waits for them.
     pub(crate) uses: Vec<Arc<StreamCore>>,
 }
@@ -56,7 +58,7 @@ struct Counters {
 const DEFAULT_GRANULE: u64 = 2 << 20;
 
 /// One allocation call in this many is timed.
-const TIMING_SAMPLE: u64 = 16;
+const TIMING_SAMPLE: u64 = 64;
 
 /// A random sample of allocation times, scaled to every call: an unbiased estimate of the time
 /// spent allocating, at a sixteenth of the cost of timing every call.
@@ -151,7 +153,7 @@ pub(crate) struct PhasePool {
     handle: Option<PoolHandle>,
     /// One more than the index of the step whose [`StepPools`] holds the pool; 0 for none.
     kept_for_step: AtomicU64,
-    state: Mutex<PoolState>,
+    state: PoolMutex<PoolState>,
     errors: Arc<ErrorSink>,
     recorder: Arc<Recorder>,
     retired: Arc<Retired>,
@@ -196,7 +198,7 @@ impl PhasePool {
         let handle = state.source.handle().map(PoolHandle::from_raw);
         let PoolSinks { errors, recorder, retired } = sinks;
         let kept_for_step = AtomicU64::new(0);
-        Ok(Self { entry, stream, handle, kept_for_step, state: Mutex::new(state), errors, recorder, retired })
+        Ok(Self { entry, stream, handle, kept_for_step, state: PoolMutex::new(state), errors, recorder, retired })
     }
 
     pub(crate) fn phase(&self) -> Phase {
@@ -226,10 +228,9 @@ impl PhasePool {
     }
 
     /// Takes the pool's lock.
+    #[inline]
     pub(crate) fn lock(&self) -> PoolGuard<'_> {
-        // Pool operations leave the state consistent between driver calls, so a poisoned lock
-        // (a panic elsewhere while it was held) still guards usable state.
-        PoolGuard { pool: self, state: self.state.lock().unwrap_or_else(PoisonError::into_inner) }
+        PoolGuard { pool: self, state: lock_pool(&self.state) }
     }
 
     /// The runtime's sink of errors raised in `Drop`.
@@ -238,12 +239,13 @@ impl PhasePool {
     }
 
     /// Frees a buffer's allocation; an error goes to the runtime's sink (called from `Drop`).
-    pub(crate) fn free_or_record(&self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) {
+    #[inline]
+    pub(crate) fn free_or_record(&self, served: Served, bytes: u64, uses: &[Arc<StreamCore>]) {
         // A lost context's memory is not touched again (the sticky error is already kept).
         if self.errors.check().is_err() {
             return;
         }
-        if let Err(error) = self.lock().free(ptr, bytes, uses) {
+        if let Err(error) = self.lock().free(served, bytes, uses) {
             self.errors.record(error);
         }
     }
@@ -288,7 +290,7 @@ impl StepPools {
 /// A locked [`PhasePool`]: what may be done to the pool's state.
 pub(crate) struct PoolGuard<'a> {
     pool: &'a PhasePool,
-    state: MutexGuard<'a, PoolState>,
+    state: PoolMutexGuard<'a, PoolState>,
 }
 
 impl Deref for PoolGuard<'_> {
@@ -302,7 +304,7 @@ impl Deref for PoolGuard<'_> {
 impl PoolGuard<'_> {
     /// Allocates `bytes`, charging the phase's budget. Does not recover from out-of-memory.
     #[inline]
-    pub(crate) fn allocate(&mut self, bytes: u64) -> Result<CUdeviceptr> {
+    pub(crate) fn allocate(&mut self, bytes: u64) -> Result<Served> {
         let pool = self.pool;
         let spec = &pool.entry.spec;
         let state = self.state.deref_mut();
@@ -319,7 +321,7 @@ impl PoolGuard<'_> {
         let result = allocator.allocate(source, bytes);
         timing.stop(started);
         match result {
-            Ok(ptr) => {
+            Ok(served) => {
                 counters.used += bytes;
                 counters.served += bytes.next_multiple_of(ALIGNMENT);
                 if counters.used > counters.peak_used {
@@ -334,9 +336,9 @@ impl PoolGuard<'_> {
                 totals.requested_bytes += bytes;
                 if pool.recorder.is_on() {
                     let (step, thread) = (pool.recorder.step(), thread_number());
-                    pool.recorder.record(EventKind::Alloc { pool: pool.id(), ptr, bytes, step, thread });
+                    pool.recorder.record(EventKind::Alloc { pool: pool.id(), ptr: served.ptr, bytes, step, thread });
                 }
-                Ok(ptr)
+                Ok(served)
             }
             Err(error) => {
                 if spec.budget.is_some() {
@@ -354,10 +356,10 @@ impl PoolGuard<'_> {
     /// Frees an allocation of `bytes`, after making the pool's stream wait for the other streams
     /// it was used on.
     #[inline]
-    pub(crate) fn free(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>]) -> Result<()> {
+    pub(crate) fn free(&mut self, served: Served, bytes: u64, uses: &[Arc<StreamCore>]) -> Result<()> {
         // Under a capture, the driver free the strategy may make waits in the source
         // (`DeviceSource::free`): a strategy that frees without the driver pays no question.
-        self.free_inner(ptr, bytes, uses, false)
+        self.free_inner(served, bytes, uses, false)
     }
 
     /// The packed plan a captured step would be served from (see [`Allocator::plan_view`]).
@@ -389,8 +391,9 @@ impl PoolGuard<'_> {
     }
 
     /// [`PoolGuard::free`]; `release` says a boundary frees it.
-    fn free_inner(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>], release: bool) -> Result<()> {
+    fn free_inner(&mut self, served: Served, bytes: u64, uses: &[Arc<StreamCore>], release: bool) -> Result<()> {
         let pool = self.pool;
+        let ptr = served.ptr;
         for other in uses {
             if let Err(error) = pool.stream.wait_for(other) {
                 // The free cannot be ordered after `other`'s work. It is still a free: the
@@ -416,7 +419,7 @@ impl PoolGuard<'_> {
             pool.recorder.record(EventKind::Free { pool: pool.id(), ptr, bytes, step, thread, release });
         }
         let PoolState { allocator, source, .. } = self.state.deref_mut();
-        match allocator.free(source, ptr, bytes) {
+        match allocator.free(source, served, bytes) {
             Ok(()) => {
                 self.count_free(bytes, release);
                 Ok(())
@@ -447,8 +450,8 @@ impl PoolGuard<'_> {
     }
 
     /// Keeps a raw allocation for the boundary of its scope.
-    pub(crate) fn insert_raw(&mut self, ptr: CUdeviceptr, bytes: u64) {
-        self.state.raw.insert(ptr, RawAllocation { bytes, uses: Vec::new() });
+    pub(crate) fn insert_raw(&mut self, served: Served, bytes: u64) {
+        self.state.raw.insert(served.ptr, RawAllocation { bytes, slot: served.slot, uses: Vec::new() });
     }
 
     /// Takes a raw allocation out, if the pool has it.
@@ -511,7 +514,8 @@ impl PoolGuard<'_> {
         let mut released = Released::default();
         let raw: Vec<(CUdeviceptr, RawAllocation)> = self.state.raw.drain().collect();
         for (ptr, allocation) in raw {
-            let freed = self.free_inner(ptr, allocation.bytes, &allocation.uses, true);
+            let served = Served { ptr, slot: allocation.slot };
+            let freed = self.free_inner(served, allocation.bytes, &allocation.uses, true);
             if freed.is_ok() {
                 released.bytes += allocation.bytes;
             }
@@ -644,7 +648,7 @@ fn pool_metrics(pool: &PhasePool, usage: Usage, free_space: Option<crate::report
 
 impl Drop for PhasePool {
     fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let state = pool_state_mut(&mut self.state);
         // Its counts outlive it, so the runtime's counters never go back.
         let mut usage = state.totals;
         usage.alloc_nanos = state.timing.estimate_nanos();
@@ -652,7 +656,7 @@ impl Drop for PhasePool {
         let mut outcome = Ok(());
         // Through the strategy: a raw pointer is the source's own allocation only for `Direct`.
         for (ptr, allocation) in raw.drain() {
-            outcome = outcome.and(allocator.free(source, ptr, allocation.bytes));
+            outcome = outcome.and(allocator.free(source, Served { ptr, slot: allocation.slot }, allocation.bytes));
         }
         outcome = outcome.and(allocator.release_all(source));
         outcome = outcome.and(source.destroy());

@@ -23,6 +23,7 @@ use crate::inner::{Caller, RuntimeInner};
 use crate::phase::Phase;
 use crate::raw_table::within;
 use crate::report::{MicroStepReport, PoolId, StepReport};
+use crate::strategy::Served;
 use crate::stream::Stream;
 
 /// A live raw allocation as [`RawApi::allocation`] finds it: where it lives and its size.
@@ -51,8 +52,8 @@ impl RawApi<'_> {
     /// released: by [`RawApi::free`], or, for a step- or micro-step-scoped phase, at the end of
     /// the scope it was allocated in. A wrapped `stream` must stay live until then.
     pub unsafe fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<CUdeviceptr> {
-        let (_, ptr) = self.inner.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Raw)?;
-        Ok(ptr)
+        let (_, served) = self.inner.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Raw)?;
+        Ok(served.ptr)
     }
 
     /// Frees a pointer from [`RawApi::alloc`], in the order of the stream it was allocated on,
@@ -83,7 +84,7 @@ impl RawApi<'_> {
             return Err(self.unknown(ptr));
         };
         self.inner.raw.forget(&pool, &[(ptr, allocation.bytes)], None);
-        guard.free(ptr, allocation.bytes, &allocation.uses)
+        guard.free(Served { ptr, slot: allocation.slot }, allocation.bytes, &allocation.uses)
     }
 
     /// Records that work on `stream` uses the raw allocation at `ptr`: its release waits for it.

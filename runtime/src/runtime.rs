@@ -260,8 +260,8 @@ impl Runtime {
 
     /// Allocates `bytes` of a persistent phase on `stream`; freed (in stream order) on drop.
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'static>> {
-        let (pool, ptr) = self.inner.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Runtime)?;
-        Ok(Buffer::new(ptr, bytes, PoolRef::Owned(pool.clone())))
+        let (pool, served) = self.inner.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Runtime)?;
+        Ok(Buffer::new(served, bytes, PoolRef::Owned(pool.clone())))
     }
 
     /// The CUDA memory pool serving `phase` on `stream`, created if needed; `None` on devices

@@ -49,9 +49,10 @@ impl Step {
 
     /// Allocates `bytes` of a step-scoped phase on `stream`. The buffer borrows the step; freed
     /// in stream order on drop, and reusable within the step.
+    #[inline]
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
-        let (pool, ptr) = self.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Step)?;
-        Ok(Buffer::new(ptr, bytes, self.borrow_pool(pool)))
+        let (pool, served) = self.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Step)?;
+        Ok(Buffer::new(served, bytes, self.borrow_pool(pool)))
     }
 
     /// The pool of a buffer of this step: held by the runtime until the step ends
@@ -122,9 +123,11 @@ impl<'s> MicroStep<'s> {
 
     /// Allocates `bytes` of a micro-step-scoped (or step-scoped) phase on `stream`. The buffer
     /// borrows the micro-step.
+    #[inline]
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
-        let (pool, ptr) = self.step.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::MicroStep)?;
-        Ok(Buffer::new(ptr, bytes, self.step.borrow_pool(pool)))
+        let (pool, served) =
+            self.step.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::MicroStep)?;
+        Ok(Buffer::new(served, bytes, self.step.borrow_pool(pool)))
     }
 
     /// Ends the micro-step: releases everything still live in its micro-step-scoped phases.

@@ -2,8 +2,8 @@
 
 use steppool_sys::CUdeviceptr;
 
-use super::Allocator;
 use super::chunks::GRANULE;
+use super::{Allocator, Served};
 use crate::error::Result;
 use crate::phase::ALIGNMENT;
 use crate::report::FreeSpace;
@@ -173,17 +173,18 @@ impl Arena {
 }
 
 impl Allocator for Arena {
-    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served> {
         let size = bytes.next_multiple_of(ALIGNMENT);
         if let Some((base, mapped)) = self.range(source)? {
-            return self.bump_in_range(source, base, mapped, size);
+            return self.bump_in_range(source, base, mapped, size).map(Served::unfiled);
         }
         let ptr = if size > self.slab_bytes { self.allocate_oversize(source, size)? } else { self.bump(source, size)? };
         self.peak_touched = self.peak_touched.max(self.touched_now());
-        Ok(ptr)
+        Ok(Served::unfiled(ptr))
     }
 
-    fn free(&mut self, _: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+    fn free(&mut self, _: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+        let ptr = served.ptr;
         let size = bytes.next_multiple_of(ALIGNMENT);
         if let Some((base, _)) = self.range {
             if self.offset >= size && base + self.offset - size == ptr {
@@ -336,11 +337,11 @@ mod tests {
         let mut arena = Arena::new(SLAB);
         let a = arena.allocate(&mut source, 1000).unwrap();
         let b = arena.allocate(&mut source, 1000).unwrap();
-        assert_eq!(b - a, 1024, "sizes are rounded to the 512-byte alignment");
+        assert_eq!(b.ptr - a.ptr, 1024, "sizes are rounded to the 512-byte alignment");
         assert_eq!(source.allocs, 1);
         let c = arena.allocate(&mut source, 3000).unwrap();
         assert_eq!(source.allocs, 2, "3072 bytes do not fit the 2048 left");
-        assert!(c < a || c >= a + SLAB, "the new slab is another range");
+        assert!(c.ptr < a.ptr || c.ptr >= a.ptr + SLAB, "the new slab is another range");
         assert_eq!(arena.touched(), Some(2 * SLAB));
     }
 
@@ -410,7 +411,11 @@ mod tests {
         let sizes = [3 * MIB, 10 * MIB, MIB];
         let ptrs: Vec<_> = sizes.iter().map(|&size| arena.allocate(&mut source, size).unwrap()).collect();
         assert_eq!(source.allocs, 0, "no slab, no oversize slab: one range");
-        assert_eq!((ptrs[1] - ptrs[0], ptrs[2] - ptrs[1]), (3 * MIB, 10 * MIB), "end to end, past a slab's size");
+        assert_eq!(
+            (ptrs[1].ptr - ptrs[0].ptr, ptrs[2].ptr - ptrs[1].ptr),
+            (3 * MIB, 10 * MIB),
+            "end to end, past a slab's size"
+        );
         assert_eq!(source.mapped(), 14 * MIB, "14 MiB bumped: no slab tail");
         assert_eq!(arena.touched(), Some(14 * MIB));
         // Stack order moves the bump back; the next request reuses the memory.

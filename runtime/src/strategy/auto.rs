@@ -31,7 +31,7 @@ use steppool_sys::{CUdeviceptr, CUstream_flags, Driver};
 use steppool_trace::plans::SavedPlan;
 use steppool_trace::recommend::{Candidate, recommend};
 
-use super::{Allocator, Arena, Direct, Planned};
+use super::{Allocator, Arena, Direct, Planned, Served};
 use crate::device_core::DeviceCore;
 use crate::error::Result;
 use crate::phase::{ALIGNMENT, PhaseEntry, Strategy};
@@ -188,7 +188,7 @@ fn trial(entry: &Arc<PhaseEntry>, strategy: Strategy, events: &[Recorded]) -> Re
     let id = PoolId { device: 0, stream: stream.id, phase: entry.phase };
     let mut source = DeviceSource::new(stream, id, u64::MAX, &[], Arc::new(Recorder::default()))?;
     let mut allocator = make(entry, strategy, &[]);
-    let mut ptrs: Vec<(CUdeviceptr, u64)> = Vec::with_capacity(events.len());
+    let mut ptrs: Vec<(Served, u64)> = Vec::with_capacity(events.len());
     let mut freed: Vec<bool> = Vec::with_capacity(events.len());
     let mut served = |allocator: &mut Box<dyn Allocator>, source: &mut DeviceSource| -> Result<()> {
         allocator.begin_step();
@@ -234,23 +234,23 @@ fn trial(entry: &Arc<PhaseEntry>, strategy: Strategy, events: &[Recorded]) -> Re
 }
 
 impl Allocator for Auto {
-    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
-        let ptr = self.inner.allocate(source, bytes)?;
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served> {
+        let served = self.inner.allocate(source, bytes)?;
         if let Some(recording) = &mut self.recording {
-            recording.live.insert(ptr, recording.allocations);
+            recording.live.insert(served.ptr, recording.allocations);
             recording.allocations += 1;
             recording.events.push(Recorded::Alloc(bytes.next_multiple_of(ALIGNMENT)));
         }
-        Ok(ptr)
+        Ok(served)
     }
 
-    fn free(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+    fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
         if let Some(recording) = &mut self.recording
-            && let Some(index) = recording.live.remove(&ptr)
+            && let Some(index) = recording.live.remove(&served.ptr)
         {
             recording.events.push(Recorded::Free(index));
         }
-        self.inner.free(source, ptr, bytes)
+        self.inner.free(source, served, bytes)
     }
 
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {

@@ -2,10 +2,8 @@
 //! long-lived allocations (weights, optimizer state) that the pool's per-request granule would
 //! leave tails after.
 
-use steppool_sys::CUdeviceptr;
-
-use super::Allocator;
 use super::chunks::Chunks;
+use super::{Allocator, Served};
 use crate::error::Result;
 use crate::phase::ALIGNMENT;
 use crate::report::FreeSpace;
@@ -33,11 +31,12 @@ impl Chunked {
 }
 
 impl Allocator for Chunked {
-    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
-        self.chunks.alloc(source, bytes.next_multiple_of(ALIGNMENT), self.chunk_bytes)
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served> {
+        self.chunks.alloc(source, bytes.next_multiple_of(ALIGNMENT), self.chunk_bytes).map(Served::unfiled)
     }
 
-    fn free(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+    fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+        let ptr = served.ptr;
         if self.chunks.free(ptr).is_none() {
             debug_assert!(false, "free of {ptr:#x}, which this strategy did not hand out");
             return source.free(ptr, bytes);
@@ -120,7 +119,7 @@ mod tests {
         let ptrs: Vec<_> = (0..6).map(|_| chunked.allocate(&mut source, 9 * MIB / 4).unwrap()).collect();
         assert_eq!(source.allocs, 0, "no chunk from the pool");
         assert_eq!(source.ranges.len(), 1);
-        assert!(ptrs.windows(2).all(|w| w[1] - w[0] == 9 * MIB / 4), "end to end in one range");
+        assert!(ptrs.windows(2).all(|w| w[1].ptr - w[0].ptr == 9 * MIB / 4), "end to end in one range");
         assert_eq!(source.mapped(), 14 * MIB, "13.5 MiB rounded up to a page, not a 16 MiB chunk");
         // The last two freed: the free pages at the end go back when memory is short, the range
         // stays; the next request maps what it lacks again.

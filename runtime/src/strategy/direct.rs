@@ -1,8 +1,6 @@
 //! The `Direct` strategy: every allocation and free goes to the phase's CUDA pool.
 
-use steppool_sys::CUdeviceptr;
-
-use super::Allocator;
+use super::{Allocator, Served};
 use crate::error::Result;
 use crate::source::Source;
 
@@ -11,12 +9,12 @@ use crate::source::Source;
 pub(crate) struct Direct;
 
 impl Allocator for Direct {
-    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
-        source.alloc(bytes)
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served> {
+        source.alloc(bytes).map(Served::unfiled)
     }
 
-    fn free(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
-        source.free(ptr, bytes)
+    fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+        source.free(served.ptr, bytes)
     }
 
     /// Every allocation was freed through the source; nothing is held here.

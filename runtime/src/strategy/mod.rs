@@ -40,14 +40,37 @@ use crate::phase::{PhaseEntry, Strategy};
 use crate::report::{FreeSpace, PlanStats};
 use crate::source::Source;
 
+/// An allocation as a strategy hands it out: its address, and the slot the strategy filed its
+/// record under. The allocation's free passes both back ([`Allocator::free`]), so a strategy that
+/// keeps a record per allocation (the planned strategy: which plan entry it is, whether it is
+/// late) finds it by index rather than by hashing the address on every free. The pool keeps the
+/// slot beside the pointer: in the [`Buffer`](crate::Buffer), or in the raw allocation's entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Served {
+    /// The allocation's device address.
+    pub(crate) ptr: CUdeviceptr,
+    /// Where the strategy filed it; [`Served::NO_SLOT`] where it files nothing.
+    pub(crate) slot: u32,
+}
+
+impl Served {
+    /// The slot of a strategy that keeps no record per allocation.
+    pub(crate) const NO_SLOT: u32 = u32::MAX;
+
+    /// An allocation the strategy keeps no record of.
+    pub(crate) fn unfiled(ptr: CUdeviceptr) -> Self {
+        Self { ptr, slot: Self::NO_SLOT }
+    }
+}
+
 /// A strategy's state in one phase pool. Called under the pool's lock.
 pub(crate) trait Allocator: Send + fmt::Debug {
     /// Memory for `bytes` (more than 0) in the pool's stream order,
     /// [`ALIGNMENT`](crate::phase::ALIGNMENT)-aligned.
-    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr>;
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served>;
 
-    /// Gives back an allocation of `bytes` made by [`Allocator::allocate`].
-    fn free(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()>;
+    /// Gives back an allocation of `bytes`, as [`Allocator::allocate`] handed it out.
+    fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()>;
 
     /// The phase's scope has ended: start over, keeping at least `keep` bytes of what the
     /// strategy holds for the next scope. A strategy that [reclaims](Allocator::reclaims_live)

@@ -203,8 +203,8 @@ use steppool_sys::CUdeviceptr;
 use steppool_trace::packing::{self as plan, Block};
 use steppool_trace::plans::{PlannedBlock, SavedPlan};
 
-use super::Allocator;
 use super::chunks::{Chunks, GRANULE, PointerMap};
+use super::{Allocator, Served};
 use crate::error::{Error, Result};
 use crate::phase::ALIGNMENT;
 use crate::phase::PhaseEntry;
@@ -274,7 +274,8 @@ enum Entry {
 /// A live allocation in the slab.
 #[derive(Clone, Copy, Debug)]
 struct SlabAllocation {
-    /// Its index among the scope's allocations.
+    ptr: CUdeviceptr,
+    /// Its index among the scope's allocations: the slot handed out with it.
     index: u32,
     /// Its entry in the current plan, or [`FOREIGN`] for an entry of a plan the scope left.
     entry: u32,
@@ -282,6 +283,63 @@ struct SlabAllocation {
 }
 
 const FOREIGN: u32 = u32::MAX;
+
+/// The live allocations in the slab, filed by their index among the scope's allocations, which
+/// is the slot handed out with each ([`Served::slot`]): a free finds its record by that index,
+/// with no lookup by address, and the live ones are also listed densely for the scans that visit
+/// them all (a range checked clear, a scope going online, the free space).
+#[derive(Debug, Default)]
+struct SlabLive {
+    /// Per index: the record and its place in `dense`, while it lives in the slab.
+    by_index: Vec<Option<(SlabAllocation, u32)>>,
+    /// The indices of the live ones, in no order.
+    dense: Vec<u32>,
+}
+
+impl SlabLive {
+    fn insert(&mut self, allocation: SlabAllocation) {
+        let index = allocation.index as usize;
+        if self.by_index.len() <= index {
+            self.by_index.resize(index + 1, None);
+        }
+        debug_assert!(self.by_index[index].is_none(), "allocation {index} filed twice");
+        self.by_index[index] = Some((allocation, self.dense.len() as u32));
+        self.dense.push(allocation.index);
+    }
+
+    /// Takes out the allocation at `ptr` filed under `slot`, if it is there.
+    #[inline]
+    fn remove(&mut self, slot: u32, ptr: CUdeviceptr) -> Option<SlabAllocation> {
+        let record = self.by_index.get_mut(slot as usize)?;
+        let (allocation, place) = (*record).filter(|(allocation, _)| allocation.ptr == ptr)?;
+        *record = None;
+        self.dense.swap_remove(place as usize);
+        if let Some(&moved) = self.dense.get(place as usize) {
+            let moved = self.by_index[moved as usize].as_mut().expect("a listed allocation is filed");
+            moved.1 = place;
+        }
+        Some(allocation)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &SlabAllocation> {
+        self.dense.iter().map(|&index| &self.by_index[index as usize].as_ref().expect("a listed allocation is filed").0)
+    }
+
+    fn for_each_mut(&mut self, mut visit: impl FnMut(&mut SlabAllocation)) {
+        for &index in &self.dense {
+            visit(&mut self.by_index[index as usize].as_mut().expect("a listed allocation is filed").0);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.dense.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.by_index.clear();
+        self.dense.clear();
+    }
+}
 
 /// A new plan is laid out as best fit in allocation order when that needs at most
 /// `1 / IN_ORDER_MARGIN` more than its packing: the next scope may leave it early.
@@ -426,7 +484,7 @@ pub(crate) struct Planned {
     late: Vec<(u64, u64)>,
     /// A scope without a plan is served from the slab's free ranges (and the pool past them).
     online: Option<FreeRanges>,
-    slab_live: PointerMap<SlabAllocation>,
+    slab_live: SlabLive,
     /// Live allocations from the fallback chunks: their index in the scope.
     pooled: PointerMap<u32>,
     /// What the slab does not serve (a scope without a plan past the slab's free space, a
@@ -477,7 +535,7 @@ impl Planned {
             entries: Vec::new(),
             late: Vec::new(),
             online: None,
-            slab_live: PointerMap::default(),
+            slab_live: SlabLive::default(),
             pooled: PointerMap::default(),
             fallback: Chunks::default(),
             deviated: false,
@@ -562,7 +620,7 @@ impl Planned {
     /// far are the plan's first `at` entries (their sizes matched), served elsewhere.
     fn select(&mut self, index: Option<usize>, at: usize) {
         // The live entries of the plan left behind lose their guarantee.
-        for allocation in self.slab_live.values_mut() {
+        self.slab_live.for_each_mut(|allocation| {
             if allocation.entry != FOREIGN {
                 if self.entries[allocation.entry as usize] == Entry::Live {
                     let offset =
@@ -571,7 +629,7 @@ impl Planned {
                 }
                 allocation.entry = FOREIGN;
             }
-        }
+        });
         self.plan = index;
         self.cursor = at;
         self.passed_ends = 0;
@@ -624,10 +682,8 @@ impl Planned {
 
     /// Serves the rest of a scope without a plan from the slab's free ranges.
     fn go_online(&mut self, slab: Slab) {
-        let live = self.slab_live.iter().map(|(&ptr, allocation)| (ptr - slab.base, allocation.size)).collect();
-        for allocation in self.slab_live.values_mut() {
-            allocation.entry = FOREIGN;
-        }
+        let live = self.slab_live.iter().map(|allocation| (allocation.ptr - slab.base, allocation.size)).collect();
+        self.slab_live.for_each_mut(|allocation| allocation.entry = FOREIGN);
         self.late.clear();
         self.online = Some(FreeRanges::around(slab.size, live));
     }
@@ -693,7 +749,7 @@ impl Planned {
         let disjoint = |at: u64, len: u64| at + len <= offset || offset + size <= at;
         offset + size <= slab.size
             && self.late.iter().all(|&(late, len)| disjoint(late, len))
-            && self.slab_live.iter().all(|(&ptr, allocation)| disjoint(ptr - slab.base, allocation.size))
+            && self.slab_live.iter().all(|allocation| disjoint(allocation.ptr - slab.base, allocation.size))
     }
 
     /// Entry `entry` of plan `index` for an allocation of `size`, if its range is clear: `grown`
@@ -865,7 +921,7 @@ impl Planned {
             let top = self
                 .slab_live
                 .iter()
-                .map(|(&ptr, allocation)| ptr - slab.base + allocation.size)
+                .map(|allocation| allocation.ptr - slab.base + allocation.size)
                 .chain(self.late.iter().map(|&(offset, len)| offset + len))
                 .max()
                 .unwrap_or(0);
@@ -1035,7 +1091,7 @@ impl Planned {
         if let Some(offset) = self.take_online(source, size)? {
             let slab = self.slab.expect("an online scope has a slab");
             let ptr = slab.base + offset;
-            self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+            self.slab_live.insert(SlabAllocation { ptr, index: self.allocations, entry: FOREIGN, size });
             self.counters.unplanned += 1;
             return Ok(ptr);
         }
@@ -1063,7 +1119,7 @@ impl Planned {
             Some((slab, offset)) => {
                 let ptr = slab.base + offset;
                 let entry = self.cursor as u32 - 1;
-                self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry, size });
+                self.slab_live.insert(SlabAllocation { ptr, index: self.allocations, entry, size });
                 self.counters.planned += 1;
                 Ok(ptr)
             }
@@ -1079,7 +1135,7 @@ impl Planned {
                     if let Some(offset) = self.take_online(source, size)? {
                         let slab = self.slab.expect("an online scope has a slab");
                         let ptr = slab.base + offset;
-                        self.slab_live.insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+                        self.slab_live.insert(SlabAllocation { ptr, index: self.allocations, entry: FOREIGN, size });
                         return Ok(ptr);
                     }
                 }
@@ -1097,8 +1153,12 @@ impl Planned {
                         match self.take_online(source, size)? {
                             Some(offset) => {
                                 let ptr = slab.base + offset;
-                                self.slab_live
-                                    .insert(ptr, SlabAllocation { index: self.allocations, entry: FOREIGN, size });
+                                self.slab_live.insert(SlabAllocation {
+                                    ptr,
+                                    index: self.allocations,
+                                    entry: FOREIGN,
+                                    size,
+                                });
                                 Ok(ptr)
                             }
                             None => Err(Error::Driver(error)),
@@ -1314,7 +1374,7 @@ impl Planned {
 }
 
 impl Allocator for Planned {
-    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<CUdeviceptr> {
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served> {
         let size = bytes.next_multiple_of(ALIGNMENT);
         let n = self.allocations as usize;
         if n == 0 {
@@ -1329,8 +1389,9 @@ impl Allocator for Planned {
         match self.serve(source, size) {
             Ok(ptr) => {
                 self.events.push(Event::Alloc(size));
+                let slot = self.allocations;
                 self.allocations += 1;
-                Ok(ptr)
+                Ok(Served { ptr, slot })
             }
             Err(error) => {
                 // Not an allocation of the scope: the caller may retry it after recovery.
@@ -1340,8 +1401,9 @@ impl Allocator for Planned {
         }
     }
 
-    fn free(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
-        if let Some(allocation) = self.slab_live.remove(&ptr) {
+    fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+        let ptr = served.ptr;
+        if let Some(allocation) = self.slab_live.remove(served.slot, ptr) {
             self.events.push(Event::Free(allocation.index));
             if let Some(online) = &mut self.online {
                 online.give(ptr - self.slab.expect("a slab allocation has a slab").base, allocation.size);
@@ -1491,7 +1553,7 @@ impl Allocator for Planned {
             return self.lent.map(|_| self.fallback.free_space());
         };
         let mut live: Vec<(u64, u64)> =
-            self.slab_live.iter().map(|(&ptr, allocation)| (ptr - slab.base, allocation.size)).collect();
+            self.slab_live.iter().map(|allocation| (allocation.ptr - slab.base, allocation.size)).collect();
         live.sort_unstable();
         let mut space = FreeSpace::default();
         let mut top = 0;
@@ -1616,6 +1678,29 @@ mod tests {
         Planned::new(entry, 8, 2)
     }
 
+    #[test]
+    fn the_live_slab_allocations_are_found_by_their_slot_and_listed_densely() {
+        let record = |index: u32, ptr: CUdeviceptr| SlabAllocation { ptr, index, entry: FOREIGN, size: 512 };
+        let mut live = SlabLive::default();
+        for (index, ptr) in [(0, 0x1000), (1, 0x2000), (3, 0x4000)] {
+            live.insert(record(index, ptr));
+        }
+        assert!(live.remove(1, 0x9000).is_none(), "a slot names an allocation only with its address");
+        assert!(live.remove(2, 0x3000).is_none(), "nothing filed at slot 2");
+        assert!(live.remove(7, 0x1000).is_none(), "a slot past the table");
+        assert_eq!(live.remove(0, 0x1000).map(|a| a.index), Some(0));
+        assert!(live.remove(0, 0x1000).is_none(), "freed once");
+        let mut listed: Vec<_> = live.iter().map(|a| (a.index, a.ptr)).collect();
+        listed.sort_unstable();
+        assert_eq!(listed, [(1, 0x2000), (3, 0x4000)], "the last one moved into the freed place");
+        assert_eq!(live.remove(3, 0x4000).map(|a| a.index), Some(3), "found after it moved");
+        assert_eq!(live.remove(1, 0x2000).map(|a| a.index), Some(1));
+        assert!(live.is_empty());
+        live.insert(record(0, 0x1000));
+        live.clear();
+        assert!(live.is_empty() && live.remove(0, 0x1000).is_none(), "a new scope files from nothing");
+    }
+
     /// One scope of a transformer-like shape: `a` and `b` overlap, `c` reuses `a`'s place.
     fn scope(planned: &mut Planned, source: &mut FakeSource) -> Vec<CUdeviceptr> {
         planned.begin_step();
@@ -1626,7 +1711,7 @@ mod tests {
         planned.free(source, c, 2048).unwrap();
         planned.free(source, b, 8192).unwrap();
         planned.reset(source, u64::MAX).unwrap();
-        vec![a, b, c]
+        vec![a.ptr, b.ptr, c.ptr]
     }
 
     #[test]
@@ -1686,7 +1771,7 @@ mod tests {
             planned.free(source, ptr, size).unwrap();
         }
         planned.reset(source, u64::MAX).unwrap();
-        ptrs
+        ptrs.iter().map(|served| served.ptr).collect()
     }
 
     #[test]
@@ -1802,7 +1887,7 @@ mod tests {
         planned.begin_step();
         let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 1 << 20).unwrap()).collect();
         assert_eq!(source.allocs, 2, "one 2 MiB chunk holds the first two, a second the next two");
-        assert_eq!(ptrs[1] - ptrs[0], 1 << 20, "end to end in a chunk");
+        assert_eq!(ptrs[1].ptr - ptrs[0].ptr, 1 << 20, "end to end in a chunk");
         let syncs = source.syncs;
         for ptr in ptrs {
             planned.free(&mut source, ptr, 1 << 20).unwrap();
@@ -1926,7 +2011,7 @@ mod tests {
             }
         }
         planned.reset(source, u64::MAX).unwrap();
-        ptrs
+        ptrs.iter().map(|served| served.ptr).collect()
     }
 
     /// The blocks `run_ops` records for `ops`.
@@ -1999,7 +2084,7 @@ mod tests {
             planned.free(source, ptr, size).unwrap();
         }
         planned.reset(source, u64::MAX).unwrap();
-        (ptrs, planned.slab.unwrap())
+        (ptrs.iter().map(|served| served.ptr).collect(), planned.slab.unwrap())
     }
 
     #[test]
@@ -2059,7 +2144,7 @@ mod tests {
         planned.begin_step();
         let ptrs: Vec<_> = small.iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
         let base = planned.slab.unwrap().base;
-        let offsets: Vec<_> = ptrs.iter().map(|&ptr| ptr - base).collect();
+        let offsets: Vec<_> = ptrs.iter().map(|served| served.ptr - base).collect();
         assert_eq!(offsets, [0, MIB / 2, 3 * MIB / 2, 11 * MIB / 2], "best fit from the range's start");
         assert_eq!(source.mapped(), 10 * MIB, "its own 9.5 MiB rounded up to a page, not the larger plan's extent");
         assert_eq!(source.held(), 22 * MIB, "beside the other phase's memory");
@@ -2070,7 +2155,7 @@ mod tests {
         assert_eq!(planned.plans.len(), 2, "it recorded its own plan");
         // The same small shape again: served from its own plan.
         let (again, _) = live_scope(&mut planned, &mut source, &small);
-        assert_eq!(again, ptrs);
+        assert_eq!(again, ptrs.iter().map(|served| served.ptr).collect::<Vec<_>>());
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.deviations), (4, 0));
         source.free(state, 12 * MIB).unwrap();
@@ -2154,7 +2239,7 @@ mod tests {
         let b = planned.allocate(&mut source, 4 * MIB).unwrap();
         let c = planned.allocate(&mut source, 2 * MIB).unwrap();
         let base = planned.slab.unwrap().base;
-        assert_eq!((a - base, b - base, c - base), (0, 4 * MIB, 8 * MIB));
+        assert_eq!((a.ptr - base, b.ptr - base, c.ptr - base), (0, 4 * MIB, 8 * MIB));
         assert_eq!(source.held(), 10 * MIB);
         // The stretch freed below live allocations gives its pages back at once (more than a
         // 256th of the range was freed), after a wait for the stream.
@@ -2169,13 +2254,13 @@ mod tests {
         source.free(other, 8 * MIB).unwrap();
         let other = source.alloc(4 * MIB).unwrap();
         let d = planned.allocate(&mut source, 6 * MIB).unwrap();
-        assert_eq!((d - base, source.held()), (10 * MIB, 16 * MIB), "at the end of the range, the device full");
+        assert_eq!((d.ptr - base, source.held()), (10 * MIB, 16 * MIB), "at the end of the range, the device full");
         let space = planned.free_space().unwrap();
         assert_eq!(space.total_free, 0, "the hole is not held");
         // The other phase lets go: an allocation placed in the hole maps its pages again.
         source.free(other, 4 * MIB).unwrap();
         let e = planned.allocate(&mut source, 4 * MIB).unwrap();
-        assert_eq!((e, source.held()), (base, 16 * MIB), "best fit in the hole, its pages mapped again");
+        assert_eq!((e.ptr, source.held()), (base, 16 * MIB), "best fit in the hole, its pages mapped again");
         for (ptr, size) in [(e, 4 * MIB), (d, 6 * MIB), (c, 2 * MIB), (b, 4 * MIB)] {
             planned.free(&mut source, ptr, size).unwrap();
         }
@@ -2235,7 +2320,7 @@ mod tests {
         assert_eq!(slab.size, 8 * MIB);
         planned.begin_step();
         let first = planned.allocate(&mut source, sizes[0]).unwrap();
-        assert_eq!(first, slab.base);
+        assert_eq!(first.ptr, slab.base);
         // Memory is short elsewhere: the pages past the live allocation go back.
         assert_eq!(planned.release_unused(&mut source).unwrap(), 4 * MIB);
         assert_eq!(source.mapped(), 4 * MIB);
@@ -2243,7 +2328,7 @@ mod tests {
         assert_eq!(source.mapped(), 6 * MIB, "mapped as far as the entry reaches, not the whole plan");
         let third = planned.allocate(&mut source, sizes[2]).unwrap();
         assert_eq!(source.mapped(), 8 * MIB);
-        assert_eq!((second - slab.base, third - slab.base), (4 * MIB, 6 * MIB), "at the planned offsets");
+        assert_eq!((second.ptr - slab.base, third.ptr - slab.base), (4 * MIB, 6 * MIB), "at the planned offsets");
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned, stats.deviations), (3, 0, 0));
     }
@@ -2262,7 +2347,7 @@ mod tests {
         source.free(other, 10 * MIB).unwrap();
         let rest: Vec<_> = sizes[1..].iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
         let slab = planned.slab.unwrap();
-        assert_eq!((first, rest[0] - slab.base, rest[1] - slab.base), (slab.base, 4 * MIB, 6 * MIB));
+        assert_eq!((first.ptr, rest[0].ptr - slab.base, rest[1].ptr - slab.base), (slab.base, 4 * MIB, 6 * MIB));
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned, stats.deviations), (3, 0, 0), "served from the plan throughout");
     }
@@ -2290,7 +2375,7 @@ mod tests {
             for _ in 0..2 {
                 planned.begin_step();
                 let ptrs: Vec<_> = sizes.iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
-                for (&ptr, &size) in ptrs.iter().zip(&sizes) {
+                for (&Served { ptr, .. }, &size) in ptrs.iter().zip(&sizes) {
                     assert!(ptr + size <= slab.base || ptr >= slab.base + slab.size, "{ptr:#x} in the lent slab");
                 }
                 for (&ptr, &size) in ptrs.iter().zip(&sizes).rev() {
