@@ -11,6 +11,7 @@
 //! steppool plan TRACE -o PLAN [--capacity SIZE]
 //! steppool convert TRACE OUTPUT.jsonl
 //! steppool synth PATTERN OUTPUT.jsonl [--scale X] [--steps N] [--seed N] [--no-micro-steps]
+//! steppool calibrate TRACE... [--markdown FILE] [--json FILE]
 //! ```
 //!
 //! The pipeline is [`read::read_trace`] (format by content, steps from the trace, a sidecar, or
@@ -20,7 +21,8 @@
 //! [breakdown] of each run's overhead at its peak, the offline [limit], and [`report`] (tables,
 //! JSON, [SVG](svg)). `convert` is
 //! [`read::read_trace`] then [`jsonl::write`](steppool_trace::jsonl::write): JSON lines with the trace's step
-//! boundaries, which `replay` reads back.
+//! boundaries, which `replay` reads back. `calibrate` runs the same replays on a GPU's driver and
+//! on the simulated device, side by side ([calibrate]).
 //!
 //! ```
 //! use steppool_cli::{analysis, read, replay};
@@ -38,6 +40,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod calibrate;
 pub mod error;
 pub mod limit;
 pub mod patterns;

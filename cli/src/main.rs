@@ -106,6 +106,21 @@ enum Command {
         #[arg(long)]
         no_micro_steps: bool,
     },
+    /// Replay each trace under steppool's strategies on the GPU (the driver `STEPPOOL_DEVICE`
+    /// selects, default the GPU) and on a simulated device of the same memory, and print both
+    /// peaks: how far the simulated device's placement is from the driver's. Nothing else may run
+    /// on the GPU meanwhile.
+    Calibrate {
+        /// The traces, as `replay` reads them.
+        #[arg(required = true)]
+        traces: Vec<PathBuf>,
+        /// Also write the table as Markdown to this file.
+        #[arg(long, value_name = "FILE")]
+        markdown: Option<PathBuf>,
+        /// Also write the figures as JSON to this file.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+    },
     /// Write the trace in steppool's own format (JSON lines), with its step boundaries.
     Convert {
         /// The trace to read.
@@ -270,6 +285,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             steppool_trace::jsonl::write(&trace, &mut text)?;
             write(&output, text)?;
             eprintln!("wrote {} ({} events)", output.display(), trace.events.len());
+        }
+        Command::Calibrate { traces, markdown, json } => {
+            let driver = steppool_sys::Driver::from_env_or(steppool_sys::Selection::Cuda)?;
+            let mut read_traces = Vec::with_capacity(traces.len());
+            for path in &traces {
+                let trace = read::read_trace(path)?;
+                let analysis = analysis::analyse(&trace)?;
+                let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into());
+                read_traces.push((name, trace, analysis));
+            }
+            let ops = read_traces.iter().map(|(_, _, a)| a.ops.len() as u64).sum::<u64>();
+            let progress = Progress::new(ops * 2 * STRATEGIES.len() as u64);
+            let borrowed: Vec<_> = read_traces.iter().map(|(n, t, a)| (n.clone(), t, a)).collect();
+            let calibration = steppool_cli::calibrate::calibrate(&borrowed, &driver, &progress)?;
+            progress.bar.finish_and_clear();
+            let text = calibration.markdown();
+            out(&text)?;
+            if let Some(path) = markdown {
+                write(&path, text)?;
+            }
+            if let Some(path) = json {
+                write(&path, serde_json::to_string_pretty(&calibration.json())? + "\n")?;
+            }
         }
         Command::Convert { trace, output } => {
             let trace = read::read_trace(&trace)?;

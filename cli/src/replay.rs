@@ -45,8 +45,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use steppool::sys::CUmemoryPool;
 use steppool::sys::sim::{DEFAULT_GRANULE, MAX_CAPACITY, SimConfig};
+use steppool::sys::{CUmemoryPool, Driver};
 use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, Verdict, fragmentation_ratio};
 
 use steppool_trace::analysis::{Analysis, Op, PhaseFacts, ReplayPhase, location_of};
@@ -235,7 +235,7 @@ pub fn select(name: &str) -> Result<Vec<Allocator>> {
 }
 
 /// Settings of a replay.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct ReplayOptions {
     /// Capacity of each simulated device, in bytes.
     pub capacity: u64,
@@ -248,12 +248,18 @@ pub struct ReplayOptions {
     /// Saved plans for [`PLANNED_LOADED`]: its step phase starts with the plans of the file's
     /// phase named [`STEP_PHASE`].
     pub plans: Option<Arc<PlanFile>>,
+    /// Replay steppool's strategies on this driver's devices (a GPU) instead of simulated devices
+    /// of `capacity`: the reservation is read from the driver alone (`cuMemGetInfo`, less what the
+    /// device held before the run), so neither the breakdown (it reads the simulated device's
+    /// layout) nor the bisection (it needs devices of any size) is made. The PyTorch models are
+    /// models either way.
+    pub driver: Option<Driver>,
 }
 
 impl ReplayOptions {
     /// A replay on devices of `capacity` bytes, with bisection and a 1000-point timeline.
     pub fn new(capacity: u64) -> Self {
-        Self { capacity, arena_slab: None, bisect: true, timeline_points: 1000, plans: None }
+        Self { capacity, arena_slab: None, bisect: true, timeline_points: 1000, plans: None, driver: None }
     }
 }
 
@@ -451,8 +457,10 @@ pub fn replay(
         .iter()
         .map(|&allocator| {
             let run = run(trace, analysis, allocator, options.capacity, options, observer)?;
+            let on_driver = options.driver.is_some() && !is_torch(allocator.name());
             let breakdown = match (run.completed(), run.peak_op) {
                 (false, _) => None,
+                _ if on_driver => None,
                 // Nothing allocated: nothing reserved, nothing live.
                 (true, None) => Some(Breakdown::default()),
                 (true, Some(peak_op)) => match run_probed(
@@ -480,7 +488,7 @@ pub fn replay(
                     }
                 },
             };
-            let (min_capacity_bytes, bisection_runs) = if options.bisect {
+            let (min_capacity_bytes, bisection_runs) = if options.bisect && !on_driver {
                 min_capacity(trace, analysis, allocator, options, &run, observer)?
             } else {
                 (None, 0)
@@ -659,7 +667,11 @@ fn run_steppool(
         location: location_of(trace, event),
         source: Box::new(source),
     };
-    let runtime = Runtime::builder().simulated(config).checked(false).build().map_err(|e| at(0, e))?;
+    let runtime = match &options.driver {
+        Some(driver) => Runtime::builder().driver(driver.clone()),
+        None => Runtime::builder().simulated(config),
+    };
+    let runtime = runtime.checked(false).build().map_err(|e| at(0, e))?;
 
     // Phases: one runtime phase per distinct spec name.
     let mut by_name: HashMap<String, Phase> = HashMap::new();
@@ -697,6 +709,14 @@ fn run_steppool(
         .map(|&(device, _)| devices[device as usize].create_stream())
         .collect::<steppool::Result<Vec<_>>>()
         .map_err(|e| at(0, e))?;
+    // What each device held before the run (nothing on a simulated device; the context and other
+    // processes on a GPU): the run's reservation is what it adds. The device is waited for first,
+    // so memory an earlier run on the same driver gave back in stream order is back.
+    let baseline = devices
+        .iter()
+        .map(|device| device.synchronize().and_then(|()| device.memory_info()).map(|(free, total)| total - free))
+        .collect::<steppool::Result<Vec<u64>>>()
+        .map_err(|e| at(0, e))?;
     let mut reserved = vec![0u64; device_count];
     let mut device_peak_reserved = vec![0u64; device_count];
     let mut total_reserved = 0u64;
@@ -714,7 +734,7 @@ fn run_steppool(
     let sample =
         |device: usize, reserved: &mut [u64], device_peak: &mut [u64], total: &mut u64, event: usize| -> Result<()> {
             let (free, capacity) = devices[device].memory_info().map_err(|e| at(event, e))?;
-            let now = capacity - free;
+            let now = (capacity - free).saturating_sub(baseline[device]);
             *total = *total - reserved[device] + now;
             reserved[device] = now;
             device_peak[device] = device_peak[device].max(now);
@@ -731,8 +751,8 @@ fn run_steppool(
             Op::Alloc(id) => {
                 let allocation = &analysis.allocations[id as usize];
                 let phase = phases[usize::from(allocation.phase)];
-                // SAFETY: the simulated device never backs its pointers with memory and the replay
-                // launches no work, so no memory is ever used, before or after its release.
+                // SAFETY: the replay launches no work, so no memory it allocates is ever used, before
+                // or after its release (the simulated device does not even back its pointers).
                 let result =
                     unsafe { runtime.raw().alloc(phase, allocation.bytes, &streams[usize::from(allocation.stream)]) };
                 match result {

@@ -3,13 +3,15 @@
 //!
 //! ```text
 //! DIR/run.sh            runs it all: ./run.sh [--smoke] [--out DIR]
-//! DIR/bin/              device-probe, steppool-bench-report
+//! DIR/bin/              device-probe, steppool-bench-report, steppool (the CLI: `calibrate`)
 //! DIR/tests/            the device tests: conformance, runtime, cudarc, capture (the same bodies CI runs on
 //!                       the simulated device)
 //! DIR/benches/          the criterion benchmarks
 //! DIR/examples/         training_loop, cudarc_trainer
 //! DIR/peers/            the Python peer harness
-//! DIR/traces/           the recorded traces the fragmentation benchmark replays
+//! DIR/traces/           the recorded traces the fragmentation benchmark replays and `steppool
+//!                       calibrate` replays on the GPU beside the simulated device; recorded/ the
+//!                       nine recorded workloads too, where they fit the 64 MiB
 //! ```
 //!
 //! Binaries are x86-64 Linux release builds (`--target x86_64-unknown-linux-gnu` on other hosts),
@@ -67,6 +69,7 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
     copy_all(&examples, &dir.join("examples"))?;
     let mut bins = executables(&root, &["build", "--release", "-p", "steppool-benches", "--bins"], "bin")?;
     bins.extend(executables(&root, &["build", "--release", "-p", "steppool-tests", "--bin", "device-probe"], "bin")?);
+    bins.extend(executables(&root, &["build", "--release", "-p", "steppool-cli", "--bin", "steppool"], "bin")?);
     copy_all(&bins, &dir.join("bin"))?;
 
     for name in ["peers.py", "requirements.txt"] {
@@ -86,6 +89,19 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
         eprintln!(
             "xtask gpu-bundle: no traces at {}; the fragmentation benchmark will replay the transformer only",
             traces.display()
+        );
+    }
+    // The nine recorded workloads (`cli/tests/data/recorded`), for the calibration, where they fit.
+    let recorded = traces.join("recorded");
+    let recorded_size = folder_size(&recorded).unwrap_or(0);
+    if recorded_size > 0 && folder_size(dir)? + recorded_size + RUN_SH.len() as u64 <= MAX_BYTES {
+        std::fs::create_dir_all(dir.join("traces/recorded"))?;
+        for entry in std::fs::read_dir(&recorded)?.flatten() {
+            copy(&entry.path(), &dir.join("traces/recorded").join(entry.file_name()))?;
+        }
+    } else if recorded_size > 0 {
+        eprintln!(
+            "xtask gpu-bundle: the recorded workloads do not fit; the calibration replays the shared traces only"
         );
     }
     let script = dir.join("run.sh");
@@ -186,7 +202,8 @@ fn folder_size(dir: &Path) -> Result<u64> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # steppool on a GPU host: device probe, conformance tests, the training-loop example, the
-# benchmarks and the peer harness, then the results as `cargo xtask bench` writes them.
+# benchmarks, the calibration of the simulated device (`steppool calibrate`) and the peer harness,
+# then the results as `cargo xtask bench` writes them.
 #   ./run.sh [--smoke] [--out DIR]     (results go to DIR, default ./results)
 # Needs no Rust toolchain and no network. Python peers (PyTorch, CuPy, RMM) are measured where
 # python3 has them and recorded as skipped otherwise. Every step runs even if one before failed;
@@ -236,6 +253,14 @@ step "benchmarks ($mode)"
 for bench in "$here"/benches/*; do
     "$bench" --bench 2>&1 | tee -a "$work/benches.log" || status=1
 done
+
+step "calibration: the traces replayed on the GPU and on the simulated device"
+calibration=("$here"/traces/*_train.csv)
+for trace in "$here"/traces/recorded/*.csv "$here"/traces/recorded/*.jsonl; do
+    [ -e "$trace" ] && calibration+=("$trace")
+done
+"$here/bin/steppool" calibrate "${calibration[@]}" --markdown "$out/calibration.md" --json "$out/calibration.json" \
+    2>&1 | tee "$work/calibration.log" || status=1
 
 step "peers"
 if "$here/bin/steppool-bench-report" export-sequences "$work/sequences" "${smoke[@]}"; then
