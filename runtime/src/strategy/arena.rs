@@ -29,7 +29,7 @@ struct Slab {
 /// Where the source has ranges that grow in place, there are no slabs: the bump runs through one
 /// reserved range whose pages are mapped as it passes their end, so no slab tail is left unused
 /// and no request is oversize. At the reset the pages past what the trim policy keeps go back
-/// (after a wait for the stream).
+/// in stream order, without a wait for the stream ([`Source::resize_range`]).
 #[derive(Debug)]
 pub(crate) struct Arena {
     slab_bytes: u64,
