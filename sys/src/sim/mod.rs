@@ -24,8 +24,8 @@
 //! - **Work held incomplete.** The simulated device runs work in zero time, so a query always
 //!   finds it complete and code that waits for the GPU only when it must never takes that path.
 //!   [`Sim::hold_stream`] holds back the work enqueued on a stream from then on (and work ordered
-//!   after it): `cuStreamQuery` and `cuEventQuery` answer `CUDA_ERROR_NOT_READY` for it, and
-//!   nothing it freed becomes reusable, until [`Sim::release_stream`] lets it run or a
+//!   after it): `cuStreamQuery` and `cuEventQuery` answer `CUDA_ERROR_NOT_READY` for it and
+//!   observe none of its frees, until [`Sim::release_stream`] lets it run or a
 //!   synchronization (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) waits for
 //!   it. Only tests use it; nothing else in the model changes (copies and kernels still take
 //!   effect when enqueued).
