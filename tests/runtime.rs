@@ -628,6 +628,40 @@ fn the_arena_bumps_through_one_range_that_grows_in_place() {
 }
 
 #[test]
+fn a_step_served_online_gives_pages_back_without_waiting_for_the_stream() {
+    // The first step of a planned phase is served online, best fit in a range that grows in
+    // place; what it frees below live allocations goes back as it runs. With the GPU behind the
+    // host (the stream's work held incomplete), nothing in the step waits for it: the pages stay
+    // mapped and counted until a later call finds the stream past them.
+    let rt = simulated_runtime(8 * GIB);
+    let acts = rt.declare_phase(PhaseSpec::new("acts", Scope::Step).strategy(Strategy::PLANNED)).unwrap();
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let sim = rt.driver().sim().unwrap();
+    let mapped = || sim.mapped_ranges().iter().map(|r| r.size).sum::<u64>();
+    let step = rt.begin_step().unwrap();
+    let mut buffers: Vec<_> = (0..64).map(|_| step.alloc(acts, 2 * MIB, &stream).unwrap()).collect();
+    let full = mapped();
+    assert_eq!(full, 128 * MIB);
+    sim.hold_stream(stream.raw()).unwrap();
+    let (syncs, queries) = (sim.calls("cuStreamSynchronize"), sim.calls("cuEventQuery"));
+    let last = buffers.pop().unwrap();
+    drop(buffers.drain(..32));
+    assert!(sim.calls("cuEventQuery") > queries, "pages were given back");
+    assert_eq!(sim.calls("cuStreamSynchronize"), syncs, "no wait for the stream in the step");
+    assert_eq!(mapped(), full, "still mapped while the stream may use them");
+    assert_eq!(stats_of(&rt, acts, &stream).reserved, full, "and counted");
+    sim.release_stream(stream.raw()).unwrap();
+    // The next hand-out lands in a freed page, kept; the others are unmapped by then.
+    let again = step.alloc(acts, 2 * MIB, &stream).unwrap();
+    assert_eq!(mapped(), full - 31 * 2 * MIB);
+    assert_eq!(stats_of(&rt, acts, &stream).reserved, mapped());
+    assert_eq!(sim.calls("cuStreamSynchronize"), syncs);
+    drop((again, last, buffers));
+    step.end().unwrap();
+    assert_eq!(stats_of(&rt, acts, &stream).reserved, mapped());
+}
+
+#[test]
 fn arena_frees_in_stack_order_give_memory_back_across_slabs() {
     let rt = pool_slab_runtime(GIB);
     let stack =

@@ -13,20 +13,38 @@
 //! Where the device has virtual memory management, [`Source::reserve_range`] reserves address
 //! space with no memory behind it, and [`Source::resize_range`] maps physical pages (one handle
 //! per granule, `cuMemCreate` + `cuMemMap`, access granted to the device and its peers) at the
-//! end of what is mapped, or unmaps them from the end after waiting for the stream: a slab that
-//! a larger plan outgrows gets more pages at the same addresses, its live allocations untouched,
-//! and pages a smaller plan no longer needs go back to the device, where any pool or phase can
-//! take them (physical pages are a device-wide resource). When memory is short, a strategy can
-//! also give back the pages of a free stretch inside the range ([`Source::punch_range`]) and map
-//! them again when it places something there ([`Source::fill_range`]), as PyTorch's expandable
-//! segments unmap their free pages wherever they lie. Mapped pages count in the source's
-//! reservation like pool segments. On a device without it, `reserve_range` answers `None` and
-//! the strategy takes slabs with [`Source::alloc`].
+//! end of what is mapped, or gives them back from the end: a slab that a larger plan outgrows
+//! gets more pages at the same addresses, its live allocations untouched, and pages a smaller
+//! plan no longer needs go back to the device, where any pool or phase can take them (physical
+//! pages are a device-wide resource). When memory is short, a strategy can also give back the
+//! pages of a free stretch inside the range ([`Source::punch_range`]) and map them again when it
+//! places something there ([`Source::fill_range`]), as PyTorch's expandable segments unmap their
+//! free pages wherever they lie. Mapped pages count in the source's reservation like pool
+//! segments. On a device without it, `reserve_range` answers `None` and the strategy takes slabs
+//! with [`Source::alloc`].
+//!
+//! # Pages given back in stream order
+//!
+//! A page may be unmapped only once the work enqueued on the stream no longer uses it, but a
+//! give-back in the middle of a step must not stall the host until the GPU drains its queue: that
+//! would lose the overlap of host and GPU in the step. So a shrink or a punch waits for nothing.
+//! [`DeviceSource`] records an event on the stream after the work that used the pages (events
+//! made once with `CU_EVENT_DISABLE_TIMING` and reused) and marks the pages *retiring*: still
+//! mapped and still counted in the reservation, since they are. It queries the event at once;
+//! complete, the pages are unmapped then. Otherwise every later call of the source that maps,
+//! punches, resizes, fills, allocates or trims first queries the oldest retirements, in order,
+//! and unmaps those whose event completed, never waiting. Only calls that may wait finish every
+//! retirement first (`cuEventSynchronize`): freeing a range, destroying the source, a trim after
+//! a device synchronization, and a page the device refuses to map for want of memory, which is
+//! retried once after the retiring pages went back. A retiring page that a fill or a growth asks
+//! for again is kept: its retirement is cancelled (stream order puts the new use after the old
+//! one), with no unmap and no new page. While the stream is captured, pages stay mapped as before
+//! and nothing is recorded into the capture.
 
 use std::fmt;
 use std::sync::Arc;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use steppool_sys::handle::{EventHandle, PoolHandle};
 
 use steppool_sys::{
@@ -66,20 +84,23 @@ pub(crate) trait Source {
     /// Makes the first `bytes` of the range at `base` (from [`Source::reserve_range`]) the mapped
     /// part, rounded up to the page granularity; returns the bytes mapped now. Growing maps new
     /// pages after the mapped ones (memory before them keeps its contents and addresses);
-    /// shrinking waits for the stream's work, then unmaps pages from the end, whose memory the
-    /// caller no longer uses. A growth the device refuses maps nothing and is an error, and so is
-    /// one past what the range can map (an out-of-memory error).
+    /// shrinking gives back pages from the end, whose memory the caller no longer uses, in the
+    /// stream's order: they go back to the device now or once the stream's work enqueued so far
+    /// no longer uses them, without waiting for it. A growth the device refuses maps nothing and
+    /// is an error, and so is one past what the range can map (an out-of-memory error).
     fn resize_range(&mut self, base: CUdeviceptr, bytes: u64) -> Result<u64>;
 
     /// Gives back the range at `base`: what is mapped (after waiting for the stream) and the
     /// addresses.
     fn free_range(&mut self, base: CUdeviceptr) -> Result<()>;
 
-    /// Unmaps the pages of the range at `base` that lie wholly inside `[offset, offset + len)`
-    /// of its mapped part, after waiting for the stream: a hole whose memory the caller no longer
-    /// uses goes back to the device while the memory around it stays where it is. Returns the
-    /// bytes unmapped. The range keeps its size ([`Source::resize_range`] still counts from the
-    /// base); [`Source::fill_range`] maps the hole again.
+    /// Gives back the pages of the range at `base` that lie wholly inside `[offset, offset + len)`
+    /// of its mapped part: a hole whose memory the caller no longer uses goes back to the device
+    /// while the memory around it stays where it is. Like a shrink, it never waits for the
+    /// stream: the pages go back now or once the stream's work enqueued so far no longer uses
+    /// them. Returns the bytes given back (now or then). The range keeps its size
+    /// ([`Source::resize_range`] still counts from the base); [`Source::fill_range`] maps the hole
+    /// again.
     fn punch_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64>;
 
     /// Maps again the pages of holes ([`Source::punch_range`]) that `[offset, offset + len)` of
@@ -96,6 +117,29 @@ struct GrowableRange {
     /// The physical page mapped at each granule from the base, in order; `None` where a hole was
     /// punched ([`Source::punch_range`]).
     pages: Vec<Option<CUmemGenericAllocationHandle>>,
+}
+
+/// A page of a growable range on its way back to the device: given back by a shrink or a punch,
+/// still mapped until the stream's work no longer uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RetiringPage {
+    /// The base of its range.
+    base: CUdeviceptr,
+    /// Its index from the base, in granules.
+    page: usize,
+    /// Its physical memory.
+    handle: CUmemGenericAllocationHandle,
+}
+
+/// Pages given back by one call, in the stream's order.
+#[derive(Debug)]
+struct Retirement {
+    /// Recorded on the stream after the work that used the pages; `None` once the host has seen
+    /// it complete (the event went back to the source's idle events).
+    event: Option<EventHandle>,
+    /// The pages still mapped: unmapped once `event` completes. A page the driver refused to
+    /// unmap stays here, mapped and counted, and is retried by the next call that looks.
+    pages: Vec<RetiringPage>,
 }
 
 /// The memory a phase pool holds, as the driver counts it.
@@ -155,6 +199,11 @@ pub(crate) struct DeviceSource {
     /// Pages whose unmap (at the address, if any) or release the driver refused: owed, and made
     /// at the next trim and at destroy, as refused frees are.
     owed_pages: Vec<(Option<CUdeviceptr>, CUmemGenericAllocationHandle)>,
+    /// Pages given back and still mapped until the stream's work no longer uses them, oldest
+    /// first (see the [module docs](self)).
+    retiring: VecDeque<Retirement>,
+    /// Events made for retirements and free again, reused before a new one is made.
+    idle_events: Vec<EventHandle>,
 }
 
 impl fmt::Debug for DeviceSource {
@@ -200,6 +249,8 @@ impl DeviceSource {
             mapped: 0,
             mapped_high: 0,
             owed_pages: Vec::new(),
+            retiring: VecDeque::new(),
+            idle_events: Vec::new(),
         };
         source.grant_access(peers)?;
         Ok(source)
@@ -235,6 +286,12 @@ impl DeviceSource {
                     }
                     page += run + 1;
                 }
+            }
+            // Retiring pages are mapped too, and may be kept for a later use.
+            for page in self.retiring.iter().flat_map(|retirement| &retirement.pages) {
+                let start = page.base + page.page as u64 * granule;
+                // SAFETY: `[start, start + granule)` is a mapped page of this source.
+                unsafe { self.stream.device.driver.mem_set_access(start, granule, &access) }?;
             }
         }
         Ok(())
@@ -291,6 +348,7 @@ impl DeviceSource {
         // Called at boundaries and recoveries, which end any capture first.
         self.free_after_capture()?;
         self.retry_pending()?;
+        self.poll_retirements(if wait { Look::Wait } else { Look::Query }, |_| false)?;
         match &mut self.backing {
             Backing::CudaPool(pool) => {
                 let pool = pool.raw();
@@ -320,11 +378,14 @@ impl DeviceSource {
         // Frees that waited for a capture are owed like refused ones: made after a synchronize.
         self.pending.append(&mut self.after_capture);
         let mut retried = self.retry_pending();
-        // Ranges a strategy still holds (it gives them back in `release_all`) go too.
+        // Pages on their way back go first; ranges a strategy still holds (it gives them back in
+        // `release_all`) go too.
+        retried = retried.and(self.poll_retirements(Look::Wait, |_| false));
         let bases: Vec<CUdeviceptr> = self.ranges.keys().copied().collect();
         for base in bases {
             retried = retried.and(self.free_range(base));
         }
+        retried = retried.and(self.destroy_events());
         let destroyed = match self.backing {
             Backing::CudaPool(pool) => {
                 // SAFETY: nothing allocates from the pool any more; allocations still outstanding
@@ -446,6 +507,7 @@ impl Source for DeviceSource {
         if !self.after_capture.is_empty() {
             self.free_after_capture()?;
         }
+        self.poll_retirements(Look::Query, |_| false)?;
         if let Backing::Synchronous(_) = self.backing {
             self.stream.device.make_current()?;
             self.reclaim(false)?;
@@ -501,7 +563,13 @@ impl Source for DeviceSource {
         self.stream.prepare()?;
         // SAFETY: the stream is live while `self` is.
         unsafe { self.stream.device.driver.stream_synchronize(self.stream.raw()) }?;
-        Ok(())
+        // Every retirement's event was recorded on the stream before this: all are complete.
+        for retirement in &mut self.retiring {
+            if let Some(event) = retirement.event.take() {
+                self.idle_events.push(event);
+            }
+        }
+        self.poll_retirements(Look::Query, |_| false)
     }
 
     fn reserve_range(&mut self) -> Result<Option<(CUdeviceptr, u64)>> {
@@ -529,21 +597,28 @@ impl Source for DeviceSource {
         let target = bytes.div_ceil(granule) as usize;
         let mapped = range.pages.len();
         if target > mapped {
-            self.map_pages(base, target, granule)?;
+            self.poll_retirements(Look::Query, |_| false)?;
+            let pages: Vec<usize> = (mapped..target).collect();
+            self.map_holes(base, &pages, granule)?;
         } else if target < mapped {
-            // Nothing may still run on the pages given back, and the wait for that would
-            // invalidate a capture: while the stream captures, the pages stay mapped.
+            // Nothing may still run on the pages given back, and an event recorded into a
+            // capture would belong to the graph: while the stream captures, the pages stay mapped.
             if self.capturing() {
                 return Ok(mapped as u64 * granule);
             }
-            self.synchronize()?;
-            self.unmap_pages(base, target, granule)?;
+            self.poll_retirements(Look::Query, |_| false)?;
+            // From the end down, as they are unmapped.
+            let range = &self.ranges[&base];
+            let pages: Vec<usize> = (target..mapped).rev().filter(|&page| range.pages[page].is_some()).collect();
+            self.retire(base, &pages, granule)?;
+            self.ranges.get_mut(&base).expect("range").pages.truncate(target);
         }
         Ok(target as u64 * granule)
     }
 
     fn free_range(&mut self, base: CUdeviceptr) -> Result<()> {
         let granule = self.stream.device.vmm_granularity.expect("a range exists only with virtual memory management");
+        self.poll_retirements(Look::Wait, |_| false)?;
         if self.ranges.get(&base).is_some_and(|range| range.pages.iter().any(Option::is_some)) {
             self.synchronize()?;
             self.unmap_pages(base, 0, granule)?;
@@ -566,18 +641,10 @@ impl Source for DeviceSource {
         if self.capturing() {
             return Ok(0);
         }
-        self.synchronize()?;
-        let device = self.stream.device.clone();
-        device.make_current()?;
-        let mut unmapped = 0;
-        for page in from..to {
-            if self.ranges[&base].pages[page].is_some() {
-                // The stream was waited for above, and the caller no longer uses the memory.
-                self.unmap_page(&device, base, page, granule)?;
-                unmapped += granule;
-            }
-        }
-        Ok(unmapped)
+        self.poll_retirements(Look::Query, |_| false)?;
+        let range = &self.ranges[&base];
+        let pages: Vec<usize> = (from..to).filter(|&page| range.pages[page].is_some()).collect();
+        self.retire(base, &pages, granule)
     }
 
     fn fill_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64> {
@@ -585,72 +652,13 @@ impl Source for DeviceSource {
         let range = self.ranges.get(&base).expect("a range of this source");
         let from = (offset / granule) as usize;
         let to = ((offset + len).div_ceil(granule) as usize).min(range.pages.len());
-        let holes: Vec<usize> = (from..to).filter(|&page| range.pages[page].is_none()).collect();
-        if holes.is_empty() {
+        if !range.pages.get(from..to).is_some_and(|pages| pages.iter().any(Option::is_none)) {
             return Ok(0);
         }
-        let device = self.stream.device.clone();
-        let driver = &device.driver;
-        device.make_current()?;
-        let mut access = vec![read_write(device.device)];
-        access.extend(device.peers().into_iter().map(read_write));
-        let mut added: Vec<(usize, CUmemGenericAllocationHandle)> = Vec::with_capacity(holes.len());
-        let mut outcome = Ok(());
-        for &page in &holes {
-            let ptr = base + page as u64 * granule;
-            let handle = match driver.mem_create(device.device, granule) {
-                Ok(handle) => handle,
-                Err(error) => {
-                    outcome = Err(error);
-                    break;
-                }
-            };
-            // SAFETY: the handle was just created; the page lies inside the reserved range and
-            // nothing is mapped there.
-            if let Err(error) = unsafe { driver.mem_map(ptr, granule, handle) } {
-                // SAFETY: the handle was just created and is not mapped.
-                if unsafe { driver.mem_release(handle) }.is_err() {
-                    self.owed_pages.push((None, handle));
-                }
-                outcome = Err(error);
-                break;
-            }
-            added.push((page, handle));
-            // SAFETY: `[ptr, ptr + granule)` was just mapped.
-            if let Err(error) = unsafe { driver.mem_set_access(ptr, granule, &access) } {
-                outcome = Err(error);
-                break;
-            }
-        }
-        if let Err(error) = outcome {
-            // Nothing used the new pages: they go back at once.
-            let pages = added.into_iter().rev().map(|(page, handle)| (base + page as u64 * granule, handle));
-            self.give_back_unused(driver, pages, granule);
-            return Err(error.into());
-        }
-        let range = self.ranges.get_mut(&base).expect("range");
-        for &(page, handle) in &added {
-            range.pages[page] = Some(handle);
-        }
-        let bytes = added.len() as u64 * granule;
-        self.mapped += bytes;
-        self.mapped_high = self.mapped_high.max(self.mapped);
-        if self.recorder.is_on() {
-            // One mapping per run of contiguous pages, as the range's segment grew by each.
-            let pool_reserved = self.reserved_or_zero();
-            let mut runs: Vec<(usize, usize)> = Vec::new();
-            for &(page, _) in &added {
-                match runs.last_mut() {
-                    Some((_, end)) if *end == page => *end += 1,
-                    _ => runs.push((page, page + 1)),
-                }
-            }
-            for (from, to) in runs {
-                let (ptr, bytes) = (base + from as u64 * granule, (to - from) as u64 * granule);
-                self.recorder.record(EventKind::SegmentMap { pool: self.id, range: base, ptr, bytes, pool_reserved });
-            }
-        }
-        Ok(bytes)
+        self.poll_retirements(Look::Query, |_| false)?;
+        let range = &self.ranges[&base];
+        let holes: Vec<usize> = (from..to).filter(|&page| range.pages[page].is_none()).collect();
+        self.map_holes(base, &holes, granule)
     }
 }
 
@@ -718,63 +726,261 @@ impl DeviceSource {
         outcome
     }
 
-    /// Maps pages after the mapped ones of the range at `base` until it has `target`, with
-    /// access for the device and its peers; on a failure, unmaps and releases what this call
-    /// mapped.
-    fn map_pages(&mut self, base: CUdeviceptr, target: usize, granule: u64) -> Result<()> {
+    /// Maps `pages` (ascending page indices of the range at `base`: holes, or pages past its
+    /// mapped part for a growth) with access for the device and its peers. A page on its way
+    /// back ([`Retirement`]) is kept, its retirement cancelled: stream order puts the new use
+    /// after the old one. The others get new pages. All or none: on a failure, the new pages go
+    /// back and the retiring ones stay retiring. When the device is out of memory and pages are
+    /// retiring, waits for them to go back (keeping those asked for) and tries once more. Returns
+    /// the bytes mapped, kept pages included.
+    fn map_holes(&mut self, base: CUdeviceptr, pages: &[usize], granule: u64) -> Result<u64> {
+        if pages.is_empty() {
+            return Ok(0);
+        }
+        let device = self.stream.device.clone();
+        let asked = |page: &RetiringPage| page.base == base && pages.binary_search(&page.page).is_ok();
+        let retiring_asked = |retiring: &VecDeque<Retirement>| -> Vec<usize> {
+            retiring
+                .iter()
+                .flat_map(|retirement| &retirement.pages)
+                .filter(|page| asked(page))
+                .map(|page| page.page)
+                .collect()
+        };
+        let kept = retiring_asked(&self.retiring);
+        let fresh: Vec<usize> = pages.iter().copied().filter(|page| !kept.contains(page)).collect();
+        let added = match self.create_pages(&device, base, &fresh, granule) {
+            // The pages retiring may be what the device lacks: once the stream is done with
+            // them, they go back and the mapping is tried again (not while capturing: the wait
+            // would invalidate the capture).
+            Err(error) if error.is_out_of_memory() && !self.retiring.is_empty() && !self.capturing() => {
+                self.poll_retirements(Look::Wait, asked)?;
+                self.create_pages(&device, base, &fresh, granule)?
+            }
+            created => created?,
+        };
+        let mut access = vec![read_write(device.device)];
+        access.extend(device.peers().into_iter().map(read_write));
+        for (first, end) in runs(added.iter().map(|&(page, _)| page)) {
+            let start = base + first as u64 * granule;
+            // SAFETY: `[start, start + len)` was just mapped.
+            let granted = unsafe { device.driver.mem_set_access(start, (end - first) as u64 * granule, &access) };
+            if let Err(error) = granted {
+                // Nothing used the new pages: they go back at once.
+                let pages = added.into_iter().rev().map(|(page, handle)| (base + page as u64 * granule, handle));
+                self.give_back_unused(&device.driver, pages, granule);
+                return Err(error.into());
+            }
+        }
+        // Kept: taken out of their retirements; one left with no page frees its event.
+        let mut kept: Vec<RetiringPage> = Vec::new();
+        for retirement in &mut self.retiring {
+            kept.extend(retirement.pages.iter().filter(|page| asked(page)));
+            retirement.pages.retain(|page| !asked(page));
+        }
+        let (mut index, mut freed) = (0, Vec::new());
+        while index < self.retiring.len() {
+            if self.retiring[index].pages.is_empty() {
+                freed.extend(self.retiring.remove(index).and_then(|retirement| retirement.event));
+            } else {
+                index += 1;
+            }
+        }
+        self.idle_events.extend(freed);
+        let range = self.ranges.get_mut(&base).expect("range");
+        let end = pages[pages.len() - 1] + 1;
+        if range.pages.len() < end {
+            range.pages.resize(end, None);
+        }
+        for page in &kept {
+            range.pages[page.page] = Some(page.handle);
+        }
+        for &(page, handle) in &added {
+            range.pages[page] = Some(handle);
+        }
+        let bytes = added.len() as u64 * granule;
+        self.mapped += bytes;
+        self.mapped_high = self.mapped_high.max(self.mapped);
+        if self.recorder.is_on() {
+            // One mapping per run of new pages, as the range's segment grew by each.
+            let pool_reserved = self.reserved_or_zero();
+            for (first, end) in runs(added.iter().map(|&(page, _)| page)) {
+                let (ptr, bytes) = (base + first as u64 * granule, (end - first) as u64 * granule);
+                self.recorder.record(EventKind::SegmentMap { pool: self.id, range: base, ptr, bytes, pool_reserved });
+            }
+        }
+        Ok(bytes + kept.len() as u64 * granule)
+    }
+
+    /// Creates and maps a new page at each of `pages` of the range at `base` (nothing mapped
+    /// there). On a failure, unmaps and releases what it mapped and maps nothing.
+    fn create_pages(
+        &mut self,
+        device: &DeviceCore,
+        base: CUdeviceptr,
+        pages: &[usize],
+        granule: u64,
+    ) -> Result<Vec<(usize, CUmemGenericAllocationHandle)>> {
+        let driver = &device.driver;
+        if !pages.is_empty() {
+            device.make_current()?;
+        }
+        let mut added: Vec<(usize, CUmemGenericAllocationHandle)> = Vec::with_capacity(pages.len());
+        for &page in pages {
+            let mapped = driver.mem_create(device.device, granule).and_then(|handle| {
+                // SAFETY: the handle was just created; the page lies inside the reserved range,
+                // where nothing is mapped.
+                match unsafe { driver.mem_map(base + page as u64 * granule, granule, handle) } {
+                    Ok(()) => Ok(handle),
+                    Err(error) => {
+                        // SAFETY: the handle was just created and is not mapped.
+                        if unsafe { driver.mem_release(handle) }.is_err() {
+                            self.owed_pages.push((None, handle));
+                        }
+                        Err(error)
+                    }
+                }
+            });
+            match mapped {
+                Ok(handle) => added.push((page, handle)),
+                Err(error) => {
+                    // Nothing used the new pages: they go back at once.
+                    let pages = added.into_iter().rev().map(|(page, handle)| (base + page as u64 * granule, handle));
+                    self.give_back_unused(driver, pages, granule);
+                    return Err(error.into());
+                }
+            }
+        }
+        Ok(added)
+    }
+
+    /// Gives back `pages` (mapped pages of the range at `base` that the caller no longer uses)
+    /// in the stream's order, without waiting: records an event on the stream after the work
+    /// enqueued so far, moves the pages out of the range into a [`Retirement`], and unmaps them
+    /// at once if the event is already complete. An event call that fails is an error, and then
+    /// nothing is given back. Returns the bytes given back, now or once the event completes.
+    fn retire(&mut self, base: CUdeviceptr, pages: &[usize], granule: u64) -> Result<u64> {
+        if pages.is_empty() {
+            return Ok(0);
+        }
         let device = self.stream.device.clone();
         let driver = &device.driver;
         device.make_current()?;
-        let from = self.ranges[&base].pages.len();
-        let mut added: Vec<CUmemGenericAllocationHandle> = Vec::with_capacity(target - from);
+        let event = match self.idle_events.pop() {
+            Some(event) => event,
+            None => EventHandle::from_raw(driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING)?),
+        };
+        let recorded = self.stream.prepare().and_then(|()| {
+            // SAFETY: the event is this source's, made in the stream's context (current), and
+            // not waited on by anything; the stream is live while `self` is and not capturing
+            // (the callers checked), so the record is not part of a graph.
+            unsafe { driver.event_record(event.raw(), self.stream.raw()) }?;
+            // SAFETY: as above; the event was just recorded outside capture.
+            Ok(unsafe { driver.event_query(event.raw()) }?)
+        });
+        let done = match recorded {
+            Ok(done) => done,
+            Err(error) => {
+                self.idle_events.push(event);
+                return Err(error);
+            }
+        };
+        let range = self.ranges.get_mut(&base).expect("a range of this source");
+        let retiring = pages
+            .iter()
+            .map(|&page| RetiringPage { base, page, handle: range.pages[page].take().expect("a mapped page") })
+            .collect();
+        let event = if done {
+            self.idle_events.push(event);
+            None
+        } else {
+            Some(event)
+        };
+        self.retiring.push_back(Retirement { event, pages: retiring });
+        if done {
+            // The pages are given back whatever the unmap says: a page the driver refuses to
+            // unmap stays retiring, mapped and counted, and the next call that looks retries it
+            // and reports the error.
+            let _ = self.poll_retirements(Look::Query, |_| false);
+        }
+        Ok(pages.len() as u64 * granule)
+    }
+
+    /// Unmaps the retiring pages whose event has completed, oldest retirement first, except
+    /// those `keep` names (a mapping about to take them back). With [`Look::Query`] it stops at
+    /// the first event not complete (those after it were recorded later on the same stream) and
+    /// looks at nothing while the stream captures; with [`Look::Wait`] it waits for each event.
+    /// A page the driver refuses to unmap stays retiring, and the error is returned; a release
+    /// it refuses is owed.
+    fn poll_retirements(&mut self, look: Look, keep: impl Fn(&RetiringPage) -> bool) -> Result<()> {
+        if self.retiring.is_empty() || (look == Look::Query && self.capturing()) {
+            return Ok(());
+        }
+        let device = self.stream.device.clone();
+        let granule = device.vmm_granularity.unwrap_or(0);
+        device.make_current()?;
         let mut outcome = Ok(());
-        for page in from..target {
-            let handle = match driver.mem_create(device.device, granule) {
-                Ok(handle) => handle,
-                Err(error) => {
-                    outcome = Err(error);
+        let mut index = 0;
+        while index < self.retiring.len() {
+            if let Some(event) = self.retiring[index].event {
+                // SAFETY: the event is this source's and was recorded on its stream outside
+                // capture.
+                let done = unsafe {
+                    match look {
+                        Look::Query => device.driver.event_query(event.raw())?,
+                        Look::Wait => device.driver.event_synchronize(event.raw()).map(|()| true)?,
+                    }
+                };
+                if !done {
                     break;
                 }
-            };
-            // SAFETY: the handle was just created; the page lies inside the reserved range, past
-            // every mapped page.
-            if let Err(error) = unsafe { driver.mem_map(base + page as u64 * granule, granule, handle) } {
-                // SAFETY: the handle was just created and is not mapped.
-                if unsafe { driver.mem_release(handle) }.is_err() {
-                    self.owed_pages.push((None, handle));
-                }
-                outcome = Err(error);
-                break;
+                self.retiring[index].event = None;
+                self.idle_events.push(event);
             }
-            added.push(handle);
+            let pages = std::mem::take(&mut self.retiring[index].pages);
+            let (mut left, mut refused) = (Vec::new(), None);
+            for page in pages {
+                if keep(&page) || refused.is_some() {
+                    left.push(page);
+                    continue;
+                }
+                let ptr = page.base + page.page as u64 * granule;
+                // SAFETY: the page was mapped by this source with this handle, the caller no
+                // longer uses it, and the event recorded after its last use has completed.
+                match unsafe { device.driver.mem_unmap(ptr, granule) } {
+                    Ok(()) => outcome = outcome.and(self.unmapped(page.base, ptr, page.handle, granule)),
+                    Err(error) => {
+                        left.push(page);
+                        refused = Some(error);
+                    }
+                }
+            }
+            if left.is_empty() {
+                self.retiring.remove(index);
+            } else {
+                self.retiring[index].pages = left;
+                index += 1;
+            }
+            if let Some(error) = refused {
+                // Retried, in order, by the next call that looks.
+                return Err(error.into());
+            }
         }
-        if outcome.is_ok() {
-            let mut access = vec![read_write(device.device)];
-            access.extend(device.peers().into_iter().map(read_write));
-            let start = base + from as u64 * granule;
-            // SAFETY: `[start, start + len)` was just mapped.
-            outcome = unsafe { driver.mem_set_access(start, (target - from) as u64 * granule, &access) };
+        outcome
+    }
+
+    /// Destroys the source's events: idle ones, and those of retirements left (their pages stay
+    /// counted as mapped, and are given back with their range).
+    fn destroy_events(&mut self) -> Result<()> {
+        let driver = &self.stream.device.driver;
+        let left = self.retiring.iter_mut().filter_map(|retirement| retirement.event.take());
+        let events: Vec<EventHandle> = self.idle_events.drain(..).chain(left).collect();
+        let mut outcome = Ok(());
+        for event in events {
+            // SAFETY: the event is this source's and nothing uses it any more.
+            outcome = outcome.and(unsafe { driver.event_destroy(event.raw()) }.map_err(Error::from));
         }
-        if let Err(error) = outcome {
-            // Nothing used the new pages: they go back at once.
-            let pages = added
-                .into_iter()
-                .enumerate()
-                .rev()
-                .map(|(page, handle)| (base + (from + page) as u64 * granule, handle));
-            self.give_back_unused(driver, pages, granule);
-            return Err(error.into());
-        }
-        let count = added.len() as u64;
-        self.ranges.get_mut(&base).expect("range").pages.extend(added.into_iter().map(Some));
-        self.mapped += count * granule;
-        self.mapped_high = self.mapped_high.max(self.mapped);
-        if self.recorder.is_on() && target > from {
-            let pool_reserved = self.reserved_or_zero();
-            let (ptr, bytes) = (base + from as u64 * granule, (target - from) as u64 * granule);
-            self.recorder.record(EventKind::SegmentMap { pool: self.id, range: base, ptr, bytes, pool_reserved });
-        }
-        Ok(())
+        outcome
     }
 
     /// Unmaps and releases the pages of the range at `base` from the end down to `target`. The
@@ -809,9 +1015,21 @@ impl DeviceSource {
         // every use of it.
         unsafe { device.driver.mem_unmap(ptr, granule) }?;
         self.ranges.get_mut(&base).expect("range").pages[page] = None;
+        self.unmapped(base, ptr, handle, granule)
+    }
+
+    /// A page of the range at `base` at `ptr` was just unmapped: it no longer counts, its
+    /// physical memory is released (a release the driver refuses is owed) and the history told.
+    fn unmapped(
+        &mut self,
+        base: CUdeviceptr,
+        ptr: CUdeviceptr,
+        handle: CUmemGenericAllocationHandle,
+        granule: u64,
+    ) -> Result<()> {
         self.mapped -= granule;
         // SAFETY: the handle is this source's and no longer mapped.
-        let released = unsafe { device.driver.mem_release(handle) };
+        let released = unsafe { self.stream.device.driver.mem_release(handle) };
         if self.recorder.is_on() {
             let pool_reserved = self.reserved_or_zero();
             let unmapped = EventKind::SegmentUnmap { pool: self.id, range: base, ptr, bytes: granule, pool_reserved };
@@ -844,6 +1062,27 @@ impl DeviceSource {
     }
 }
 
+/// How [`DeviceSource::poll_retirements`] learns that the stream is done with retiring pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Look {
+    /// `cuEventQuery`: never waits.
+    Query,
+    /// `cuEventSynchronize`: waits for the GPU.
+    Wait,
+}
+
+/// The runs of consecutive numbers in `pages` (ascending), each as `(first, end)`.
+fn runs(pages: impl Iterator<Item = usize>) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for page in pages {
+        match runs.last_mut() {
+            Some((_, end)) if *end == page => *end += 1,
+            _ => runs.push((page, page + 1)),
+        }
+    }
+    runs
+}
+
 /// A source for the strategies' unit tests: hands out addresses from a plain range, never
 /// reuses one before it is given back, and checks every free against what it handed out.
 #[cfg(test)]
@@ -873,7 +1112,8 @@ pub(crate) mod fake {
         pub(crate) ranges: BTreeMap<CUdeviceptr, u64>,
         /// The pages of each range punched out ([`Source::punch_range`]), by index from its base.
         pub(crate) holes: BTreeMap<CUdeviceptr, BTreeSet<u64>>,
-        /// Resizes that mapped pages, and those that unmapped them (each after a wait).
+        /// Resizes (and fills) that mapped pages, and resizes (and punches) that gave them back,
+        /// in stream order without a wait as [`DeviceSource`](super::DeviceSource) does.
         pub(crate) grows: u64,
         pub(crate) shrinks: u64,
     }
@@ -980,7 +1220,7 @@ pub(crate) mod fake {
                 }
                 self.grows += 1;
             } else if target < mapped {
-                self.syncs += 1;
+                // Given back in stream order, as by the device: no wait.
                 self.shrinks += 1;
                 if let Some(holes) = self.holes.get_mut(&base) {
                     holes.retain(|&page| page < target / PAGE);
@@ -1005,7 +1245,6 @@ pub(crate) mod fake {
             let holes = self.holes.entry(base).or_default();
             let punched = (from..to).filter(|&page| holes.insert(page)).count() as u64;
             if punched > 0 {
-                self.syncs += 1;
                 self.shrinks += 1;
             }
             Ok(punched * PAGE)
@@ -1030,5 +1269,222 @@ pub(crate) mod fake {
             self.grows += 1;
             Ok(bytes)
         }
+    }
+}
+
+/// [`DeviceSource`] on the simulated device, with its stream's work held incomplete where a test
+/// needs the GPU behind the host ([`Sim::hold_stream`](steppool_sys::sim::Sim::hold_stream)).
+#[cfg(test)]
+mod tests {
+    use steppool_sys::sim::{FaultCode, FaultPlan, Sim, SimConfig};
+    use steppool_sys::{CUstream_flags, Driver};
+
+    use super::*;
+    use crate::phase::Phase;
+
+    const PAGE: u64 = 2 << 20;
+
+    /// A source on a simulated device of `capacity` bytes, on a stream of its own.
+    fn source(capacity: u64) -> (Driver, DeviceSource) {
+        let driver = Driver::simulated(SimConfig::with_capacity(capacity)).unwrap();
+        let device = Arc::new(DeviceCore::open(&driver, 0).unwrap());
+        let raw = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
+        let stream = Arc::new(StreamCore::new(device, raw, true, 0));
+        let id = PoolId { device: 0, stream: stream.id, phase: Phase::ACTIVATIONS };
+        let source = DeviceSource::new(stream, id, u64::MAX, &[], Arc::new(Recorder::default())).unwrap();
+        (driver, source)
+    }
+
+    fn sim(driver: &Driver) -> &Sim {
+        driver.sim().unwrap()
+    }
+
+    /// Bytes the device has mapped into reserved ranges.
+    fn mapped(driver: &Driver) -> u64 {
+        sim(driver).mapped_ranges().iter().map(|range| range.size).sum()
+    }
+
+    /// A range of this source with `pages` pages mapped.
+    fn range(source: &mut DeviceSource, pages: u64) -> CUdeviceptr {
+        let (base, _) = source.reserve_range().unwrap().unwrap();
+        assert_eq!(source.resize_range(base, pages * PAGE).unwrap(), pages * PAGE);
+        base
+    }
+
+    fn hold(driver: &Driver, source: &DeviceSource) {
+        sim(driver).hold_stream(source.stream.raw()).unwrap();
+    }
+
+    fn release(driver: &Driver, source: &DeviceSource) {
+        sim(driver).release_stream(source.stream.raw()).unwrap();
+    }
+
+    /// The waits for the GPU made so far.
+    fn waits(driver: &Driver) -> u64 {
+        let sim = sim(driver);
+        sim.calls("cuStreamSynchronize") + sim.calls("cuEventSynchronize") + sim.calls("cuCtxSynchronize")
+    }
+
+    #[test]
+    fn a_punch_while_work_is_pending_waits_for_nothing_and_unmaps_at_the_next_call() {
+        let (driver, mut source) = source(1 << 30);
+        let base = range(&mut source, 4);
+        hold(&driver, &source);
+        let waits = waits(&driver);
+        assert_eq!(source.punch_range(base, PAGE, 2 * PAGE).unwrap(), 2 * PAGE, "given back, in stream order");
+        assert_eq!(self::waits(&driver), waits, "no wait for the stream");
+        assert_eq!(sim(&driver).calls("cuStreamSynchronize"), 0);
+        assert!(sim(&driver).calls("cuEventQuery") > 0, "the event was asked, not waited for");
+        // Still mapped and counted while the stream may use them, whatever calls come.
+        assert_eq!((mapped(&driver), source.reservation().unwrap().reserved), (4 * PAGE, 4 * PAGE));
+        source.trim_to(0).unwrap();
+        assert_eq!(source.punch_range(base, 0, 4 * PAGE).unwrap(), 2 * PAGE, "only the pages not already given");
+        assert_eq!(mapped(&driver), 4 * PAGE);
+        // The stream passes the events: the next call unmaps the pages, without a wait.
+        release(&driver, &source);
+        assert_eq!(mapped(&driver), 4 * PAGE, "nothing happens behind the source's back");
+        let ptr = source.alloc(PAGE).unwrap();
+        assert_eq!(mapped(&driver), 0);
+        assert_eq!(source.reservation().unwrap().reserved, PAGE, "the pool's allocation only");
+        assert_eq!(self::waits(&driver), waits);
+        source.free(ptr, PAGE).unwrap();
+        source.destroy().unwrap();
+        assert_eq!(sim(&driver).calls("cuEventCreate"), sim(&driver).calls("cuEventDestroy_v2"), "no event leaks");
+    }
+
+    #[test]
+    fn a_shrink_while_work_is_pending_waits_for_nothing() {
+        let (driver, mut source) = source(1 << 30);
+        let base = range(&mut source, 4);
+        hold(&driver, &source);
+        let waits = waits(&driver);
+        assert_eq!(source.resize_range(base, PAGE).unwrap(), PAGE);
+        assert_eq!(self::waits(&driver), waits);
+        assert_eq!((mapped(&driver), source.reservation().unwrap().reserved), (4 * PAGE, 4 * PAGE));
+        release(&driver, &source);
+        source.trim_to(0).unwrap();
+        assert_eq!((mapped(&driver), source.reservation().unwrap().reserved), (PAGE, PAGE));
+        assert_eq!(self::waits(&driver), waits);
+        source.destroy().unwrap();
+    }
+
+    #[test]
+    fn without_pending_work_pages_go_back_at_once_and_events_are_reused() {
+        let (driver, mut source) = source(1 << 30);
+        let base = range(&mut source, 8);
+        for page in 0..4 {
+            assert_eq!(source.punch_range(base, page * PAGE, PAGE).unwrap(), PAGE);
+            assert_eq!(mapped(&driver), (7 - page) * PAGE, "the event was complete: unmapped now");
+        }
+        assert_eq!(source.resize_range(base, 5 * PAGE).unwrap(), 5 * PAGE);
+        assert_eq!(mapped(&driver), PAGE);
+        assert_eq!(sim(&driver).calls("cuEventCreate"), 1, "one event, reused");
+        assert_eq!(waits(&driver), 0);
+        source.destroy().unwrap();
+        assert_eq!(sim(&driver).calls("cuEventDestroy_v2"), 1);
+    }
+
+    #[test]
+    fn a_page_asked_for_again_while_retiring_is_kept() {
+        let (driver, mut source) = source(1 << 30);
+        let base = range(&mut source, 4);
+        hold(&driver, &source);
+        source.punch_range(base, PAGE, 2 * PAGE).unwrap();
+        let (creates, unmaps) = (sim(&driver).calls("cuMemCreate"), sim(&driver).calls("cuMemUnmap"));
+        // A fill over one retiring page: kept, with no new page and no unmap.
+        assert_eq!(source.fill_range(base, PAGE, PAGE).unwrap(), PAGE);
+        // A growth over pages retiring from a shrink: kept too, and only the new page is made.
+        assert_eq!(source.resize_range(base, PAGE).unwrap(), PAGE);
+        assert_eq!(source.resize_range(base, 5 * PAGE).unwrap(), 5 * PAGE);
+        assert_eq!(sim(&driver).calls("cuMemCreate"), creates + 1, "the fifth page only");
+        assert_eq!(sim(&driver).calls("cuMemUnmap"), unmaps);
+        release(&driver, &source);
+        source.trim_to(0).unwrap();
+        assert_eq!(mapped(&driver), 5 * PAGE, "nothing left retiring");
+        assert_eq!(source.reservation().unwrap().reserved, 5 * PAGE);
+        assert_eq!(sim(&driver).calls("cuMemUnmap"), unmaps);
+        assert_eq!(waits(&driver), 0);
+        source.destroy().unwrap();
+        assert_eq!(mapped(&driver), 0);
+    }
+
+    #[test]
+    fn a_map_the_device_refuses_waits_for_the_retiring_pages_and_succeeds() {
+        // Room for four pages.
+        let (driver, mut source) = source(4 * PAGE);
+        let base = range(&mut source, 4);
+        hold(&driver, &source);
+        source.punch_range(base, 0, 2 * PAGE).unwrap();
+        assert_eq!(mapped(&driver), 4 * PAGE, "the device is full while the stream uses them");
+        let (other, _) = source.reserve_range().unwrap().unwrap();
+        let event_waits = sim(&driver).calls("cuEventSynchronize");
+        assert_eq!(source.resize_range(other, 2 * PAGE).unwrap(), 2 * PAGE, "mapped once they went back");
+        assert_eq!(sim(&driver).calls("cuEventSynchronize"), event_waits + 1, "one wait, for the event");
+        assert_eq!(sim(&driver).calls("cuStreamSynchronize"), 0);
+        assert_eq!((mapped(&driver), source.reservation().unwrap().reserved), (4 * PAGE, 4 * PAGE));
+        // Without retiring pages, a refusal is an error.
+        let (third, _) = source.reserve_range().unwrap().unwrap();
+        let refused = source.resize_range(third, PAGE).unwrap_err();
+        assert!(refused.is_out_of_memory(), "{refused}");
+        source.destroy().unwrap();
+        assert_eq!(mapped(&driver), 0);
+    }
+
+    #[test]
+    fn destroy_with_retiring_pages_leaks_nothing() {
+        let (driver, mut source) = source(1 << 30);
+        let base = range(&mut source, 4);
+        let other = range(&mut source, 2);
+        hold(&driver, &source);
+        source.punch_range(base, 0, 2 * PAGE).unwrap();
+        source.resize_range(other, 0).unwrap();
+        source.resize_range(base, 3 * PAGE).unwrap();
+        assert_eq!(mapped(&driver), 6 * PAGE);
+        source.destroy().unwrap();
+        assert_eq!(mapped(&driver), 0, "every page unmapped");
+        let (free, total) = driver.mem_get_info().unwrap();
+        assert_eq!(free, total, "and released");
+        assert_eq!(sim(&driver).calls("cuEventCreate"), sim(&driver).calls("cuEventDestroy_v2"));
+        assert_eq!(sim(&driver).calls("cuMemAddressReserve"), sim(&driver).calls("cuMemAddressFree"));
+    }
+
+    #[test]
+    fn an_event_the_driver_refuses_gives_back_nothing_and_leaks_nothing() {
+        let (driver, mut source) = source(1 << 30);
+        let base = range(&mut source, 4);
+        for call in ["cuEventCreate", "cuEventRecord", "cuEventQuery"] {
+            sim(&driver).set_faults(Some(FaultPlan::nth(1, FaultCode::InvalidValue).calls(&[call])));
+            let refused = source.punch_range(base, PAGE, 2 * PAGE).unwrap_err();
+            assert!(refused.to_string().contains(call), "{refused}");
+            assert_eq!((mapped(&driver), source.reservation().unwrap().reserved), (4 * PAGE, 4 * PAGE), "{call}");
+        }
+        sim(&driver).set_faults(None);
+        assert_eq!(source.punch_range(base, PAGE, 2 * PAGE).unwrap(), 2 * PAGE, "the pages are still the range's");
+        assert_eq!(mapped(&driver), 2 * PAGE);
+        source.destroy().unwrap();
+        assert_eq!(mapped(&driver), 0);
+        assert_eq!(
+            sim(&driver).calls("cuEventCreate") - 1,
+            sim(&driver).calls("cuEventDestroy_v2"),
+            "one create refused"
+        );
+    }
+
+    #[test]
+    fn an_unmap_the_driver_refuses_leaves_the_page_retiring_and_counted() {
+        let (driver, mut source) = source(1 << 30);
+        let base = range(&mut source, 4);
+        hold(&driver, &source);
+        source.punch_range(base, 0, 2 * PAGE).unwrap();
+        release(&driver, &source);
+        sim(&driver).set_faults(Some(FaultPlan::nth(1, FaultCode::InvalidValue).calls(&["cuMemUnmap"])));
+        let refused = source.trim_to(0).unwrap_err();
+        assert!(refused.to_string().contains("cuMemUnmap"), "{refused}");
+        assert_eq!((mapped(&driver), source.reservation().unwrap().reserved), (4 * PAGE, 4 * PAGE));
+        sim(&driver).set_faults(None);
+        source.trim_to(0).unwrap();
+        assert_eq!((mapped(&driver), source.reservation().unwrap().reserved), (2 * PAGE, 2 * PAGE), "retried");
+        source.destroy().unwrap();
+        assert_eq!(mapped(&driver), 0);
     }
 }

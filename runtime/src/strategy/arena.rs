@@ -29,7 +29,7 @@ struct Slab {
 /// Where the source has ranges that grow in place, there are no slabs: the bump runs through one
 /// reserved range whose pages are mapped as it passes their end, so no slab tail is left unused
 /// and no request is oversize. At the reset the pages past what the trim policy keeps go back
-/// (after a wait for the stream).
+/// in stream order, without a wait for the stream ([`Source::resize_range`]).
 #[derive(Debug)]
 pub(crate) struct Arena {
     slab_bytes: u64,
@@ -422,10 +422,11 @@ mod tests {
         arena.free(&mut source, ptrs[2], MIB).unwrap();
         arena.free(&mut source, ptrs[1], 10 * MIB).unwrap();
         assert_eq!(arena.allocate(&mut source, 2 * MIB).unwrap(), ptrs[1]);
-        // The reset keeps what the trim policy asks for and unmaps the rest, after a wait.
+        // The reset keeps what the trim policy asks for and gives back the rest, in stream order
+        // without a wait.
         let syncs = source.syncs;
         arena.reset(&mut source, 4 * MIB).unwrap();
-        assert_eq!((source.mapped(), source.syncs), (4 * MIB, syncs + 1));
+        assert_eq!((source.mapped(), source.syncs), (4 * MIB, syncs));
         assert_eq!(arena.allocate(&mut source, MIB).unwrap(), ptrs[0], "the next scope starts at the base");
         arena.release_all(&mut source).unwrap();
         assert_eq!((source.held(), source.ranges.len()), (0, 0));

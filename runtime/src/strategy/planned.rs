@@ -101,7 +101,7 @@
 //! (a new shape, a deviation) grows the slab at its end by what its free range there lacks, instead
 //! of taking fallback chunks, and gives back the pages of that free end once they are an eighth of
 //! the slab. At the scope's end the pages past what the plan of the scope that just ended needs are
-//! unmapped (after a wait for the stream): physical pages are the device's, and another phase takes
+//! given back in stream order (no wait for the stream): physical pages are the device's, and another phase takes
 //! them while this one is small. A new shape is served best-fit in the empty range rather than
 //! recorded in chunks beside it, and so is the first scope: it is recorded best-fit in the range
 //! from its start, pages mapped at the end as it needs them.
@@ -124,10 +124,10 @@
 //!
 //! What makes that right is that a scope served online gives back its free pages *wherever they
 //! are* as it runs ([`Planned::punch_freed`]), not only those at the range's end: each time it has
-//! freed a 256th of the range (at least a page), it waits for the stream once and unmaps the
-//! whole pages of every free range ([`Source::punch_range`]); a range handed out over such a hole
-//! maps its pages again first ([`Source::fill_range`]). So what the range holds is the pages its
-//! live allocations touch plus at most a 256th of it freed since the last wait, however
+//! freed a 256th of the range (at least a page), it gives back the whole pages of every free range
+//! ([`Source::punch_range`]) in stream order, without waiting for the stream; a range handed out
+//! over such a hole maps its pages again first ([`Source::fill_range`]). So what the range holds
+//! is the pages its live allocations touch plus at most a 256th of it freed since the last punch, however
 //! best fit has scattered them: a buffer reallocated larger (a KV cache grown by concatenation)
 //! leaves no stranded copy below it, and a range freed below a live allocation goes back as well
 //! as one at the end. Recording the first scope in the range without this was measured and not
@@ -139,9 +139,10 @@
 //! more at 80 GiB; the recorded KV-cache trace needs one 2 MiB page more on its smallest device (a
 //! 15 KiB allocation of its recording keeps an otherwise free page mapped, where the chunks packed
 //! small requests together).
-//! The waits are paid only by scopes the slab did not serve from a plan (a recording, a new shape,
-//! a deviation), as the fallback chunks' are, and are bounded by 256 per range's worth of bytes
-//! freed. A sixty-fourth was measured first: it leaves up to 1.6 % of the range mapped and free at
+//! Only scopes the slab did not serve from a plan (a recording, a new shape, a deviation) punch,
+//! at most 256 times per range's worth of bytes freed, and no punch waits for the stream: the
+//! source unmaps the pages once an event recorded after their last use has completed
+//! ([`crate::source`]). A sixty-fourth was measured first: it leaves up to 1.6 % of the range mapped and free at
 //! a scope's peak, more than the distance between the strategies compared here (the recorded
 //! ResNet trace whose largest batch first comes in its last step, recorded online there, held
 //! 10 MiB so, 1.010× peak live, a tie with torch-expandable; 1.003× with a 256th, and no trace
@@ -937,7 +938,8 @@ impl Planned {
     /// While a scope is served online from a growable slab, gives back the pages of the free
     /// range at its end once they are an eighth of the slab (at least a page): in a first step,
     /// another phase (gradients, optimizer state) then takes the memory the activations held
-    /// instead of adding to it. Each costs a wait for the stream.
+    /// instead of adding to it. None waits for the stream: the pages go back in stream order
+    /// ([`Source::resize_range`]).
     fn release_free_tail(&mut self, source: &mut dyn Source) -> Result<()> {
         let (Some(slab), Some(online)) = (self.slab.filter(|slab| slab.growable), &mut self.online) else {
             return Ok(());
@@ -960,9 +962,10 @@ impl Planned {
     /// While a scope is served online from a growable slab, gives back the whole pages of its
     /// free ranges, wherever they lie, once the bytes freed since the last time reach
     /// 1/[`PUNCH_FRACTION`] of the slab (at least a page): a range freed below a live allocation,
-    /// a buffer reallocated larger, no longer holds its pages until the scope ends. Each costs a
-    /// wait for the stream, at most [`PUNCH_FRACTION`] per slab's worth of bytes freed; a range
-    /// handed out over such a hole maps its pages again first ([`Planned::fill_holes`]).
+    /// a buffer reallocated larger, no longer holds its pages until the scope ends. At most
+    /// [`PUNCH_FRACTION`] punches per slab's worth of bytes freed, none waiting for the stream
+    /// (the pages go back in stream order); a range handed out over such a hole maps its pages
+    /// again first ([`Planned::fill_holes`]).
     fn punch_freed(&mut self, source: &mut dyn Source, size: u64) -> Result<()> {
         let (Some(slab), Some(online)) = (self.slab.filter(|slab| slab.growable), &self.online) else {
             return Ok(());
@@ -2195,11 +2198,11 @@ mod tests {
         let ptrs: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
         assert_eq!(source.mapped(), 16 * MIB, "it fits the pages mapped");
         // Freed from the top (as a backward pass frees activations): once an eighth of the range
-        // is free at its end, its pages go back while the scope goes on.
+        // is free at its end, its pages go back while the scope goes on, in stream order.
         let syncs = source.syncs;
         planned.free(&mut source, ptrs[7], 2 * MIB).unwrap();
         assert_eq!(source.mapped(), 14 * MIB, "the free page at the end went back");
-        assert_eq!(source.syncs, syncs + 1, "after a wait for the stream");
+        assert_eq!(source.syncs, syncs, "without a wait for the stream");
         for &ptr in ptrs[..7].iter().rev() {
             planned.free(&mut source, ptr, 2 * MIB).unwrap();
         }
@@ -2242,10 +2245,10 @@ mod tests {
         assert_eq!((a.ptr - base, b.ptr - base, c.ptr - base), (0, 4 * MIB, 8 * MIB));
         assert_eq!(source.held(), 10 * MIB);
         // The stretch freed below live allocations gives its pages back at once (more than a
-        // 256th of the range was freed), after a wait for the stream.
+        // 256th of the range was freed), in stream order without a wait for the stream.
         let syncs = source.syncs;
         planned.free(&mut source, a, 4 * MIB).unwrap();
-        assert_eq!((source.held(), source.syncs), (6 * MIB, syncs + 1));
+        assert_eq!((source.held(), source.syncs), (6 * MIB, syncs));
         // Another phase takes the memory; 6 MiB more fit the device only at the range's end.
         let other = source.alloc(8 * MIB).unwrap();
         assert_eq!(source.held(), 14 * MIB);
@@ -2277,10 +2280,10 @@ mod tests {
         let ptrs: Vec<_> = (0..256).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
         assert_eq!(source.mapped(), 512 * MIB);
         // One page freed below live allocations is a 256th of the range: it goes back at once,
-        // after a wait for the stream.
+        // in stream order without a wait for the stream.
         let syncs = source.syncs;
         planned.free(&mut source, ptrs[100], 2 * MIB).unwrap();
-        assert_eq!((source.mapped(), source.syncs), (510 * MIB, syncs + 1));
+        assert_eq!((source.mapped(), source.syncs), (510 * MIB, syncs));
         for (i, &ptr) in ptrs.iter().enumerate().rev() {
             if i != 100 {
                 planned.free(&mut source, ptr, 2 * MIB).unwrap();

@@ -9,8 +9,26 @@
 //! Those entry points, and making a `Sim`, are private to this crate: other crates make a
 //! simulated device with [`Driver::simulated`](crate::Driver::simulated) and call it through
 //! [`Driver`](crate::Driver)'s checked methods (the one exception, [`SimLibrary`], is below). What they may reach through
-//! [`Driver::sim`](crate::Driver::sim) is inspection only: [`Sim::config`],
-//! [`Sim::pool_layout`], [`Sim::mapped_ranges`] and [`Sim::is_ordered_after`].
+//! [`Driver::sim`](crate::Driver::sim) is inspection ([`Sim::config`], [`Sim::pool_layout`],
+//! [`Sim::mapped_ranges`], [`Sim::is_ordered_after`], [`Sim::calls`]) and the test facilities
+//! below.
+//!
+//! # Test facilities
+//!
+//! - **Calls counted.** Every entry point called through [`Driver`](crate::Driver) or
+//!   [`SimLibrary`] is counted; [`Sim::calls`] says how often one was called, so a test can
+//!   assert that a code path never synchronizes (`cuStreamSynchronize`). With
+//!   `STEPPOOL_SIM_CALLS=PATH` in the environment, each simulated driver appends its counts to
+//!   `PATH` as one JSON object per line when it goes away (how many synchronizations a replay
+//!   made, for example).
+//! - **Work held incomplete.** The simulated device runs work in zero time, so a query always
+//!   finds it complete and code that waits for the GPU only when it must never takes that path.
+//!   [`Sim::hold_stream`] holds back the work enqueued on a stream from then on (and work ordered
+//!   after it): `cuStreamQuery` and `cuEventQuery` answer `CUDA_ERROR_NOT_READY` for it and
+//!   observe none of its frees, until [`Sim::release_stream`] lets it run or a
+//!   synchronization (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) waits for
+//!   it. Only tests use it; nothing else in the model changes (copies and kernels still take
+//!   effect when enqueued).
 //!
 //! Device memory is not backed by host memory unless [`SimConfig::host_memory`] asks for it
 //! (`STEPPOOL_SIM_HOST_MEMORY=1`): pointers are addresses in a simulated address space, never
@@ -116,7 +134,10 @@ mod vmm;
 pub use abi::SimLibrary;
 pub use faults::{FaultCode, FaultPlan, FaultPlanError, Trigger};
 
+use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};
+use std::io::Write;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -183,6 +204,10 @@ pub struct Sim {
     faulting: AtomicBool,
     /// The state's capture epoch (see [`Sim::capture_epoch`]), readable without its lock.
     capture_epoch: Arc<AtomicU64>,
+    /// Calls made, by entry point (see [`Sim::calls`]).
+    calls: Mutex<HashMap<&'static str, u64>>,
+    /// Where the counts go when the driver goes away (`STEPPOOL_SIM_CALLS`), if anywhere.
+    call_log: Option<PathBuf>,
 }
 
 /// A snapshot of one pool's memory, which only the simulated device can give: the driver
@@ -247,7 +272,29 @@ impl Sim {
         let faults = Mutex::new(Faults::new(config.faults.clone()));
         let state = State::new(id, config.clone());
         let capture_epoch = state.capture_epoch.clone();
-        Ok(Self { state: Mutex::new(state), config, faults, faulting, capture_epoch })
+        let call_log = std::env::var_os("STEPPOOL_SIM_CALLS").filter(|path| !path.is_empty()).map(PathBuf::from);
+        let calls = Mutex::new(HashMap::new());
+        Ok(Self { state: Mutex::new(state), config, faults, faulting, capture_epoch, calls, call_log })
+    }
+
+    /// How many times `entry_point` (its exported name, such as `cuStreamSynchronize`) was
+    /// called so far, failed calls included. A test facility (see the [module docs](self)).
+    pub fn calls(&self, entry_point: &str) -> u64 {
+        self.calls.lock().unwrap_or_else(PoisonError::into_inner).get(entry_point).copied().unwrap_or(0)
+    }
+
+    /// Holds back the work enqueued on `stream` from now on, and work ordered after it: queries
+    /// answer `CUDA_ERROR_NOT_READY` for it until [`Sim::release_stream`] or a synchronization
+    /// that waits for it. A test facility (see the [module docs](self)); the special handles need
+    /// a current context. `Err` with the driver's code for a handle it does not know.
+    pub fn hold_stream(&self, stream: CUstream) -> Result<(), CUresult> {
+        self.lock().hold(stream)
+    }
+
+    /// Lets the work [`Sim::hold_stream`] held back on `stream` run: the next query finds it
+    /// complete.
+    pub fn release_stream(&self, stream: CUstream) -> Result<(), CUresult> {
+        self.lock().release(stream)
     }
 
     /// A number that moves before any stream of this driver begins or joins a capture, and when
@@ -288,9 +335,10 @@ impl Sim {
     }
 
     /// The code the call of `entry_point` about to run returns instead of running, if the fault
-    /// plan makes it fail (or a fault poisoned the driver).
+    /// plan makes it fail (or a fault poisoned the driver). Counts the call ([`Sim::calls`]).
     #[inline]
-    pub(crate) fn fault(&self, entry_point: &str) -> Option<CUresult> {
+    pub(crate) fn fault(&self, entry_point: &'static str) -> Option<CUresult> {
+        *self.calls.lock().unwrap_or_else(PoisonError::into_inner).entry(entry_point).or_insert(0) += 1;
         if !self.faulting.load(Ordering::Acquire) {
             return None;
         }
@@ -372,6 +420,22 @@ impl Sim {
                 SUCCESS
             }
             Err(code) => code,
+        }
+    }
+}
+
+impl Drop for Sim {
+    /// Appends the call counts to `STEPPOOL_SIM_CALLS`, if set; a file that cannot be written
+    /// is skipped (a diagnostic, never a panic).
+    fn drop(&mut self) {
+        let Some(path) = &self.call_log else { return };
+        let calls = self.calls.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let mut counts: Vec<(&&str, &u64)> = calls.iter().collect();
+        counts.sort();
+        let fields: Vec<String> = counts.into_iter().map(|(name, count)| format!("\"{name}\":{count}")).collect();
+        let line = format!("{{{}}}\n", fields.join(","));
+        if let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+            let _ = file.write_all(line.as_bytes());
         }
     }
 }

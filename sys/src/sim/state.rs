@@ -37,6 +37,7 @@ const MAX_GRID: [u32; 3] = [i32::MAX as u32, 65535, 65535];
 
 pub(crate) const SUCCESS: CUresult = CUresult::CUDA_SUCCESS;
 pub(crate) const INVALID_VALUE: CUresult = CUresult::CUDA_ERROR_INVALID_VALUE;
+pub(crate) const NOT_READY: CUresult = CUresult::CUDA_ERROR_NOT_READY;
 pub(crate) const OUT_OF_MEMORY: CUresult = CUresult::CUDA_ERROR_OUT_OF_MEMORY;
 pub(crate) const NOT_INITIALIZED: CUresult = CUresult::CUDA_ERROR_NOT_INITIALIZED;
 pub(crate) const INVALID_DEVICE: CUresult = CUresult::CUDA_ERROR_INVALID_DEVICE;
@@ -262,6 +263,10 @@ pub(crate) struct State {
     host: Option<HostMemory>,
     /// Positions the host has observed complete.
     completed: Clock,
+    /// Streams whose work is held incomplete (a test facility, [`State::hold`]): the position
+    /// each had when the hold began. Work past it is not done until the hold is lifted or a
+    /// synchronization waits for it.
+    held: BTreeMap<StreamId, u64>,
     next_id: u32,
     /// Capture sequences, graphs, executable graphs and graph memory (`capture.rs`), boxed: most
     /// drivers never capture.
@@ -299,6 +304,7 @@ impl State {
             allocations: BTreeMap::new(),
             host: None,
             completed: Clock::default(),
+            held: BTreeMap::new(),
             next_id: 0,
             capture: Box::default(),
             vmm: Box::new(Vmm::new(id, config_host_memory)),
@@ -856,10 +862,14 @@ impl State {
 
     /// The simulated device runs work in zero time, so a query finds it complete; like a real
     /// query that returns `CUDA_SUCCESS`, it lets later allocations reuse the stream's frees.
+    /// Work held back ([`State::hold`]) is not complete: `CUDA_ERROR_NOT_READY`, nothing observed.
     pub(crate) fn stream_query(&mut self, raw: CUstream) -> R<()> {
         let id = self.stream(raw)?;
         self.capture_forbids_wait(id)?;
         let frontier = self.streams[&id].frontier();
+        if self.holds_back(&frontier) {
+            return Err(NOT_READY);
+        }
         self.observe(&frontier, false);
         Ok(())
     }
@@ -930,14 +940,47 @@ impl State {
         Ok(())
     }
 
-    /// Like [`Self::stream_query`]: recorded work is found complete and observed.
+    /// Like [`Self::stream_query`]: recorded work is found complete and observed, unless it is
+    /// held back ([`State::hold`]).
     pub(crate) fn event_query(&mut self, raw: CUevent) -> R<()> {
         let id = self.event(raw)?;
         self.capture_forbids_event(id)?;
         if let Some(clock) = self.events[&id].recorded.clone() {
+            if self.holds_back(&clock) {
+                return Err(NOT_READY);
+            }
             self.observe(&clock, false);
         }
         Ok(())
+    }
+
+    // ----- test facility: work held incomplete ------------------------------------------------------
+
+    /// From now on, work enqueued on stream `raw` (and work ordered after it) is not complete
+    /// until [`State::release`] or a synchronization that waits for it: queries answer
+    /// `CUDA_ERROR_NOT_READY`. Work enqueued before stays as it was. Holding a held stream changes
+    /// nothing.
+    pub(crate) fn hold(&mut self, raw: CUstream) -> R<()> {
+        let id = self.stream(raw)?;
+        let position = self.streams[&id].position;
+        self.held.entry(id).or_insert(position);
+        Ok(())
+    }
+
+    /// The work of stream `raw` runs again: what it held is complete for the next query.
+    pub(crate) fn release(&mut self, raw: CUstream) -> R<()> {
+        let id = self.stream(raw)?;
+        self.held.remove(&id);
+        Ok(())
+    }
+
+    /// Whether `clock` covers work that a hold keeps incomplete: a position of a held stream past
+    /// both the hold's start and what the host has observed complete.
+    fn holds_back(&self, clock: &Clock) -> bool {
+        self.held.iter().any(|(&stream, &from)| {
+            let position = clock.get(stream);
+            position > from && position > self.completed.get(stream)
+        })
     }
 
     pub(crate) fn event_synchronize(&mut self, raw: CUevent) -> R<()> {

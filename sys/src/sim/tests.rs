@@ -150,6 +150,89 @@ fn a_query_that_finds_work_done_observes_the_frees() {
     assert_eq!(f.alloc(MIB, f.other), a);
 }
 
+/// Event and stream calls on the fixture's own handles, for the tests of held work.
+struct Events<'a>(&'a Fixture);
+
+impl Events<'_> {
+    fn record(&self, stream: CUstream) -> CUevent {
+        let event = self.0.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
+        self.rerecord(event, stream);
+        event
+    }
+
+    fn rerecord(&self, event: CUevent, stream: CUstream) {
+        // SAFETY: the event and the stream come from this fixture's driver.
+        unsafe { self.0.driver.event_record(event, stream) }.unwrap();
+    }
+
+    fn done(&self, event: CUevent) -> bool {
+        // SAFETY: the event comes from this fixture's driver.
+        unsafe { self.0.driver.event_query(event) }.unwrap()
+    }
+
+    fn stream_done(&self, stream: CUstream) -> bool {
+        // SAFETY: the stream comes from this fixture's driver.
+        unsafe { self.0.driver.stream_query(stream) }.unwrap()
+    }
+}
+
+#[test]
+fn held_work_is_not_ready_until_released() {
+    let f = Fixture::with_capacity(1 << 30);
+    let (sim, e) = (f.driver.sim().unwrap(), Events(&f));
+    let before = e.record(f.stream);
+    sim.hold_stream(f.stream).unwrap();
+    assert!(e.done(before), "work enqueued before the hold is done");
+    let held = e.record(f.stream);
+    assert!(!e.done(held));
+    assert!(!e.stream_done(f.stream));
+    assert!(e.stream_done(f.other), "another stream is not held");
+    // Work ordered after held work is held too.
+    // SAFETY: the stream and the event come from this driver.
+    unsafe { f.driver.stream_wait_event(f.other, held) }.unwrap();
+    let after = e.record(f.other);
+    assert!(!e.done(after));
+    assert!(!e.done(held), "a query does not complete held work");
+    sim.release_stream(f.stream).unwrap();
+    assert!(e.done(held) && e.done(after));
+    assert!(e.stream_done(f.stream));
+    assert_eq!(sim.hold_stream(0xdead_0000 as CUstream), Err(CUresult::CUDA_ERROR_INVALID_HANDLE));
+}
+
+#[test]
+fn a_synchronization_completes_held_work_and_the_hold_goes_on() {
+    let f = Fixture::with_capacity(1 << 30);
+    f.keep_everything();
+    let (sim, e) = (f.driver.sim().unwrap(), Events(&f));
+    sim.hold_stream(f.stream).unwrap();
+    let a = f.alloc(MIB, f.stream);
+    f.free(a, f.stream);
+    assert!(!e.stream_done(f.stream));
+    assert_ne!(f.alloc(MIB, f.other), a, "a free held back is not observed by a query");
+    let event = e.record(f.stream);
+    // SAFETY: the event comes from this driver.
+    unsafe { f.driver.event_synchronize(event) }.unwrap();
+    assert!(e.done(event), "waited for, so done");
+    assert_eq!(f.alloc(MIB, f.other), a, "a synchronization observes the held free");
+    e.rerecord(event, f.stream);
+    assert!(!e.done(event), "work enqueued after the wait is held again");
+    f.sync(f.stream);
+    assert!(e.done(event));
+}
+
+#[test]
+fn calls_are_counted_by_entry_point() {
+    let f = Fixture::with_capacity(1 << 30);
+    let sim = f.driver.sim().unwrap();
+    let (syncs, queries) = (sim.calls("cuStreamSynchronize"), sim.calls("cuStreamQuery"));
+    f.sync(f.stream);
+    f.sync(f.other);
+    assert!(Events(&f).stream_done(f.stream));
+    assert_eq!(sim.calls("cuStreamSynchronize"), syncs + 2);
+    assert_eq!(sim.calls("cuStreamQuery"), queries + 1);
+    assert_eq!(sim.calls("cuNoSuchCall"), 0);
+}
+
 #[test]
 fn release_threshold_applies_at_the_next_synchronization() {
     let f = Fixture::with_capacity(1 << 30);
