@@ -1510,7 +1510,7 @@ impl Allocator for Planned {
         let mut kept = true;
         if let Some(slab) = self.slab.filter(|slab| slab.growable) {
             // Pages past what the plan of the scope that just ended needs go back to the device
-            // (after a wait for the stream), where another phase can take them; all of them when
+            // (in stream order, without a wait), where another phase can take them; all of them when
             // the trim policy keeps less than the slab. The next scope maps what its plan needs.
             kept = slab.size <= keep;
             let target = if kept { desired } else { 0 };
