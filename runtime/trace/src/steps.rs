@@ -48,8 +48,16 @@ use crate::error::Location;
 use crate::trace::{Event, EventKind, StepSource, Trace};
 
 /// Inserts step boundaries at `starts` (nanoseconds on the trace's clock): step `i` begins at the
-/// first event at or after `starts[i]` and ends where step `i + 1` begins, the last one at the end
-/// of the trace. Starts after the last event are ignored.
+/// first allocation at or after `starts[i]` and ends where step `i + 1` begins, the last one at
+/// the end of the trace. Starts after the last allocation are ignored.
+///
+/// A start marks where the loop's iteration begins, and what an iteration frees before it
+/// allocates anything is the previous iteration's memory: gradients set to `None` by
+/// `zero_grad()` at the top of the loop (the most common way to write it), the previous step's
+/// outputs dropped. Those frees stay in the step that ends, as they do at an inferred boundary
+/// (each step begins at the first allocation of its quiescent run), so memory a step makes and
+/// the next iteration's first statements free is that step's own, not persistent: a boundary
+/// whose frees come before the step's first allocation is taken just before that allocation.
 pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     let mut starts: Vec<i64> = starts.to_vec();
     starts.sort_unstable();
@@ -60,7 +68,8 @@ pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     for event in std::mem::take(&mut trace.events) {
         let before = clock;
         clock = clock.max(event.t_ns);
-        while next < starts.len() && starts[next] <= clock.min(i64::MAX as u64) as i64 {
+        let allocates = matches!(event.kind, EventKind::Alloc);
+        while allocates && next < starts.len() && starts[next] <= clock.min(i64::MAX as u64) as i64 {
             // Between the events around it: a boundary never goes back in time.
             let at = (starts[next].max(0) as u64).clamp(before, clock);
             if let Some(n) = step {
@@ -484,5 +493,35 @@ mod tests {
         trace.events = set_up(4);
         assert_eq!(infer(&mut trace), StepSource::None);
         assert_eq!(trace.step_count(), 0);
+    }
+
+    #[test]
+    fn a_marked_step_begins_at_its_first_allocation() {
+        // `zero_grad()` at the top of the loop: the gradient `g` a step's backward pass makes is
+        // freed by the next iteration's first statement, after the mark, before it allocates.
+        let at = |t: u64, mut event: Event| {
+            event.t_ns = t;
+            event
+        };
+        let mut trace = Trace::new("zero_grad at the start", crate::trace::TraceFormat::Rmm);
+        trace.events = vec![
+            at(0, alloc(1, 100)),
+            at(10, alloc(2, 50)),
+            at(20, alloc(3, 8)),
+            at(30, free(2)),
+            at(45, free(3)),
+            at(50, alloc(2, 50)),
+            at(60, alloc(3, 8)),
+            at(70, free(2)),
+        ];
+        insert_step_starts(&mut trace, &[5, 40]);
+        let kinds: Vec<EventKind> = trace.events.iter().map(|e| e.kind).collect();
+        let begin = |n| kinds.iter().position(|&k| k == EventKind::StepBegin(n)).unwrap();
+        assert_eq!((begin(0), begin(1)), (1, 7), "{kinds:?}");
+        assert_eq!(kinds[6], EventKind::StepEnd(0));
+        assert_eq!(trace.events[7].t_ns, 45, "no boundary goes back in time");
+        let analysis = crate::analysis::analyse(&trace).unwrap();
+        let scopes: Vec<Scope> = analysis.allocations.iter().map(|a| a.scope).collect();
+        assert_eq!(scopes, [Scope::Persistent, Scope::Step, Scope::Step, Scope::Step, Scope::Persistent]);
     }
 }
