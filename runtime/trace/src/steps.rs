@@ -48,16 +48,9 @@ use crate::error::Location;
 use crate::trace::{Event, EventKind, StepSource, Trace};
 
 /// Inserts step boundaries at `starts` (nanoseconds on the trace's clock): step `i` begins at the
-/// first allocation at or after `starts[i]` and ends where step `i + 1` begins, the last one at
-/// the end of the trace. Starts after the last allocation are ignored.
-///
-/// A start marks where the loop's iteration begins, and what an iteration frees before it
-/// allocates anything is the previous iteration's memory: gradients set to `None` by
-/// `zero_grad()` at the top of the loop (the most common way to write it), the previous step's
-/// outputs dropped. Those frees stay in the step that ends, as they do at an inferred boundary
-/// (each step begins at the first allocation of its quiescent run), so memory a step makes and
-/// the next iteration's first statements free is that step's own, not persistent: a boundary
-/// whose frees come before the step's first allocation is taken just before that allocation.
+/// first event at or after `starts[i]` and ends where step `i + 1` begins, the last one at the end
+/// of the trace. Starts after the last event are ignored. Then, as for every trace, a step begins
+/// at its first allocation ([`begin_at_first_allocation`]).
 pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     let mut starts: Vec<i64> = starts.to_vec();
     starts.sort_unstable();
@@ -68,8 +61,7 @@ pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     for event in std::mem::take(&mut trace.events) {
         let before = clock;
         clock = clock.max(event.t_ns);
-        let allocates = matches!(event.kind, EventKind::Alloc);
-        while allocates && next < starts.len() && starts[next] <= clock.min(i64::MAX as u64) as i64 {
+        while next < starts.len() && starts[next] <= clock.min(i64::MAX as u64) as i64 {
             // Between the events around it: a boundary never goes back in time.
             let at = (starts[next].max(0) as u64).clamp(before, clock);
             if let Some(n) = step {
@@ -84,6 +76,51 @@ pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     }
     if let Some(n) = step {
         events.push(Event::new(clock, EventKind::StepEnd(n), Location::File));
+    }
+    trace.events = events;
+    begin_at_first_allocation(trace);
+}
+
+/// Moves each step and micro-step boundary past the frees that follow it, up to the first
+/// allocation after it: a scope begins at its first allocation, and what is freed between the
+/// boundary and that allocation is freed in the scope that ends.
+///
+/// A boundary marks where the loop's iteration begins, and what an iteration frees before it
+/// allocates anything is the previous iteration's memory: gradients set to `None` by
+/// `zero_grad()` as the loop's first statement (the most common way to write it), the previous
+/// step's outputs dropped. Those frees stay in the step that made the memory, as they do at an
+/// inferred boundary (each step begins at the first allocation of its quiescent run), so memory
+/// the next iteration's first statements free is the step's own, not persistent, and a plan
+/// holds it with the step's other memory. The replay begins the step there, as a loop would that
+/// begins its step after `zero_grad()`, or a runtime that takes a boundary at the next allocation.
+/// Frees a boundary itself released (a steppool trace's `release`) stay after it. Moved
+/// boundaries (and such frees) keep their order and take the time of the last free moved ahead of
+/// them, so time never goes back.
+pub fn begin_at_first_allocation(trace: &mut Trace) {
+    let mut events = Vec::with_capacity(trace.events.len());
+    let mut held: Vec<Event> = Vec::new();
+    let mut clock = 0;
+    for event in std::mem::take(&mut trace.events) {
+        match event.kind {
+            kind if kind.is_boundary() => held.push(event),
+            EventKind::Free { released: true } if !held.is_empty() => held.push(event),
+            EventKind::Free { released: false } if !held.is_empty() => {
+                clock = clock.max(event.t_ns);
+                events.push(event);
+            }
+            _ => {
+                for mut boundary in held.drain(..) {
+                    boundary.t_ns = boundary.t_ns.max(clock);
+                    events.push(boundary);
+                }
+                clock = clock.max(event.t_ns);
+                events.push(event);
+            }
+        }
+    }
+    for mut boundary in held {
+        boundary.t_ns = boundary.t_ns.max(clock);
+        events.push(boundary);
     }
     trace.events = events;
 }
@@ -522,6 +559,64 @@ mod tests {
         assert_eq!(trace.events[7].t_ns, 45, "no boundary goes back in time");
         let analysis = crate::analysis::analyse(&trace).unwrap();
         let scopes: Vec<Scope> = analysis.allocations.iter().map(|a| a.scope).collect();
-        assert_eq!(scopes, [Scope::Persistent, Scope::Step, Scope::Step, Scope::Step, Scope::Persistent]);
+        // The last step's gradient, never freed, is the step's (see `analysis`).
+        assert_eq!(scopes, [Scope::Persistent, Scope::Step, Scope::Step, Scope::Step, Scope::Step]);
+    }
+
+    #[test]
+    fn a_step_of_micro_steps_begins_at_its_first_allocation() {
+        // Gradient accumulation with `zero_grad()` first: the gradient made in the first
+        // micro-step's backward pass lives through the second and is freed after the next step's
+        // boundary, before its first micro-step; a free the boundary released stays after it.
+        let mut released = free(9);
+        released.kind = EventKind::Free { released: true };
+        let mut trace = Trace::new("accumulation", crate::trace::TraceFormat::Steppool);
+        trace.events = vec![
+            alloc(1, 100),
+            Event::new(0, EventKind::StepBegin(0), Location::File),
+            Event::new(0, EventKind::MicroBegin(0, 0), Location::File),
+            alloc(2, 50),
+            alloc(3, 8),
+            alloc(9, 4),
+            free(2),
+            Event::new(0, EventKind::MicroEnd(0, 0), Location::File),
+            Event::new(0, EventKind::MicroBegin(0, 1), Location::File),
+            alloc(2, 50),
+            free(2),
+            Event::new(0, EventKind::MicroEnd(0, 1), Location::File),
+            Event::new(0, EventKind::StepEnd(0), Location::File),
+            Event::new(0, EventKind::StepBegin(1), Location::File),
+            released,
+            free(3),
+            Event::new(0, EventKind::MicroBegin(1, 0), Location::File),
+            alloc(2, 50),
+            free(2),
+            Event::new(0, EventKind::MicroEnd(1, 0), Location::File),
+            Event::new(0, EventKind::StepEnd(1), Location::File),
+        ];
+        for (i, event) in trace.events.iter_mut().enumerate() {
+            event.t_ns = 10 * i as u64;
+        }
+        begin_at_first_allocation(&mut trace);
+        let order: Vec<(EventKind, u64)> = trace.events.iter().map(|e| (e.kind, e.t_ns)).collect();
+        let free_at = |t| (EventKind::Free { released: false }, t);
+        assert_eq!(
+            order[10..17],
+            [
+                free_at(100),
+                free_at(150),
+                (EventKind::MicroEnd(0, 1), 150),
+                (EventKind::StepEnd(0), 150),
+                (EventKind::StepBegin(1), 150),
+                (EventKind::Free { released: true }, 150),
+                (EventKind::MicroBegin(1, 0), 160),
+            ],
+            "{order:?}"
+        );
+        let analysis = crate::analysis::analyse(&trace).unwrap();
+        let scopes: Vec<Scope> = analysis.allocations.iter().map(|a| a.scope).collect();
+        let micro = Scope::MicroStep;
+        assert_eq!(scopes, [Scope::Persistent, micro, Scope::Step, Scope::Step, micro, micro]);
+        assert!(analysis.warnings.is_empty(), "{:?}", analysis.warnings);
     }
 }
