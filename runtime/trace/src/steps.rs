@@ -27,8 +27,14 @@
 //!
 //! At each limit, quiescent points inside a step (between an evaluation pass and a training pass,
 //! say) are told apart by periodicity: the segments between consecutive points are compared by
-//! their numbers of events and allocations, and the smallest period `r` at which at least three
-//! quarters of them repeat makes every `r`th point a step boundary. The first segment (warm-up)
+//! their numbers of events and allocations, and the period `r` at which the most of them repeat,
+//! at least three quarters (the smallest such on a tie), makes every `r`th point a step boundary.
+//! The best period, not the smallest that repeats: steps of many points, each segment like the
+//! next, repeat at every period. A loop whose gradients outlive the steps
+//! (`zero_grad(set_to_none=False)`) has freed all its counted memory after each backward pass, and
+//! every temporary of its optimizer step, made and freed one after another, is a point of its
+//! own: most neighbouring segments are two such temporaries alike, and only the step's own number
+//! of points pairs the backward passes too. The first segment (warm-up)
 //! and the last are left out of the comparison, and a period longer than one needs at least three
 //! pairs of segments compared, so that two steps of the same size by chance do not pair up. The
 //! trace alone cannot tell a pass inside a step from a step of its own: a loop recorded as steps
@@ -38,8 +44,21 @@
 //! begins, likewise, at the first allocation of its quiescent run: memory left out as long-lived
 //! and freed at the end of a step (gradients freed by `zero_grad`, say) stays in that step.
 //!
+//! Memory never freed is set-up, except what the last step holds at the trace's end. A loop that
+//! calls `zero_grad()` as its first statement frees a step's gradients at the top of the next
+//! iteration; the last iteration has no next one, so its gradients are never freed, and without
+//! them the rest of that step (an optimizer step's temporaries, one after another) passes a
+//! quiescent point every few events: measured on a recorded BERT trace with a foreach AdamW,
+//! 124 steps of four events each after the last real boundary. So at each limit, every allocation
+//! never freed that is made after the first quiescent point (weights and the optimizer state
+//! come before it) counts as freed at the trace's last event, under the same limit as any other:
+//! the last step's gradients hide the points of its own end, and state made later in the run and
+//! kept to the end is left out as long-lived once the limit falls below its lifetime. The replay
+//! releases such memory at the last step's end ([`crate::analysis`]).
+//!
 //! Each search is linear in the events, and there are about `log(n / 16) / log(4 / 3)` of them
-//! (31 for 100,000 events), plus a period search bounded by 64 points a step.
+//! (31 for 100,000 events), plus a period search bounded by [`MOST_POINTS_PER_STEP`] points a
+//! step.
 //!
 //! A long-lived allocation keeps its real lifetime in the replay: made before an inferred boundary
 //! and freed after it, it is persistent (see [`crate::analysis`]), never released at a boundary.
@@ -179,6 +198,8 @@ struct Lifetimes {
     spans: Vec<(usize, usize)>,
     /// `allocs_before[i]`: allocation events before event `i`.
     allocs_before: Vec<usize>,
+    /// The allocation events of the allocations never freed, ascending.
+    unfreed: Vec<usize>,
 }
 
 impl Lifetimes {
@@ -205,7 +226,21 @@ impl Lifetimes {
             }
         }
         allocs_before.push(allocs);
-        Lifetimes { spans, allocs_before }
+        let mut unfreed: Vec<usize> = live.into_values().collect();
+        unfreed.sort_unstable();
+        Lifetimes { spans, allocs_before, unfreed }
+    }
+
+    /// These lifetimes, with every allocation never freed that is made after event `first` held
+    /// to the trace's last event (see the module docs); `None` when there is none.
+    fn holding_to_end(&self, first: usize, events: usize) -> Option<Lifetimes> {
+        let held = self.unfreed.partition_point(|&alloc| alloc <= first);
+        if held == self.unfreed.len() {
+            return None;
+        }
+        let mut spans = self.spans.clone();
+        spans.extend(self.unfreed[held..].iter().map(|&alloc| (alloc, events - 1)));
+        Some(Lifetimes { spans, allocs_before: self.allocs_before.clone(), unfreed: Vec::new() })
     }
 
     /// The allocations that count under `limit`: freed fewer than `limit` events after they were
@@ -228,11 +263,14 @@ fn boundaries(events: &[Event]) -> Option<Found> {
         if long_lived * MOST_LONG_LIVED > freed {
             break;
         }
-        let points = quiescent_points(events, &lifetimes, limit);
+        let mut points = quiescent_points(events, &lifetimes, limit);
+        if let Some(held) = points.first().and_then(|&first| lifetimes.holding_to_end(first, events.len())) {
+            points = quiescent_points(events, &held, limit);
+        }
         if let Some(&first_point) = points.first() {
-            let every = period(&lifetimes.allocs_before, &points);
             // The first step begins at the first allocation that counts (before the first point).
             let begin = lifetimes.counted(limit).map(|(alloc, _)| alloc).min().unwrap_or(0).min(first_point);
+            let every = period(&lifetimes.allocs_before, &points);
             let starts: Vec<usize> =
                 std::iter::once(begin).chain(points.iter().copied().skip(every - 1).step_by(every)).collect();
             let found = Found { starts, every, long_lived, limit: (long_lived > 0).then_some(limit) };
@@ -301,8 +339,12 @@ fn quiescent_points(events: &[Event], lifetimes: &Lifetimes, limit: usize) -> Ve
     points
 }
 
-/// The smallest number of quiescent points per step at which the segments between them repeat;
-/// `allocs_before` is [`Lifetimes::allocs_before`] (its last entry counts all the events).
+/// The most quiescent points a step may have (see [`period`]).
+pub const MOST_POINTS_PER_STEP: usize = 256;
+
+/// The number of quiescent points per step at which the segments between them repeat best (see
+/// the module docs); `allocs_before` is [`Lifetimes::allocs_before`] (its last entry counts all
+/// the events).
 fn period(allocs_before: &[usize], points: &[usize]) -> usize {
     let end = allocs_before.len() - 1;
     let bounds: Vec<usize> = std::iter::once(0).chain(points.iter().copied()).chain(std::iter::once(end)).collect();
@@ -310,16 +352,19 @@ fn period(allocs_before: &[usize], points: &[usize]) -> usize {
         bounds.windows(2).map(|w| (w[1] - w[0], allocs_before[w[1]] - allocs_before[w[0]])).collect();
     // Leave out the warm-up segment and the last one (a run may stop mid-step).
     let body = if segments.len() > 3 { &segments[1..segments.len() - 1] } else { &segments[..] };
-    // Steps of more than 64 quiescent points are not looked for: the search is quadratic.
-    for r in 1..=(body.len() / 2).min(64) {
+    // (same, pairs) of the best period so far.
+    let mut best: Option<(usize, usize, usize)> = None;
+    // Steps of more quiescent points are not looked for: each period tried is a pass over them.
+    for r in 1..=(body.len() / 2).min(MOST_POINTS_PER_STEP) {
         let pairs = body.len() - r;
         let same = (0..pairs).filter(|&j| body[j] == body[j + r]).count();
         // A longer period needs three pairs seen: two steps of one size by chance are no pattern.
-        if same * 4 >= pairs * 3 && (r == 1 || pairs >= 3) {
-            return r;
+        let repeats = same * 4 >= pairs * 3 && (r == 1 || pairs >= 3);
+        if repeats && best.is_none_or(|(_, s, p)| same * p > s * pairs) {
+            best = Some((r, same, pairs));
         }
     }
-    1
+    best.map_or(1, |(r, _, _)| r)
 }
 
 #[cfg(test)]
@@ -618,5 +663,47 @@ mod tests {
         let micro = Scope::MicroStep;
         assert_eq!(scopes, [Scope::Persistent, micro, Scope::Step, Scope::Step, micro, micro]);
         assert!(analysis.warnings.is_empty(), "{:?}", analysis.warnings);
+    }
+
+    #[test]
+    fn memory_the_last_step_holds_at_the_end_hides_the_points_of_its_end() {
+        // `zero_grad()` first: each step makes a gradient the next iteration frees, then runs an
+        // optimizer step of temporaries, each freed before the next is made. The last step's
+        // gradient is never freed.
+        let mut events = set_up(0);
+        let mut starts = Vec::new();
+        for step in 0..6u64 {
+            starts.push(events.len());
+            if step > 0 {
+                events.push(free(1000 + step - 1));
+            }
+            events.extend([alloc(10, 8), alloc(1000 + step, 8), free(10)]);
+            for t in 0..8 {
+                events.extend([alloc(20 + t, 4), free(20 + t)]);
+            }
+        }
+        let found = boundaries(&events).unwrap();
+        // Each step begins at its first allocation (after the free of the last gradient).
+        let expected: Vec<usize> = starts.iter().enumerate().map(|(i, &s)| s + usize::from(i > 0)).collect();
+        assert_eq!(found.starts, expected);
+        assert!(regular(&found.starts, events.len()));
+    }
+
+    #[test]
+    fn steps_of_many_points_like_each_other_are_found_whole() {
+        // Gradients made once and kept: after each backward pass only they are live, and each of
+        // the optimizer step's 20 temporaries, made and freed in turn, is a quiescent point.
+        let mut events = set_up(0);
+        events.push(alloc(3, 8));
+        let mut starts = Vec::new();
+        for _ in 0..6 {
+            starts.push(events.len());
+            step(&mut events);
+            for t in 0..20 {
+                events.extend([alloc(200 + t, 4), free(200 + t)]);
+            }
+        }
+        let found = boundaries(&events).unwrap();
+        assert_eq!((found.every, found.starts), (21, starts));
     }
 }
