@@ -241,7 +241,9 @@ class MoE(nn.Module):
             if token.numel() == 0:
                 continue
             y = expert(x.index_select(0, token)) * weights[token, slot].unsqueeze(-1)
-            out = out.index_add(0, token, y)
+            # In the output's dtype, as Hugging Face's MoE layers add it: under autocast the
+            # experts compute in the lower precision.
+            out = out.index_add(0, token, y.to(out.dtype))
         return out.view(shape)
 
 
