@@ -339,7 +339,8 @@ fn quiescent_points(events: &[Event], lifetimes: &Lifetimes, limit: usize) -> Ve
     points
 }
 
-/// The most quiescent points a step may have (see [`period`]).
+/// The most quiescent points a step may have: inference looks for no longer period (see the
+/// module docs).
 pub const MOST_POINTS_PER_STEP: usize = 256;
 
 /// The number of quiescent points per step at which the segments between them repeat best (see
