@@ -18,7 +18,8 @@ bytes, events, torch version). Not run by CI:
 
     python3 -m venv venv && venv/bin/pip install -r benches/traces/requirements.txt
     venv/bin/python benches/traces/record.py [--out DIR] [--only NAME ...] [--seed N] [--steps N]
-                                             [--size X] [--width X]
+                                             [--size X] [--width X] [--optimizer O] [--zero-grad Z]
+                                             [--clip] [--amp off|bf16|fp16] [--suffix S]
 
 ``--steps`` replaces every workload's step count; ``--size`` multiplies every batch dimension
 (sequences a batch or micro-batch, images a batch, requests generated together) and ``--width``
@@ -27,6 +28,10 @@ feed-forward and expert hidden sizes, in multiples of 16; ResNet's base channels
 grows about linearly with ``--size`` (activations) and with ``--width`` (activations, and weights
 and optimizer state quadratically). The defaults (each workload's own steps, size 1, width 1)
 record the shapes of the committed traces.
+
+``--optimizer``, ``--zero-grad``, ``--clip`` and ``--amp`` change the training loop the way real
+loops differ from these (class ``Loop``); their defaults write the loops as the committed traces
+were recorded.
 
 Everything is seeded, but CPU addresses and times differ between runs.
 """
@@ -64,6 +69,104 @@ class Scale:
     def dim(self, n, multiple):
         """A width of `n` at width 1, a multiple of `multiple`."""
         return max(multiple, round(n * self.width / multiple) * multiple)
+
+
+class Loop:
+    """`--optimizer`, `--zero-grad`, `--clip` and `--amp`: how the loop around forward and backward
+    is written. The defaults (`None`, "end", no clip, `None`) are the loops of the committed traces.
+
+    * `optimizer`: `None`, each workload's own (AdamW, SGD with momentum for the ResNet), built with
+      torch's defaults, which on the CPU are the single-tensor (for-loop) implementations;
+      "adamw" forces `foreach=True`, torch's default on CUDA, whose step allocates lists of
+      temporaries as large as the parameters; "adamw-fused" one fused kernel a step;
+      "adamw-nofore" `foreach=False`; "sgd" SGD with momentum; "adafactor" torch's Adafactor
+      (factored second moments: little state).
+    * `zero_grad`: "end", `zero_grad(set_to_none=True)` after the optimizer step; "start", the
+      same call as the step's first statement, as most loops are written, so gradients stay live
+      from the backward pass of one step into the next; "keep", `set_to_none=False` after the
+      optimizer step, so gradients are allocated once and stay live.
+    * `clip`: `clip_grad_norm_(max_norm=1.0)` before the optimizer step (after unscaling).
+    * `amp`: `None`, each workload's own (bf16 autocast for the checkpointed Llama, none else);
+      "bf16" autocast to bfloat16; "fp16" autocast to float16 with a `GradScaler`; "off" none.
+    """
+
+    OPTIMIZERS = ("adamw", "adamw-fused", "adamw-nofore", "sgd", "adafactor")
+    ZERO_GRAD = ("end", "start", "keep")
+    AMP = ("off", "bf16", "fp16")
+
+    def __init__(self, optimizer=None, zero_grad="end", clip=False, amp=None):
+        if optimizer is not None and optimizer not in self.OPTIMIZERS:
+            raise ValueError(f"--optimizer {optimizer}: one of {self.OPTIMIZERS}")
+        if zero_grad not in self.ZERO_GRAD:
+            raise ValueError(f"--zero-grad {zero_grad}: one of {self.ZERO_GRAD}")
+        if amp is not None and amp not in self.AMP:
+            raise ValueError(f"--amp {amp}: one of {self.AMP}")
+        self.optimizer_name, self.zero_grad, self.clip, self.amp = optimizer, zero_grad, clip, amp
+        self.scaler = None
+
+    def is_default(self):
+        return self.optimizer_name is None and self.zero_grad == "end" and not self.clip and self.amp is None
+
+    def describe(self):
+        """The options that differ from the defaults, for the manifest."""
+        parts = []
+        if self.optimizer_name is not None:
+            parts.append(f"optimizer {self.optimizer_name}")
+        if self.zero_grad != "end":
+            parts.append(f"zero_grad {self.zero_grad}")
+        if self.clip:
+            parts.append("clip_grad_norm_")
+        if self.amp is not None:
+            parts.append(f"amp {self.amp}")
+        return ", ".join(parts)
+
+    def optimizer(self, params, own, lr):
+        """The workload's optimizer: `own(params)` unless `--optimizer` names one."""
+        name = self.optimizer_name
+        if name is None:
+            return own(params)
+        if name == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        if name == "adafactor":
+            return torch.optim.Adafactor(params, lr=lr)
+        kw = {"adamw": dict(foreach=True), "adamw-fused": dict(fused=True), "adamw-nofore": dict(foreach=False)}
+        return torch.optim.AdamW(params, lr=lr, **kw[name])
+
+    def autocast(self, own=None):
+        """Autocast as `--amp` says, or as the workload's own `own` dtype when it is not given."""
+        dtype = own if self.amp is None else {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.amp]
+        return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+    def begin(self, opt):
+        """The step's first statement."""
+        if self.zero_grad == "start":
+            opt.zero_grad(set_to_none=True)
+
+    def backward(self, loss):
+        if self.amp == "fp16":
+            if self.scaler is None:
+                self.scaler = torch.amp.GradScaler("cpu")
+                KEEP.append(self.scaler)
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self, opt, model):
+        """Clipping, the optimizer step and the zeroing of gradients after it."""
+        if self.clip:
+            if self.scaler is not None:
+                self.scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            opt.step()
+        if self.zero_grad == "end":
+            opt.zero_grad(set_to_none=True)
+        elif self.zero_grad == "keep":
+            opt.zero_grad(set_to_none=False)
+
 
 # ---------------------------------------------------------------------------------------------
 # Models: small versions of the architectures the patterns name.
@@ -138,7 +241,9 @@ class MoE(nn.Module):
             if token.numel() == 0:
                 continue
             y = expert(x.index_select(0, token)) * weights[token, slot].unsqueeze(-1)
-            out = out.index_add(0, token, y)
+            # In the output's dtype, as Hugging Face's MoE layers add it: under autocast the
+            # experts compute in the lower precision.
+            out = out.index_add(0, token, y.to(out.dtype))
         return out.view(shape)
 
 
@@ -224,109 +329,116 @@ KEEP = []
 
 
 # ---------------------------------------------------------------------------------------------
-# Workloads. Each takes `mark(step, micro=None)`, a context manager naming the region, and runs
-# its steps; models and optimizers are built inside the recording so weights are in the trace.
+# Workloads. Each takes `mark(step, micro=None)`, a context manager naming the region, the step
+# count, the `Scale` and the `Loop`, and runs its steps; models and optimizers are built inside the
+# recording so weights are in the trace.
 
 
 def lm_loss(logits, tokens):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def train_steps(model, opt, batches, mark, micro=1, autocast=False):
+def adamw(lr):
+    """The workloads' own AdamW, with torch's defaults."""
+    return lambda params: torch.optim.AdamW(params, lr=lr)
+
+
+def train_steps(model, opt, batches, mark, loop, micro=1, autocast=None):
     """`batches[step][micro]` is a token tensor; each micro-step runs forward and backward, the
     optimizer steps once per step."""
     for step, micro_batches in enumerate(batches):
         with mark(step):
+            loop.begin(opt)
             for k, tokens in enumerate(micro_batches):
                 with mark(step, k if micro > 1 else None):
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    with loop.autocast(autocast):
                         logits = model(tokens)
                         loss = lm_loss(logits.float(), tokens) / len(micro_batches)
-                    loss.backward()
+                    loop.backward(loss)
                     del logits, loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loop.step(opt, model)
 
 
-def bert_static(mark, steps, scale):
+def bert_static(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(8)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=False, max_len=128)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = loop.optimizer(model.parameters(), adamw(1e-4), 1e-4)
     KEEP.append((model, opt))
     batches = [[torch.randint(0, 8192, (batch, 128))] for _ in range(steps)]
-    train_steps(model, opt, batches, mark)
+    train_steps(model, opt, batches, mark, loop)
     return dict(model=f"BERT-style encoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192, 128 positions",
                 pattern=f"static shapes: batch {batch} x 128 tokens every step, masked-LM head, AdamW")
 
 
-def gpt2_varlen(mark, steps, scale):
+def gpt2_varlen(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(4)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=512)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = loop.optimizer(model.parameters(), adamw(1e-4), 1e-4)
     KEEP.append((model, opt))
     lengths = [random.choice(range(64, 513, 32)) for _ in range(steps)]
     batches = [[torch.randint(0, 8192, (batch, s))] for s in lengths]
-    train_steps(model, opt, batches, mark)
+    train_steps(model, opt, batches, mark, loop)
     return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
                 pattern=f"variable sequence length per step (batch {batch}, lengths {lengths}), AdamW")
 
 
-def llama_accum(mark, steps, scale):
+def llama_accum(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(256, 64), scale.dim(688, 16), scale.batch(2)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=8, kv_heads=2, ffn=ffn, causal=True, llama=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = loop.optimizer(model.parameters(), adamw(1e-4), 1e-4)
     KEEP.append((model, opt))
     batches = [[torch.randint(0, 8192, (batch, 256)) for _ in range(ACCUMULATION)] for _ in range(steps)]
-    train_steps(model, opt, batches, mark, micro=ACCUMULATION)
+    train_steps(model, opt, batches, mark, loop, micro=ACCUMULATION)
     return dict(model=f"Llama-style decoder, 4 layers, d={dim}, 8 heads / 2 KV heads, SwiGLU {ffn}, vocab 8192",
                 pattern=f"4x gradient accumulation: 4 micro-batches of {batch} x 256 tokens, one AdamW step a step")
 
 
-def resnet_varbatch(mark, steps, scale):
+def resnet_varbatch(mark, steps, scale, loop):
     width = scale.dim(16, 1)
     model = ResNet(width=width)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = loop.optimizer(model.parameters(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 0.1)
     KEEP.append((model, opt))
     sizes = [scale.batch(random.choice([8, 12, 16, 24, 32])) for _ in range(steps)]
     for step, batch in enumerate(sizes):
         with mark(step):
+            loop.begin(opt)
             x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 100, (batch,))
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            with loop.autocast():
+                loss = F.cross_entropy(model(x), y)
+            loop.backward(loss)
             del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loop.step(opt, model)
             del x, y
     return dict(model=f"ResNet-18 layout at width {width}, 32x32 images, 100 classes, BatchNorm",
                 pattern=f"variable batch per step ({sizes}), SGD with momentum")
 
 
-def moe_routing(mark, steps, scale):
+def moe_routing(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(192, 64), scale.dim(384, 16), scale.batch(4)
     model = Transformer(vocab=4096, dim=dim, layers=3, heads=4, ffn=ffn, causal=True, llama=True, experts=8)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = loop.optimizer(model.parameters(), adamw(1e-3), 1e-3)
     KEEP.append((model, opt))
     batches = [[torch.randint(0, 4096, (batch, 128))] for _ in range(steps)]
-    train_steps(model, opt, batches, mark)
+    train_steps(model, opt, batches, mark, loop)
     return dict(model=f"mixture-of-experts decoder, 3 layers, d={dim}, 8 SwiGLU experts of {ffn}, top-2, vocab 4096"
                       + ("" if batch == 4 else f", batch {batch} x 128"),
                 pattern="variable routing: each expert's token count changes every step and layer, AdamW")
 
 
-def llama_ckpt_bf16(mark, steps, scale):
+def llama_ckpt_bf16(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(256, 64), scale.dim(688, 16), scale.batch(4)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=8, kv_heads=2, ffn=ffn, causal=True, llama=True,
                         checkpointed=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = loop.optimizer(model.parameters(), adamw(1e-4), 1e-4)
     KEEP.append((model, opt))
     batches = [[torch.randint(0, 8192, (batch, 256))] for _ in range(steps)]
-    train_steps(model, opt, batches, mark, autocast=True)
+    train_steps(model, opt, batches, mark, loop, autocast=torch.bfloat16)
     return dict(model=f"Llama-style decoder, 4 layers, d={dim}, 8 heads / 2 KV heads, SwiGLU {ffn}, vocab 8192",
                 pattern=f"activation checkpointing per block (non-reentrant) under bf16 autocast, batch {batch} x 256")
 
 
 @torch.no_grad()
-def gpt2_kv_generate(mark, steps, scale):
+def gpt2_kv_generate(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(8)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=1024).eval()
     KEEP.append(model)
@@ -335,22 +447,23 @@ def gpt2_kv_generate(mark, steps, scale):
         with mark(step):
             caches = [dict() for _ in model.blocks]
             tokens = torch.randint(0, 8192, (batch, prompt))
-            logits = model(tokens, caches, 0)
-            offset = prompt
-            for _ in range(new):
-                token = logits[:, -1:].argmax(-1)
-                logits = model(token, caches, offset)
-                offset += 1
+            with loop.autocast():
+                logits = model(tokens, caches, 0)
+                offset = prompt
+                for _ in range(new):
+                    token = logits[:, -1:].argmax(-1)
+                    logits = model(token, caches, offset)
+                    offset += 1
             del caches, logits, tokens, token
     return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192, inference",
                 pattern=f"KV-cache generation, batch {batch}, one request a step (prompt, new tokens): {requests}; "
                         "the cache grows by concatenation each token")
 
 
-def train_eval(mark, steps, scale):
+def train_eval(mark, steps, scale, loop):
     dim, ffn, train, evaluate = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(8), scale.batch(16)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=256)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = loop.optimizer(model.parameters(), adamw(1e-4), 1e-4)
     KEEP.append((model, opt))
     kinds = []
     for step in range(steps):
@@ -361,31 +474,33 @@ def train_eval(mark, steps, scale):
                 with torch.no_grad():
                     for _ in range(2):
                         tokens = torch.randint(0, 8192, (evaluate, 256))
-                        loss = lm_loss(model(tokens), tokens)
+                        with loop.autocast():
+                            loss = lm_loss(model(tokens).float(), tokens)
                         del loss
                 model.train()
             else:
                 kinds.append("train")
+                loop.begin(opt)
                 tokens = torch.randint(0, 8192, (train, 256))
-                loss = lm_loss(model(tokens), tokens)
-                loss.backward()
+                with loop.autocast():
+                    loss = lm_loss(model(tokens).float(), tokens)
+                loop.backward(loss)
                 del loss
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                loop.step(opt, model)
             del tokens
     return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
                 pattern=f"training interleaved with evaluation passes (each its own step): {kinds}; "
                         f"train batch {train} x 256, eval 2 batches of {evaluate} x 256 without gradients")
 
 
-def curriculum_accum(mark, steps, scale):
+def curriculum_accum(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(2)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=512)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = loop.optimizer(model.parameters(), adamw(1e-4), 1e-4)
     KEEP.append((model, opt))
     lengths = [int(64 + (512 - 64) * step / max(steps - 1, 1)) // 32 * 32 for step in range(steps)]
     batches = [[torch.randint(0, 8192, (batch, s)) for _ in range(ACCUMULATION)] for s in lengths]
-    train_steps(model, opt, batches, mark, micro=ACCUMULATION)
+    train_steps(model, opt, batches, mark, loop, micro=ACCUMULATION)
     return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
                 pattern=f"sequence-length curriculum {lengths} with 4x gradient accumulation (micro-batch {batch})")
 
@@ -413,14 +528,16 @@ class Marks:
         return record_function(f"steppool_step_{step}" if micro is None else f"steppool_micro_{step}_{micro}")
 
 
-def record(name, out_dir, seed, steps=None, scale=Scale()):
+def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix=""):
+    """Records workload `name` into `out_dir` as `name` + `suffix`; returns its manifest entry."""
     fn, default_steps = WORKLOADS[name]
+    workload, name = name, name + suffix
     steps = steps or default_steps
     random.seed(seed)
     torch.manual_seed(seed)
     chrome = os.path.join(out_dir, f".{name}.chrome.json")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        info = fn(Marks(), steps, scale)
+        info = fn(Marks(), steps, scale, loop or Loop())
     prof.export_chrome_trace(chrome)
     with open(chrome) as f:
         events = json.load(f)["traceEvents"]
@@ -500,11 +617,14 @@ def record(name, out_dir, seed, steps=None, scale=Scale()):
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump({"workload": name, "steps_start_ns": step_starts, "events": len(rows),
                        "torch": torch.__version__}, f)
+    extra = {} if loop is None or loop.is_default() else {"loop": loop.describe()}
+    if suffix:
+        extra["workload"] = workload
     return dict(file=os.path.basename(path), format="steppool-jsonl" if micro else "rmm-csv+sidecar",
                 steps=steps, micro_steps_per_step=micro, events=len(rows),
                 allocations=sum(1 for r in rows if r[1] == "alloc"), peak_live_bytes=peak,
                 live_at_end_bytes=total, implied_frees=implied,
-                bytes=os.path.getsize(path), seed=seed, size=scale.size, width=scale.width, **info)
+                bytes=os.path.getsize(path), seed=seed, size=scale.size, width=scale.width, **info, **extra)
 
 
 def main():
@@ -517,6 +637,13 @@ def main():
     parser.add_argument("--steps", type=int, help="steps of every workload (default: each its own)")
     parser.add_argument("--size", type=float, default=1.0, help="multiplier of every batch dimension")
     parser.add_argument("--width", type=float, default=1.0, help="multiplier of every model's width")
+    parser.add_argument("--optimizer", choices=Loop.OPTIMIZERS,
+                        help="optimizer of every training workload (default: each its own)")
+    parser.add_argument("--zero-grad", choices=Loop.ZERO_GRAD, default="end",
+                        help="where gradients are set to None: end (after the step), start, keep (zeroed in place)")
+    parser.add_argument("--clip", action="store_true", help="clip_grad_norm_ before the optimizer step")
+    parser.add_argument("--amp", choices=Loop.AMP, help="autocast (fp16 with a GradScaler; default: each workload's own)")
+    parser.add_argument("--suffix", default="", help="appended to each trace's name (file and manifest entry)")
     args = parser.parse_args()
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps {args.steps}: at least 1")
@@ -533,10 +660,11 @@ def main():
     manifest["recorded_with"] = (f"benches/traces/record.py, torch {torch.__version__} on the CPU, "
                                  "torch.profiler profile_memory=True, one thread")
     for name in args.only or WORKLOADS:
-        entry = record(name, args.out, args.seed, args.steps, scale)
+        loop = Loop(args.optimizer, args.zero_grad, args.clip, args.amp)
+        entry = record(name, args.out, args.seed, args.steps, scale, loop, args.suffix)
         entry["torch"] = torch.__version__
-        manifest["traces"][name] = entry
-        print(f"{name}: {entry['events']} events, peak live {entry['peak_live_bytes'] / 2**20:.1f} MiB, "
+        manifest["traces"][name + args.suffix] = entry
+        print(f"{name + args.suffix}: {entry['events']} events, peak live {entry['peak_live_bytes'] / 2**20:.1f} MiB, "
               f"{entry['bytes'] / 2**20:.2f} MiB file", file=sys.stderr)
     with open(manifest_path, "w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)

@@ -129,12 +129,26 @@ fn steps_of(trace: &Trace) -> Vec<(Vec<u64>, u32)> {
 // ---------------------------------------------------------------------------------------------
 // The recorded traces.
 
+/// The manifest's loop variants: traces of a pattern's workload recorded with another training
+/// loop (`record.py --zero-grad`, `--optimizer`, ...), named in their entry's `loop`.
+fn variants(manifest: &serde_json::Map<String, Value>) -> Vec<&str> {
+    let variants: Vec<&str> =
+        manifest.iter().filter(|(_, entry)| entry.get("loop").is_some()).map(|(name, _)| name.as_str()).collect();
+    for name in &variants {
+        let workload = manifest[*name]["workload"].as_str().unwrap();
+        assert!(Pattern::ALL.iter().any(|p| p.name() == workload), "{name}: workload {workload}");
+    }
+    variants
+}
+
 #[test]
 fn every_recorded_trace_reads_as_its_manifest_says() {
     let manifest = manifest();
-    assert_eq!(manifest.len(), Pattern::ALL.len(), "one recorded trace per pattern");
-    for pattern in Pattern::ALL {
-        let entry = &manifest[pattern.name()];
+    let variants = variants(&manifest);
+    assert!(variants.len() >= 2, "{variants:?}");
+    assert_eq!(manifest.len(), Pattern::ALL.len() + variants.len(), "one recorded trace per pattern, and variants");
+    for name in Pattern::ALL.iter().map(|p| p.name()).chain(variants) {
+        let entry = &manifest[name];
         let file = entry["file"].as_str().unwrap();
         let path = recorded(file);
         let size = std::fs::metadata(&path).unwrap().len();
@@ -179,6 +193,43 @@ fn every_recorded_trace_replays_under_every_strategy_without_overlap() {
         for result in &results {
             assert!(result.run.completed(), "{name} under {}", result.run.strategy);
             assert!(result.run.peak_reserved_bytes >= analysis.peak_live_bytes, "{name} under {}", result.run.strategy);
+        }
+    }
+}
+
+#[test]
+fn the_recorded_loop_variants_meet_the_targets_under_the_planned_strategy() {
+    // (trace, static shapes, planned's peak reserved in MiB). `zero_grad()` as the loop's first
+    // statement frees a step's gradients after the next step's mark, before its first allocation;
+    // the step begins there, and the last step's gradients, never freed, are its own: before,
+    // they were persistent, and planned reserved 308 MiB (1.108x), above PyTorch's 288 MiB.
+    // Gradients kept (`set_to_none=False`) under a foreach AdamW: without the sidecar, inference
+    // found 1008 steps of the 8.
+    for (file, fixed, planned_mib) in
+        [("bert_static_zero_grad_first.csv", true, 280), ("gpt2_varlen_grads_kept.csv", false, 506)]
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let copy = dir.path().join(file);
+        std::fs::copy(recorded(file), &copy).unwrap();
+        for path in [recorded(file), copy] {
+            let trace = read::read_trace(&path).unwrap();
+            let analysis = analyse(&trace).unwrap();
+            assert_eq!(analysis.steps, 8, "{}: {:?}", path.display(), trace.steps);
+            let limit = steppool_cli::limit::limit(&analysis).unwrap().bytes;
+            let results =
+                replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(80 << 30), &Silent).unwrap();
+            let peak = |name: &str| results.iter().find(|r| r.run.strategy == name).unwrap().run.peak_reserved_bytes;
+            assert_eq!(steppool_cli::replay::recommended(&results), Some("planned"), "{file}");
+            let planned = results.iter().find(|r| r.run.strategy == "planned").unwrap();
+            assert_eq!(planned.run.peak_reserved_bytes, planned_mib * MIB, "{}", path.display());
+            let below = ["default-pool", "torch-caching", "torch-expandable"].map(peak);
+            assert!(below.iter().all(|&other| planned_mib * MIB < other), "{file}: {below:?}");
+            let smallest = |name: &str| results.iter().find(|r| r.run.strategy == name).unwrap().min_capacity_bytes;
+            let others = ["default-pool", "torch-caching", "torch-expandable"].map(|name| smallest(name).unwrap());
+            assert!(others.iter().all(|&other| planned.min_capacity_bytes.unwrap() <= other), "{file}: {others:?}");
+            let steady = planned.run.steady_peak_reserved_bytes.unwrap() as f64;
+            let target = if fixed { 1.03 } else { 1.08 };
+            assert!(steady <= target * limit as f64 + (2 * MIB) as f64, "{file}: {steady} against {limit}");
         }
     }
 }

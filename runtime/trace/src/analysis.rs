@@ -6,6 +6,16 @@
 //! freed inside its step, step-scoped; anything else (made outside a step, freed in a later step,
 //! never freed) persistent. A tagged trace's phases keep their declared scope where the lifetime
 //! fits it; where it does not, the allocation's scope is inferred and a warning counted.
+//!
+//! One exception: memory the trace's last step makes and never frees, when nothing is allocated
+//! after that step, is step-scoped, released by the step's end. The trace ends with the step, and
+//! what it still holds there is, as far as the trace can tell, what the next iteration would free
+//! at its top: the gradients a loop that calls `zero_grad()` as its first statement keeps from its
+//! backward pass to the next iteration, which earlier steps freed inside their own (a step begins
+//! at its first allocation, see [`crate::steps`]). Persistent, they made the last step leave the
+//! plan the earlier steps recorded, its gradients served apart from the planned ranges those
+//! steps gave them, and the whole run held the gradients twice at the last step's peak. Nothing
+//! runs after the step's end, so the release changes no placement of the trace.
 
 use std::collections::{HashMap, HashSet};
 
@@ -132,6 +142,8 @@ struct Boundaries {
     micro: Option<u32>,
     steps: u32,
     micros: u32,
+    /// Whether something was allocated outside a step after the latest step ended.
+    allocated_after_step: bool,
 }
 
 struct Pending {
@@ -172,6 +184,7 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
                 }
                 b.step = Some(b.steps);
                 b.steps += 1;
+                b.allocated_after_step = false;
                 ops.push((index, Op::BeginStep));
             }
             EventKind::StepEnd(_) => {
@@ -271,6 +284,7 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
                     phase: 0,
                     released_at_boundary: false,
                 });
+                b.allocated_after_step |= b.step.is_none() && b.steps > 0;
                 pending.push(Pending { step: b.step, micro: b.micro, tag: event.phase });
                 freed.push(None);
                 live.insert(key, id);
@@ -325,7 +339,11 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
         let lifetime = freed[id].as_ref();
         let same_step = at.step.is_some() && lifetime.is_some_and(|f| f.step == at.step);
         let same_micro = at.micro.is_some() && lifetime.is_some_and(|f| f.micro == at.micro);
-        let released_after_step = at.step.is_some() && lifetime.is_some_and(|f| f.released && f.step != at.step);
+        // Held at the end by the last step, nothing allocated after it (see the module docs).
+        let held_by_last_step =
+            lifetime.is_none() && at.step.is_some_and(|step| step + 1 == b.steps) && !b.allocated_after_step;
+        let released_after_step =
+            held_by_last_step || (at.step.is_some() && lifetime.is_some_and(|f| f.released && f.step != at.step));
         let fits = |scope: Scope| match scope {
             Scope::Persistent => true,
             Scope::Step => same_step || released_after_step,
@@ -462,4 +480,64 @@ fn phase_facts(allocations: &[Allocation], ops: &[(usize, Op)], count: usize) ->
 /// The location of event `index` of `trace` (the end of the trace past its last event).
 pub fn location_of(trace: &Trace, index: usize) -> Location {
     trace.events.get(index).map_or(Location::File, |event| event.location)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{Event, TraceFormat};
+
+    fn event(kind: EventKind, ptr: u64) -> Event {
+        let mut event = Event::new(0, kind, Location::File);
+        event.ptr = ptr;
+        event.bytes = if kind == EventKind::Alloc { 64 } else { 0 };
+        event
+    }
+
+    /// Weights, then steps of an activation (freed in the step) and a gradient freed at the top of
+    /// the next iteration, before its first allocation; the last step's gradient is never freed.
+    fn zero_grad_at_the_top(steps: u32) -> Trace {
+        let mut trace = Trace::new("loop", TraceFormat::Rmm);
+        let free = EventKind::Free { released: false };
+        trace.events.push(event(EventKind::Alloc, 1));
+        for step in 0..u64::from(steps) {
+            let (activation, gradient) = (10 + 2 * step, 11 + 2 * step);
+            trace.events.push(event(EventKind::StepBegin(step), 0));
+            trace.events.push(event(EventKind::Alloc, activation));
+            trace.events.push(event(EventKind::Alloc, gradient));
+            trace.events.push(event(free, activation));
+            if step + 1 < u64::from(steps) {
+                trace.events.push(event(free, gradient));
+            }
+            trace.events.push(event(EventKind::StepEnd(step), 0));
+        }
+        trace
+    }
+
+    fn scopes(analysis: &Analysis) -> Vec<(Scope, bool)> {
+        analysis.allocations.iter().map(|a| (a.scope, a.released_at_boundary)).collect()
+    }
+
+    #[test]
+    fn memory_the_last_step_holds_at_the_end_is_released_by_its_end() {
+        let analysis = analyse(&zero_grad_at_the_top(3)).unwrap();
+        let step = (Scope::Step, false);
+        assert_eq!(scopes(&analysis), [(Scope::Persistent, false), step, step, step, step, step, (Scope::Step, true)]);
+        assert!(analysis.warnings.is_empty(), "{:?}", analysis.warnings);
+
+        // Something allocated after the last step: what the step holds outlives it.
+        let mut trace = zero_grad_at_the_top(3);
+        trace.events.push(event(EventKind::Alloc, 99));
+        let analysis = analyse(&trace).unwrap();
+        assert_eq!(scopes(&analysis)[6], (Scope::Persistent, false));
+        // Only the last step's: an earlier step's memory never freed outlives its step.
+        let mut trace = zero_grad_at_the_top(3);
+        let free_of_first_gradient = trace.events.iter().position(|e| e.ptr == 11 && e.kind != EventKind::Alloc);
+        trace.events.remove(free_of_first_gradient.unwrap());
+        let analysis = analyse(&trace).unwrap();
+        assert_eq!(scopes(&analysis)[2], (Scope::Persistent, false));
+        // And weights allocated before any step stay persistent in a trace of one step.
+        let analysis = analyse(&zero_grad_at_the_top(1)).unwrap();
+        assert_eq!(scopes(&analysis), [(Scope::Persistent, false), (Scope::Step, false), (Scope::Step, true)]);
+    }
 }

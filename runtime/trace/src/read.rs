@@ -9,12 +9,14 @@ use crate::{jsonl, pytorch, rmm, steps};
 
 /// Reads the trace at `path` in whichever format it is, then finds its step boundaries: its own,
 /// else those of a sidecar `<stem>.json` with `steps_start_ns`, else inferred (see
-/// [`steps::infer`]).
+/// [`steps::infer`]). Every step begins at its first allocation
+/// ([`steps::begin_at_first_allocation`]).
 pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace> {
     let path = path.as_ref();
     let bytes = std::fs::read(path).map_err(|source| TraceError::Io { path: path.to_owned(), source })?;
     let mut trace = read_bytes(path, &bytes)?;
     if trace.has_steps() {
+        steps::begin_at_first_allocation(&mut trace);
         trace.steps = StepSource::Trace;
     } else if let Some((sidecar, starts)) = read_sidecar(path)? {
         steps::insert_step_starts(&mut trace, &starts);

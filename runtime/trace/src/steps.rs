@@ -27,8 +27,14 @@
 //!
 //! At each limit, quiescent points inside a step (between an evaluation pass and a training pass,
 //! say) are told apart by periodicity: the segments between consecutive points are compared by
-//! their numbers of events and allocations, and the smallest period `r` at which at least three
-//! quarters of them repeat makes every `r`th point a step boundary. The first segment (warm-up)
+//! their numbers of events and allocations, and the period `r` at which the most of them repeat,
+//! at least three quarters (the smallest such on a tie), makes every `r`th point a step boundary.
+//! The best period, not the smallest that repeats: steps of many points, each segment like the
+//! next, repeat at every period. A loop whose gradients outlive the steps
+//! (`zero_grad(set_to_none=False)`) has freed all its counted memory after each backward pass, and
+//! every temporary of its optimizer step, made and freed one after another, is a point of its
+//! own: most neighbouring segments are two such temporaries alike, and only the step's own number
+//! of points pairs the backward passes too. The first segment (warm-up)
 //! and the last are left out of the comparison, and a period longer than one needs at least three
 //! pairs of segments compared, so that two steps of the same size by chance do not pair up. The
 //! trace alone cannot tell a pass inside a step from a step of its own: a loop recorded as steps
@@ -38,8 +44,21 @@
 //! begins, likewise, at the first allocation of its quiescent run: memory left out as long-lived
 //! and freed at the end of a step (gradients freed by `zero_grad`, say) stays in that step.
 //!
+//! Memory never freed is set-up, except what the last step holds at the trace's end. A loop that
+//! calls `zero_grad()` as its first statement frees a step's gradients at the top of the next
+//! iteration; the last iteration has no next one, so its gradients are never freed, and without
+//! them the rest of that step (an optimizer step's temporaries, one after another) passes a
+//! quiescent point every few events: measured on a recorded BERT trace with a foreach AdamW,
+//! 124 steps of four events each after the last real boundary. So at each limit, every allocation
+//! never freed that is made after the first quiescent point (weights and the optimizer state
+//! come before it) counts as freed at the trace's last event, under the same limit as any other:
+//! the last step's gradients hide the points of its own end, and state made later in the run and
+//! kept to the end is left out as long-lived once the limit falls below its lifetime. The replay
+//! releases such memory at the last step's end ([`crate::analysis`]).
+//!
 //! Each search is linear in the events, and there are about `log(n / 16) / log(4 / 3)` of them
-//! (31 for 100,000 events), plus a period search bounded by 64 points a step.
+//! (31 for 100,000 events), plus a period search bounded by [`MOST_POINTS_PER_STEP`] points a
+//! step.
 //!
 //! A long-lived allocation keeps its real lifetime in the replay: made before an inferred boundary
 //! and freed after it, it is persistent (see [`crate::analysis`]), never released at a boundary.
@@ -49,7 +68,8 @@ use crate::trace::{Event, EventKind, StepSource, Trace};
 
 /// Inserts step boundaries at `starts` (nanoseconds on the trace's clock): step `i` begins at the
 /// first event at or after `starts[i]` and ends where step `i + 1` begins, the last one at the end
-/// of the trace. Starts after the last event are ignored.
+/// of the trace. Starts after the last event are ignored. Then, as for every trace, a step begins
+/// at its first allocation ([`begin_at_first_allocation`]).
 pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     let mut starts: Vec<i64> = starts.to_vec();
     starts.sort_unstable();
@@ -75,6 +95,51 @@ pub fn insert_step_starts(trace: &mut Trace, starts: &[i64]) {
     }
     if let Some(n) = step {
         events.push(Event::new(clock, EventKind::StepEnd(n), Location::File));
+    }
+    trace.events = events;
+    begin_at_first_allocation(trace);
+}
+
+/// Moves each step and micro-step boundary past the frees that follow it, up to the first
+/// allocation after it: a scope begins at its first allocation, and what is freed between the
+/// boundary and that allocation is freed in the scope that ends.
+///
+/// A boundary marks where the loop's iteration begins, and what an iteration frees before it
+/// allocates anything is the previous iteration's memory: gradients set to `None` by
+/// `zero_grad()` as the loop's first statement (the most common way to write it), the previous
+/// step's outputs dropped. Those frees stay in the step that made the memory, as they do at an
+/// inferred boundary (each step begins at the first allocation of its quiescent run), so memory
+/// the next iteration's first statements free is the step's own, not persistent, and a plan
+/// holds it with the step's other memory. The replay begins the step there, as a loop would that
+/// begins its step after `zero_grad()`, or a runtime that takes a boundary at the next allocation.
+/// Frees a boundary itself released (a steppool trace's `release`) stay after it. Moved
+/// boundaries (and such frees) keep their order and take the time of the last free moved ahead of
+/// them, so time never goes back.
+pub fn begin_at_first_allocation(trace: &mut Trace) {
+    let mut events = Vec::with_capacity(trace.events.len());
+    let mut held: Vec<Event> = Vec::new();
+    let mut clock = 0;
+    for event in std::mem::take(&mut trace.events) {
+        match event.kind {
+            kind if kind.is_boundary() => held.push(event),
+            EventKind::Free { released: true } if !held.is_empty() => held.push(event),
+            EventKind::Free { released: false } if !held.is_empty() => {
+                clock = clock.max(event.t_ns);
+                events.push(event);
+            }
+            _ => {
+                for mut boundary in held.drain(..) {
+                    boundary.t_ns = boundary.t_ns.max(clock);
+                    events.push(boundary);
+                }
+                clock = clock.max(event.t_ns);
+                events.push(event);
+            }
+        }
+    }
+    for mut boundary in held {
+        boundary.t_ns = boundary.t_ns.max(clock);
+        events.push(boundary);
     }
     trace.events = events;
 }
@@ -133,6 +198,8 @@ struct Lifetimes {
     spans: Vec<(usize, usize)>,
     /// `allocs_before[i]`: allocation events before event `i`.
     allocs_before: Vec<usize>,
+    /// The allocation events of the allocations never freed, ascending.
+    unfreed: Vec<usize>,
 }
 
 impl Lifetimes {
@@ -159,7 +226,21 @@ impl Lifetimes {
             }
         }
         allocs_before.push(allocs);
-        Lifetimes { spans, allocs_before }
+        let mut unfreed: Vec<usize> = live.into_values().collect();
+        unfreed.sort_unstable();
+        Lifetimes { spans, allocs_before, unfreed }
+    }
+
+    /// These lifetimes, with every allocation never freed that is made after event `first` held
+    /// to the trace's last event (see the module docs); `None` when there is none.
+    fn holding_to_end(&self, first: usize, events: usize) -> Option<Lifetimes> {
+        let held = self.unfreed.partition_point(|&alloc| alloc <= first);
+        if held == self.unfreed.len() {
+            return None;
+        }
+        let mut spans = self.spans.clone();
+        spans.extend(self.unfreed[held..].iter().map(|&alloc| (alloc, events - 1)));
+        Some(Lifetimes { spans, allocs_before: self.allocs_before.clone(), unfreed: Vec::new() })
     }
 
     /// The allocations that count under `limit`: freed fewer than `limit` events after they were
@@ -182,11 +263,14 @@ fn boundaries(events: &[Event]) -> Option<Found> {
         if long_lived * MOST_LONG_LIVED > freed {
             break;
         }
-        let points = quiescent_points(events, &lifetimes, limit);
+        let mut points = quiescent_points(events, &lifetimes, limit);
+        if let Some(held) = points.first().and_then(|&first| lifetimes.holding_to_end(first, events.len())) {
+            points = quiescent_points(events, &held, limit);
+        }
         if let Some(&first_point) = points.first() {
-            let every = period(&lifetimes.allocs_before, &points);
             // The first step begins at the first allocation that counts (before the first point).
             let begin = lifetimes.counted(limit).map(|(alloc, _)| alloc).min().unwrap_or(0).min(first_point);
+            let every = period(&lifetimes.allocs_before, &points);
             let starts: Vec<usize> =
                 std::iter::once(begin).chain(points.iter().copied().skip(every - 1).step_by(every)).collect();
             let found = Found { starts, every, long_lived, limit: (long_lived > 0).then_some(limit) };
@@ -255,8 +339,13 @@ fn quiescent_points(events: &[Event], lifetimes: &Lifetimes, limit: usize) -> Ve
     points
 }
 
-/// The smallest number of quiescent points per step at which the segments between them repeat;
-/// `allocs_before` is [`Lifetimes::allocs_before`] (its last entry counts all the events).
+/// The most quiescent points a step may have: inference looks for no longer period (see the
+/// module docs).
+pub const MOST_POINTS_PER_STEP: usize = 256;
+
+/// The number of quiescent points per step at which the segments between them repeat best (see
+/// the module docs); `allocs_before` is [`Lifetimes::allocs_before`] (its last entry counts all
+/// the events).
 fn period(allocs_before: &[usize], points: &[usize]) -> usize {
     let end = allocs_before.len() - 1;
     let bounds: Vec<usize> = std::iter::once(0).chain(points.iter().copied()).chain(std::iter::once(end)).collect();
@@ -264,16 +353,19 @@ fn period(allocs_before: &[usize], points: &[usize]) -> usize {
         bounds.windows(2).map(|w| (w[1] - w[0], allocs_before[w[1]] - allocs_before[w[0]])).collect();
     // Leave out the warm-up segment and the last one (a run may stop mid-step).
     let body = if segments.len() > 3 { &segments[1..segments.len() - 1] } else { &segments[..] };
-    // Steps of more than 64 quiescent points are not looked for: the search is quadratic.
-    for r in 1..=(body.len() / 2).min(64) {
+    // (same, pairs) of the best period so far.
+    let mut best: Option<(usize, usize, usize)> = None;
+    // Steps of more quiescent points are not looked for: each period tried is a pass over them.
+    for r in 1..=(body.len() / 2).min(MOST_POINTS_PER_STEP) {
         let pairs = body.len() - r;
         let same = (0..pairs).filter(|&j| body[j] == body[j + r]).count();
         // A longer period needs three pairs seen: two steps of one size by chance are no pattern.
-        if same * 4 >= pairs * 3 && (r == 1 || pairs >= 3) {
-            return r;
+        let repeats = same * 4 >= pairs * 3 && (r == 1 || pairs >= 3);
+        if repeats && best.is_none_or(|(_, s, p)| same * p > s * pairs) {
+            best = Some((r, same, pairs));
         }
     }
-    1
+    best.map_or(1, |(r, _, _)| r)
 }
 
 #[cfg(test)]
@@ -484,5 +576,135 @@ mod tests {
         trace.events = set_up(4);
         assert_eq!(infer(&mut trace), StepSource::None);
         assert_eq!(trace.step_count(), 0);
+    }
+
+    #[test]
+    fn a_marked_step_begins_at_its_first_allocation() {
+        // `zero_grad()` at the top of the loop: the gradient `g` a step's backward pass makes is
+        // freed by the next iteration's first statement, after the mark, before it allocates.
+        let at = |t: u64, mut event: Event| {
+            event.t_ns = t;
+            event
+        };
+        let mut trace = Trace::new("zero_grad at the start", crate::trace::TraceFormat::Rmm);
+        trace.events = vec![
+            at(0, alloc(1, 100)),
+            at(10, alloc(2, 50)),
+            at(20, alloc(3, 8)),
+            at(30, free(2)),
+            at(45, free(3)),
+            at(50, alloc(2, 50)),
+            at(60, alloc(3, 8)),
+            at(70, free(2)),
+        ];
+        insert_step_starts(&mut trace, &[5, 40]);
+        let kinds: Vec<EventKind> = trace.events.iter().map(|e| e.kind).collect();
+        let begin = |n| kinds.iter().position(|&k| k == EventKind::StepBegin(n)).unwrap();
+        assert_eq!((begin(0), begin(1)), (1, 7), "{kinds:?}");
+        assert_eq!(kinds[6], EventKind::StepEnd(0));
+        assert_eq!(trace.events[7].t_ns, 45, "no boundary goes back in time");
+        let analysis = crate::analysis::analyse(&trace).unwrap();
+        let scopes: Vec<Scope> = analysis.allocations.iter().map(|a| a.scope).collect();
+        // The last step's gradient, never freed, is the step's (see `analysis`).
+        assert_eq!(scopes, [Scope::Persistent, Scope::Step, Scope::Step, Scope::Step, Scope::Step]);
+    }
+
+    #[test]
+    fn a_step_of_micro_steps_begins_at_its_first_allocation() {
+        // Gradient accumulation with `zero_grad()` first: the gradient made in the first
+        // micro-step's backward pass lives through the second and is freed after the next step's
+        // boundary, before its first micro-step; a free the boundary released stays after it.
+        let mut released = free(9);
+        released.kind = EventKind::Free { released: true };
+        let mut trace = Trace::new("accumulation", crate::trace::TraceFormat::Steppool);
+        trace.events = vec![
+            alloc(1, 100),
+            Event::new(0, EventKind::StepBegin(0), Location::File),
+            Event::new(0, EventKind::MicroBegin(0, 0), Location::File),
+            alloc(2, 50),
+            alloc(3, 8),
+            alloc(9, 4),
+            free(2),
+            Event::new(0, EventKind::MicroEnd(0, 0), Location::File),
+            Event::new(0, EventKind::MicroBegin(0, 1), Location::File),
+            alloc(2, 50),
+            free(2),
+            Event::new(0, EventKind::MicroEnd(0, 1), Location::File),
+            Event::new(0, EventKind::StepEnd(0), Location::File),
+            Event::new(0, EventKind::StepBegin(1), Location::File),
+            released,
+            free(3),
+            Event::new(0, EventKind::MicroBegin(1, 0), Location::File),
+            alloc(2, 50),
+            free(2),
+            Event::new(0, EventKind::MicroEnd(1, 0), Location::File),
+            Event::new(0, EventKind::StepEnd(1), Location::File),
+        ];
+        for (i, event) in trace.events.iter_mut().enumerate() {
+            event.t_ns = 10 * i as u64;
+        }
+        begin_at_first_allocation(&mut trace);
+        let order: Vec<(EventKind, u64)> = trace.events.iter().map(|e| (e.kind, e.t_ns)).collect();
+        let free_at = |t| (EventKind::Free { released: false }, t);
+        assert_eq!(
+            order[10..17],
+            [
+                free_at(100),
+                free_at(150),
+                (EventKind::MicroEnd(0, 1), 150),
+                (EventKind::StepEnd(0), 150),
+                (EventKind::StepBegin(1), 150),
+                (EventKind::Free { released: true }, 150),
+                (EventKind::MicroBegin(1, 0), 160),
+            ],
+            "{order:?}"
+        );
+        let analysis = crate::analysis::analyse(&trace).unwrap();
+        let scopes: Vec<Scope> = analysis.allocations.iter().map(|a| a.scope).collect();
+        let micro = Scope::MicroStep;
+        assert_eq!(scopes, [Scope::Persistent, micro, Scope::Step, Scope::Step, micro, micro]);
+        assert!(analysis.warnings.is_empty(), "{:?}", analysis.warnings);
+    }
+
+    #[test]
+    fn memory_the_last_step_holds_at_the_end_hides_the_points_of_its_end() {
+        // `zero_grad()` first: each step makes a gradient the next iteration frees, then runs an
+        // optimizer step of temporaries, each freed before the next is made. The last step's
+        // gradient is never freed.
+        let mut events = set_up(0);
+        let mut starts = Vec::new();
+        for step in 0..6u64 {
+            starts.push(events.len());
+            if step > 0 {
+                events.push(free(1000 + step - 1));
+            }
+            events.extend([alloc(10, 8), alloc(1000 + step, 8), free(10)]);
+            for t in 0..8 {
+                events.extend([alloc(20 + t, 4), free(20 + t)]);
+            }
+        }
+        let found = boundaries(&events).unwrap();
+        // Each step begins at its first allocation (after the free of the last gradient).
+        let expected: Vec<usize> = starts.iter().enumerate().map(|(i, &s)| s + usize::from(i > 0)).collect();
+        assert_eq!(found.starts, expected);
+        assert!(regular(&found.starts, events.len()));
+    }
+
+    #[test]
+    fn steps_of_many_points_like_each_other_are_found_whole() {
+        // Gradients made once and kept: after each backward pass only they are live, and each of
+        // the optimizer step's 20 temporaries, made and freed in turn, is a quiescent point.
+        let mut events = set_up(0);
+        events.push(alloc(3, 8));
+        let mut starts = Vec::new();
+        for _ in 0..6 {
+            starts.push(events.len());
+            step(&mut events);
+            for t in 0..20 {
+                events.extend([alloc(200 + t, 4), free(200 + t)]);
+            }
+        }
+        let found = boundaries(&events).unwrap();
+        assert_eq!((found.every, found.starts), (21, starts));
     }
 }
