@@ -633,7 +633,8 @@ fn a_step_served_online_gives_pages_back_without_waiting_for_the_stream() {
     // place; what it frees below live allocations goes back as it runs. With the GPU behind the
     // host (the stream's work held incomplete), nothing in the step waits for it: the pages stay
     // mapped and counted until a later call finds the stream past them.
-    let rt = simulated_runtime(8 * GIB);
+    let config = SimConfig { count_calls: true, ..SimConfig::with_capacity(8 * GIB) };
+    let rt = Runtime::builder().simulated(config).build().unwrap();
     let acts = rt.declare_phase(PhaseSpec::new("acts", Scope::Step).strategy(Strategy::PLANNED)).unwrap();
     let stream = rt.device(0).unwrap().create_stream().unwrap();
     let sim = rt.driver().sim().unwrap();

@@ -1286,7 +1286,7 @@ mod tests {
 
     /// A source on a simulated device of `capacity` bytes, on a stream of its own.
     fn source(capacity: u64) -> (Driver, DeviceSource) {
-        let driver = Driver::simulated(SimConfig::with_capacity(capacity)).unwrap();
+        let driver = Driver::simulated(SimConfig { count_calls: true, ..SimConfig::with_capacity(capacity) }).unwrap();
         let device = Arc::new(DeviceCore::open(&driver, 0).unwrap());
         let raw = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
         let stream = Arc::new(StreamCore::new(device, raw, true, 0));

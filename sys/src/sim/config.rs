@@ -50,6 +50,10 @@ pub struct SimConfig {
     pub host_memory: bool,
     /// Calls made to fail (`STEPPOOL_SIM_FAULTS`, see [`FaultPlan::parse`]); none by default.
     pub faults: Option<FaultPlan>,
+    /// Whether the driver counts its calls by entry point ([`Sim::calls`](super::Sim::calls)), a
+    /// test facility. Off by default: a count is a lock and a map update on every call, a third
+    /// of a simulated allocation's cost. `STEPPOOL_SIM_CALLS=PATH` turns it on too.
+    pub count_calls: bool,
 }
 
 impl Default for SimConfig {
@@ -63,6 +67,7 @@ impl Default for SimConfig {
             vmm_supported: true,
             host_memory: false,
             faults: None,
+            count_calls: false,
         }
     }
 }

@@ -15,9 +15,10 @@
 //!
 //! # Test facilities
 //!
-//! - **Calls counted.** Every entry point called through [`Driver`](crate::Driver) or
-//!   [`SimLibrary`] is counted; [`Sim::calls`] says how often one was called, so a test can
-//!   assert that a code path never synchronizes (`cuStreamSynchronize`). With
+//! - **Calls counted.** With [`SimConfig::count_calls`], every entry point called through
+//!   [`Driver`](crate::Driver) or [`SimLibrary`] is counted; [`Sim::calls`] says how often one
+//!   was called, so a test can assert that a code path never synchronizes
+//!   (`cuStreamSynchronize`). Off by default, since a count costs every call a lock. With
 //!   `STEPPOOL_SIM_CALLS=PATH` in the environment, each simulated driver appends its counts to
 //!   `PATH` as one JSON object per line when it goes away (how many synchronizations a replay
 //!   made, for example).
@@ -204,6 +205,8 @@ pub struct Sim {
     faulting: AtomicBool,
     /// The state's capture epoch (see [`Sim::capture_epoch`]), readable without its lock.
     capture_epoch: Arc<AtomicU64>,
+    /// Whether calls are counted ([`SimConfig::count_calls`], or `STEPPOOL_SIM_CALLS` set).
+    counting: bool,
     /// Calls made, by entry point (see [`Sim::calls`]).
     calls: Mutex<HashMap<&'static str, u64>>,
     /// Where the counts go when the driver goes away (`STEPPOOL_SIM_CALLS`), if anywhere.
@@ -274,12 +277,19 @@ impl Sim {
         let capture_epoch = state.capture_epoch.clone();
         let call_log = std::env::var_os("STEPPOOL_SIM_CALLS").filter(|path| !path.is_empty()).map(PathBuf::from);
         let calls = Mutex::new(HashMap::new());
-        Ok(Self { state: Mutex::new(state), config, faults, faulting, capture_epoch, calls, call_log })
+        let counting = config.count_calls || call_log.is_some();
+        Ok(Self { state: Mutex::new(state), config, faults, faulting, capture_epoch, counting, calls, call_log })
     }
 
     /// How many times `entry_point` (its exported name, such as `cuStreamSynchronize`) was
     /// called so far, failed calls included. A test facility (see the [module docs](self)).
+    ///
+    /// # Panics
+    ///
+    /// When the driver does not count ([`SimConfig::count_calls`] off and `STEPPOOL_SIM_CALLS`
+    /// unset): every count would read 0, and a test of "no such call" could not fail.
     pub fn calls(&self, entry_point: &str) -> u64 {
+        assert!(self.counting, "Sim::calls on a driver that does not count: set SimConfig::count_calls");
         self.calls.lock().unwrap_or_else(PoisonError::into_inner).get(entry_point).copied().unwrap_or(0)
     }
 
@@ -338,7 +348,9 @@ impl Sim {
     /// plan makes it fail (or a fault poisoned the driver). Counts the call ([`Sim::calls`]).
     #[inline]
     pub(crate) fn fault(&self, entry_point: &'static str) -> Option<CUresult> {
-        *self.calls.lock().unwrap_or_else(PoisonError::into_inner).entry(entry_point).or_insert(0) += 1;
+        if self.counting {
+            *self.calls.lock().unwrap_or_else(PoisonError::into_inner).entry(entry_point).or_insert(0) += 1;
+        }
         if !self.faulting.load(Ordering::Acquire) {
             return None;
         }

@@ -221,8 +221,16 @@ fn a_synchronization_completes_held_work_and_the_hold_goes_on() {
 }
 
 #[test]
-fn calls_are_counted_by_entry_point() {
+#[should_panic(expected = "does not count")]
+fn calls_are_not_read_from_a_driver_that_does_not_count_them() {
     let f = Fixture::with_capacity(1 << 30);
+    f.sync(f.stream);
+    f.driver.sim().unwrap().calls("cuStreamSynchronize");
+}
+
+#[test]
+fn calls_are_counted_by_entry_point() {
+    let f = Fixture::new(SimConfig { count_calls: true, ..SimConfig::with_capacity(1 << 30) });
     let sim = f.driver.sim().unwrap();
     let (syncs, queries) = (sim.calls("cuStreamSynchronize"), sim.calls("cuStreamQuery"));
     f.sync(f.stream);
