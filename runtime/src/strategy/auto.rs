@@ -8,8 +8,8 @@
 //! ([`Strategy::arena_slab`]: an eighth of the recorded peak of live bytes, 2 MiB to 256 MiB), and
 //! [`Planned`] — serves the recorded scope [`TRIAL_SCOPES`] times over a pool of its own on a
 //! simulated device (the same model of the CUDA pool `steppool replay` runs on, with its 2 MiB
-//! granule, but without virtual memory management, so slabs are pool allocations; never the real
-//! device: nothing is taken from it), and the peak it reserves from its
+//! granule and virtual memory management as a GPU has it, so slabs and arenas are ranges that
+//! grow in place; never the real device: nothing is taken from it), and the peak it reserves from its
 //! second scope on is read from the pool's high-water mark. The rule takes the least of the
 //! candidates that completed, the first listed (the simpler) on ties. The pool then serves every
 //! later scope with the chosen strategy, after giving back (a stream wait, then a trim) what the
@@ -177,10 +177,10 @@ pub(crate) fn trials(entry: &Arc<PhaseEntry>, events: &[Recorded]) -> Vec<Trial>
 
 /// `strategy` serving the recorded scope [`TRIAL_SCOPES`] times over a pool of a simulated device.
 fn trial(entry: &Arc<PhaseEntry>, strategy: Strategy, events: &[Recorded]) -> Result<Trial> {
-    // Pool slabs, as the trials were measured: with virtual memory management an arena's bump
-    // through one range ties the plan on a scope that strands holes, and the tie would go to the
-    // arena. Whether the trials should follow the device's virtual memory management is open.
-    let config = SimConfig { vmm_supported: false, ..SimConfig::with_capacity(steppool_sys::sim::MAX_CAPACITY) };
+    // Virtual memory management as on a GPU, and as `steppool replay` measures: slabs and arenas
+    // are ranges that grow in place (an arena's bump through one range ties the plan on a scope
+    // freed in stack order, and the tie goes to the simpler arena).
+    let config = SimConfig { vmm_supported: true, ..SimConfig::with_capacity(steppool_sys::sim::MAX_CAPACITY) };
     let driver = Driver::simulated(config)?;
     let device = Arc::new(DeviceCore::open(&driver, 0)?);
     let raw = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING)?;
@@ -326,7 +326,12 @@ mod tests {
 
     /// The trials' peaks, in candidate order, and the strategy the rule picks from them.
     fn tried(sizes: &[(u64, bool)]) -> (Vec<u64>, &'static str) {
-        let trials = trials(&entry(), &scope(sizes));
+        tried_events(&scope(sizes))
+    }
+
+    /// As [`tried`], for a recorded scope given event by event.
+    fn tried_events(events: &[Recorded]) -> (Vec<u64>, &'static str) {
+        let trials = trials(&entry(), events);
         assert!(trials.iter().all(|t| t.completed));
         let candidates: Vec<Candidate<'_>> = trials
             .iter()
@@ -339,24 +344,43 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     #[test]
-    fn a_scope_that_strands_holes_in_one_pool_is_planned() {
-        // Eight 3 MiB activations kept while scratch of 1 to 8 MiB comes and goes: the pool's
-        // best fit puts each scratch above the activations, the arena strands slab tails, the
-        // plan packs it all at the peak of live bytes (24 + 8 MiB).
+    fn a_scope_freed_in_stack_order_ties_the_arena_and_the_plan_and_takes_the_arena() {
+        // Eight 3 MiB activations kept while scratch of 1 to 8 MiB comes and goes, each freed
+        // before the next allocation: the pool's best fit puts each scratch above the
+        // activations; the arena's bump, through a range that grows in place as on a GPU, moves
+        // back over each freed scratch; both it and the plan need the peak of live bytes
+        // (24 + 8 MiB), and the tie goes to the simpler arena.
         let sizes: Vec<(u64, bool)> = (0..8).flat_map(|l| [(3 * MIB, true), ((1 + l) * MIB, false)]).collect();
         let (peaks, chosen) = tried(&sizes);
-        assert_eq!(peaks, [54 * MIB, 60 * MIB, 32 * MIB]);
+        assert_eq!(peaks, [54 * MIB, 32 * MIB, 32 * MIB]);
+        assert_eq!(chosen, "arena");
+    }
+
+    #[test]
+    fn a_scope_freed_out_of_stack_order_is_planned() {
+        // Buffers of 1 to 16 MiB, each freed after the next one is made (a sliding window of
+        // two): the arena's bump never moves back and runs to their sum; the pool's freed
+        // segments are each too small for the next buffer; the plan reuses them.
+        let mut events = vec![Recorded::Alloc(MIB)];
+        for index in 1..16u32 {
+            events.push(Recorded::Alloc(u64::from(index + 1) * MIB));
+            events.push(Recorded::Free(index - 1));
+        }
+        events.push(Recorded::Free(15));
+        let (peaks, chosen) = tried_events(&events);
+        assert_eq!(peaks, [144 * MIB, 136 * MIB, 32 * MIB], "the plan at the largest pair, 15 + 16 MiB");
         assert_eq!(chosen, "planned");
     }
 
     #[test]
     fn an_arena_beats_one_pool_when_a_survivor_splits_a_freed_segment() {
         // 300 MiB freed, 1 MiB kept, 300 MiB again: the pool's best fit puts the survivor in the
-        // first segment's free space, so the second 300 MiB takes a segment of its own; the arena
-        // gives each large request a slab and reuses the freed one. The plan still wins.
+        // first segment's free space, so the second 300 MiB takes a segment of its own; the
+        // arena's bump moves back over the freed 300 MiB, and the second lands after the
+        // survivor, as the plan places it: a tie, which the arena takes.
         let (peaks, chosen) = tried(&[(300 * MIB, false), (MIB, true), (300 * MIB, false)]);
-        assert_eq!(peaks, [600 * MIB, 338 * MIB, 302 * MIB]);
-        assert_eq!(chosen, "planned");
+        assert_eq!(peaks, [600 * MIB, 302 * MIB, 302 * MIB]);
+        assert_eq!(chosen, "arena");
     }
 
     #[test]
