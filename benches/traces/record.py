@@ -390,7 +390,7 @@ def llama_accum(mark, steps, scale, loop):
     batches = [[torch.randint(0, 8192, (batch, 256)) for _ in range(ACCUMULATION)] for _ in range(steps)]
     train_steps(model, opt, batches, mark, loop, micro=ACCUMULATION)
     return dict(model=f"Llama-style decoder, 4 layers, d={dim}, 8 heads / 2 KV heads, SwiGLU {ffn}, vocab 8192",
-                pattern=f"4x gradient accumulation: 4 micro-batches of {batch} x 256 tokens, one AdamW step a step")
+                pattern=f"4x gradient accumulation: 4 micro-batches of {batch} x 256 tokens, one optimizer step a step")
 
 
 def resnet_varbatch(mark, steps, scale, loop):

@@ -204,17 +204,25 @@ fn the_recorded_loop_variants_meet_the_targets_under_the_planned_strategy() {
     // the step begins there, and the last step's gradients, never freed, are its own: before,
     // they were persistent, and planned reserved 308 MiB (1.108x), above PyTorch's 288 MiB.
     // Gradients kept (`set_to_none=False`) under a foreach AdamW: without the sidecar, inference
-    // found 1008 steps of the 8.
-    for (file, fixed, planned_mib) in
-        [("bert_static_zero_grad_first.csv", true, 280), ("gpt2_varlen_grads_kept.csv", false, 506)]
-    {
+    // found 1008 steps of the 8. SGD under gradient accumulation: the first step makes the
+    // momentum where later steps allocate more, so the second step runs past the first one's plan;
+    // laid out in allocation order for the third step, that plan held 202 MiB (1.082x), above
+    // PyTorch's 200 MiB.
+    let manifest = manifest();
+    for (file, fixed, planned_mib) in [
+        ("bert_static_zero_grad_first.csv", true, 280),
+        ("gpt2_varlen_grads_kept.csv", false, 506),
+        ("llama_accum_sgd.jsonl", true, 188),
+    ] {
+        let (name, _) = file.split_once('.').unwrap();
+        let steps = manifest[name]["steps"].as_u64().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let copy = dir.path().join(file);
         std::fs::copy(recorded(file), &copy).unwrap();
         for path in [recorded(file), copy] {
             let trace = read::read_trace(&path).unwrap();
             let analysis = analyse(&trace).unwrap();
-            assert_eq!(analysis.steps, 8, "{}: {:?}", path.display(), trace.steps);
+            assert_eq!(analysis.steps, steps, "{}: {:?}", path.display(), trace.steps);
             let limit = steppool_cli::limit::limit(&analysis).unwrap().bytes;
             let results =
                 replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(80 << 30), &Silent).unwrap();
