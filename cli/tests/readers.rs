@@ -9,7 +9,7 @@ use steppool_cli::synth::{Shape, training_trace};
 use steppool_trace::analysis::{Op, analyse};
 use steppool_trace::jsonl;
 use steppool_trace::read::{detect, read_bytes, read_trace};
-use steppool_trace::{EventKind, Location, Trace, TraceError, TraceFormat, TracePhase, WarningKind};
+use steppool_trace::{Event, EventKind, Location, Trace, TraceError, TraceFormat, TracePhase, WarningKind};
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
@@ -53,11 +53,18 @@ fn odd_rmm_records_are_counted_warnings() {
          1,2,free,0x10,4096,0x0\n\
          1,5,allocate,0x20,0,0x0\n\
          1,6,free,0x20,0,0x0\n\
-         1,7,allocate,0x30,8,0x0\n"
+         1,7,allocate,0x30,8,0x0\n\
+         1,8,free,0x99,512,0x0\n"
     );
     let trace = rmm(&log).unwrap();
     assert_eq!(trace.warnings.count(WarningKind::UnknownAction), 1);
     assert_eq!(trace.warnings.count(WarningKind::TimeBackwards), 1);
+    // 0x99 is freed at line 4 but never allocated: made before the log began, it is replayed
+    // as allocated at the start. Its second free is of a pointer no longer live.
+    assert_eq!(trace.warnings.count(WarningKind::HeldBeforeRecording), 1);
+    let lines = trace.warnings.lines().join("\n");
+    assert!(lines.contains("line 4") && lines.contains("512 bytes at 0x99"), "{lines}");
+    assert_eq!((trace.events[0].kind, trace.events[0].ptr, trace.events[0].t_ns), (EventKind::Alloc, 0x99, 0));
     let analysis = analyse(&trace).unwrap();
     let w = &analysis.warnings;
     assert_eq!(w.count(WarningKind::UnknownPointerFree), 1);
@@ -65,10 +72,11 @@ fn odd_rmm_records_are_counted_warnings() {
     assert_eq!(w.count(WarningKind::SizeMismatch), 1);
     assert_eq!(w.count(WarningKind::ZeroBytes), 1);
     let lines = w.lines().join("\n");
-    assert!(lines.contains("line 4") && lines.contains("0x99"), "{lines}");
+    assert!(lines.contains("line 10") && lines.contains("0x99"), "{lines}");
     // The reused pointer's first allocation is freed before the second one is made.
     let ops: Vec<Op> = analysis.ops.iter().map(|&(_, op)| op).collect();
-    assert_eq!(&ops[..4], &[Op::Alloc(0), Op::Free(0), Op::Alloc(1), Op::Free(1)]);
+    assert_eq!(&ops[..5], &[Op::Alloc(0), Op::Alloc(1), Op::Free(0), Op::Free(1), Op::Alloc(2)]);
+    assert_eq!(analysis.peak_live_bytes, 512 + 512, "0x99 and the first 0x10");
     // Still replayable.
     let results = replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(1 << 30), &Silent).unwrap();
     assert!(results.iter().all(|r| r.run.completed()));
@@ -124,6 +132,36 @@ fn pytorch_snapshots_of_every_protocol_read_the_same() {
         assert!(results.iter().all(|r| r.run.completed()), "{name}");
     }
     assert!(seen.windows(2).all(|w| w[0] == w[1]));
+}
+
+#[test]
+fn a_snapshot_recorded_after_the_model_was_built_replays_the_memory_held_before() {
+    // History recorded from after the weights (8 MiB, a block still allocated in `segments`) and
+    // an optimizer buffer (4 MiB, freed in the trace) were made, and two small blocks of a
+    // segment whose blocks carry no address: all replayed as allocated at the trace's start.
+    let trace = read_trace(data("snapshot_late.pickle")).unwrap();
+    assert_eq!(trace.warnings.count(WarningKind::HeldBeforeRecording), 4, "{:?}", trace.warnings.lines());
+    let lines = trace.warnings.lines().join("\n");
+    assert!(lines.contains("8388608 bytes at 0x7f0000000000"), "{lines}");
+    let records: Vec<&Event> = trace.events.iter().filter(|e| !e.kind.is_boundary()).collect();
+    let held: Vec<(u64, u64)> = records[..4].iter().map(|e| (e.ptr, e.bytes)).collect();
+    assert_eq!(
+        held,
+        [
+            (0x7F00_0000_0000, 8 << 20),
+            (0x7F00_1000_0000, 500_000),
+            (0x7F00_1018_0000, 512 << 10),
+            (0x7F00_0080_0000, 4 << 20)
+        ],
+        "the blocks in segment order (the third after the first two), then the freed buffer"
+    );
+    assert!(records[..4].iter().all(|e| e.kind == EventKind::Alloc && e.t_ns == records[4].t_ns));
+    let analysis = analyse(&trace).unwrap();
+    assert!(analysis.warnings.is_empty(), "{:?}", analysis.warnings.lines());
+    assert_eq!(analysis.peak_live_bytes, (12 << 20) + 500_000 + (512 << 10));
+    assert_eq!(analysis.allocations.iter().filter(|a| a.free.is_none()).count(), 3, "the blocks are never freed");
+    let results = replay(&trace, &analysis, &select("all").unwrap(), &ReplayOptions::new(1 << 30), &Silent).unwrap();
+    assert!(results.iter().all(|r| r.run.completed() && r.run.peak_reserved_bytes >= analysis.peak_live_bytes));
 }
 
 #[test]

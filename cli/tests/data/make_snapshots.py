@@ -4,7 +4,9 @@ The layout follows torch/csrc/cuda/memory_snapshot.cpp and the `_snapshot` docst
 torch/cuda/memory.py: a dict with `segments` and `device_traces`, one list of trace entries per
 device, each entry a dict with action, addr, size, stream, time_us and frames. Run with python3;
 it writes snapshot_p2.pickle, snapshot_p4.pickle and snapshot_p5.pickle (protocol 5 needs
-Python 3.8+), and snapshot_notime.pickle (an older PyTorch without time_us).
+Python 3.8+), snapshot_notime.pickle (an older PyTorch without time_us), and snapshot_late.pickle
+(history recorded only after the model was built: memory allocated before shows in `segments` or
+by its free).
 """
 import pickle
 
@@ -56,8 +58,42 @@ def snapshot(with_time=True):
     }
 
 
+def late():
+    """Recorded from after the weights (8 MiB) and an optimizer buffer (4 MiB) were allocated: the
+    buffer is freed in the trace, the weights are a block still allocated in `segments`, and so
+    are two small blocks of a segment whose blocks carry no address (older PyTorch)."""
+    t = 2_000_000
+    out = []
+
+    def add(action, addr, size):
+        nonlocal t
+        t += 10
+        out.append(entry(action, addr, size, t))
+
+    add("free_requested", 0x7F0000800000, 4 * MiB)
+    add("free_completed", 0x7F0000800000, 4 * MiB)
+    for step in range(3):
+        add("alloc", 0x7F0000C00000, 2 * MiB)
+        add("free_requested", 0x7F0000C00000, 2 * MiB)
+        add("free_completed", 0x7F0000C00000, 2 * MiB)
+    block = lambda size, state, requested=None, **more: dict(
+        size=size, requested_size=size if requested is None else requested, state=state, frames=[], **more)
+    large = {"device": 0, "address": 0x7F0000000000, "total_size": 64 * MiB, "stream": 0,
+             "segment_type": "large", "blocks": [
+                 block(8 * MiB, "active_allocated", address=0x7F0000000000),
+                 block(56 * MiB, "inactive", address=0x7F0000800000)]}
+    small = {"device": 0, "address": 0x7F0010000000, "total_size": 2 * MiB, "stream": 0,
+             "segment_type": "small", "blocks": [
+                 block(512 * 1024, "active_allocated", requested=500_000),
+                 block(1024 * 1024, "inactive"),
+                 block(512 * 1024, "active_allocated")]}
+    return {"segments": [large, small], "device_traces": [out]}
+
+
 for protocol in (2, 4, 5):
     with open(f"snapshot_p{protocol}.pickle", "wb") as f:
         pickle.dump(snapshot(), f, protocol=protocol)
 with open("snapshot_notime.pickle", "wb") as f:
     pickle.dump(snapshot(with_time=False), f, protocol=4)
+with open("snapshot_late.pickle", "wb") as f:
+    pickle.dump(late(), f, protocol=4)

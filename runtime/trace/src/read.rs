@@ -29,12 +29,15 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace> {
 
 /// Parses a trace held in memory; `path` names it in messages. No sidecar, no inference.
 pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<Trace> {
-    match detect(bytes) {
-        Some(TraceFormat::Rmm) => rmm::read(path, bytes),
-        Some(TraceFormat::PyTorch) => pytorch::read(path, bytes),
-        Some(TraceFormat::Steppool) => jsonl::read(path, bytes),
-        None => Err(TraceError::UnknownFormat { path: path.to_owned() }),
-    }
+    let mut trace = match detect(bytes) {
+        Some(TraceFormat::Rmm) => rmm::read(path, bytes)?,
+        Some(TraceFormat::PyTorch) => pytorch::read(path, bytes)?,
+        Some(TraceFormat::Steppool) => jsonl::read(path, bytes)?,
+        None => return Err(TraceError::UnknownFormat { path: path.to_owned() }),
+    };
+    // Memory freed in the trace but allocated before it began is live from its start.
+    trace.hold_from_start(Vec::new());
+    Ok(trace)
 }
 
 /// The format of a trace, from its first bytes: a pickle starts with the PROTO opcode (or, for

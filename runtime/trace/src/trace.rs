@@ -181,8 +181,8 @@ impl fmt::Display for StepSource {
 pub enum WarningKind {
     /// An action or event name the reader does not know; the record is skipped.
     UnknownAction,
-    /// A free of a pointer that is not live (allocated before recording began, or freed twice);
-    /// skipped.
+    /// A free of a pointer that is not live (freed twice, or of unknown size and never allocated
+    /// in the trace); skipped.
     UnknownPointerFree,
     /// An allocation at a pointer that is still live; the earlier allocation is taken as freed.
     PointerReused,
@@ -200,8 +200,14 @@ pub enum WarningKind {
     /// active one); fixed up.
     BoundaryOrder,
     /// Events the recorder dropped (its bound was reached) before the trace begins: allocations
-    /// made then are missing, so peaks may come out low. Counted once per dropped event.
+    /// made then and not freed in the trace are missing, so peaks may come out low (those freed
+    /// in it are [held from its start](WarningKind::HeldBeforeRecording)). Counted once per
+    /// dropped event.
     DroppedEvents,
+    /// An allocation made before the recording began, known by its free in the trace or, in a
+    /// PyTorch snapshot, as a block still allocated at its end: replayed as made at the trace's
+    /// start ([`Trace::hold_from_start`]), so its memory counts.
+    HeldBeforeRecording,
 }
 
 impl WarningKind {
@@ -217,8 +223,11 @@ impl WarningKind {
             WarningKind::UnknownPhase => "allocation(s) of a phase the header does not declare; taken as untagged",
             WarningKind::ScopeMismatch => "allocation(s) outliving their phase's scope; scope inferred instead",
             WarningKind::BoundaryOrder => "step boundary(ies) out of order, fixed up",
+            WarningKind::HeldBeforeRecording => {
+                "allocation(s) made before the recording began, replayed as made at its start"
+            }
             WarningKind::DroppedEvents => {
-                "event(s) dropped by the recorder before the trace begins; allocations made then are missing"
+                "event(s) dropped by the recorder before the trace begins; allocations made then and never freed are missing"
             }
         }
     }
@@ -349,6 +358,39 @@ impl Trace {
     /// How many steps begin in the trace.
     pub fn step_count(&self) -> usize {
         self.events.iter().filter(|event| matches!(event.kind, EventKind::StepBegin(_))).count()
+    }
+
+    /// Allocations made before the recording began are replayed as made at the trace's start, so
+    /// that their memory counts: `held` (a PyTorch snapshot's blocks still allocated at its end
+    /// that its trace never shows), and the allocation behind every free of a pointer the trace
+    /// has not shown before (a log begun mid-run, a snapshot recorded from after the model was
+    /// built), with the free's size. Each is a [`WarningKind::HeldBeforeRecording`]. A free of a
+    /// pointer seen before (freed twice) or of unknown size stays a free of a pointer that is not
+    /// live, which analysis skips.
+    pub fn hold_from_start(&mut self, mut held: Vec<Event>) {
+        let mut seen: std::collections::HashSet<(u32, u64)> = held.iter().map(|e| (e.device, e.ptr)).collect();
+        for event in &self.events {
+            match event.kind {
+                EventKind::Alloc => {
+                    seen.insert((event.device, event.ptr));
+                }
+                EventKind::Free { .. } if seen.insert((event.device, event.ptr)) && event.bytes > 0 => {
+                    held.push(Event { kind: EventKind::Alloc, phase: None, ..*event });
+                }
+                _ => {}
+            }
+        }
+        if held.is_empty() {
+            return;
+        }
+        let start = self.events.iter().map(|event| event.t_ns).min().unwrap_or(0);
+        for event in &mut held {
+            event.t_ns = start;
+            self.warnings.add(WarningKind::HeldBeforeRecording, event.location, || {
+                format!("{} bytes at {:#x} on device {}", event.bytes, event.ptr, event.device)
+            });
+        }
+        self.events.splice(0..0, held);
     }
 
     /// Records device `ordinal` in [`Trace::devices`] (kept in ordinal order) if it is new.

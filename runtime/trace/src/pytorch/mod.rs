@@ -20,6 +20,12 @@
 //! - `oom`: a failed allocation of `size`.
 //! - the segment actions, `snapshot` and `annotate`: the caching allocator's own bookkeeping, not
 //!   requests; skipped.
+//! - `segments`, the allocator's state at the dump: a block still allocated there
+//!   (`active_allocated`) that the trace never shows was allocated before the history was recorded
+//!   (the model built, then `_record_memory_history` called), and is replayed as allocated at the
+//!   trace's start, at its `requested_size`, as is the memory behind a free of an address the trace
+//!   never allocated ([`Trace::hold_from_start`](crate::Trace::hold_from_start)): otherwise the
+//!   replay would measure part of the memory.
 //!
 //! Devices are merged by `time_us` (their own order kept on ties); without times, device after
 //! device. Times become nanoseconds (`time_us` × 1000). Before parsing, a pass over the opcodes

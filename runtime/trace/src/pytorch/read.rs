@@ -44,6 +44,8 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
     let mut trace = Trace::new(path, TraceFormat::PyTorch);
     trace.threads.push("python".to_owned());
     let mut events: Vec<(Option<u64>, u32, u64, Event)> = Vec::new();
+    // Per device, the addresses the trace shows and those live at its end.
+    let mut shown: Vec<(HashSet<u64>, HashSet<u64>)> = Vec::new();
     for (device, entries) in device_traces.iter().enumerate() {
         let device_ordinal = check_device(path, file, device as u64)?;
         let Value::List(entries) = entries else {
@@ -51,6 +53,7 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
         };
         let mut live: HashSet<u64> = HashSet::new();
         let mut requested: HashSet<u64> = HashSet::new();
+        let mut seen: HashSet<u64> = HashSet::new();
         for (index, entry) in entries.iter().enumerate() {
             let location = Location::Entry { device: device_ordinal, index: index as u64 };
             let bad = |message: String| TraceError::malformed(path, location, message);
@@ -95,10 +98,14 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
                     requested.insert(addr);
                     live.remove(&addr);
                 }
-                // The free was replayed at `free_requested`; only a trace without those frees here.
-                Action::FreeCompleted if requested.remove(&addr) || !live.remove(&addr) => continue,
+                // The free was replayed at `free_requested`; only a trace without those frees here
+                // (or the first free of memory allocated before the recording began).
+                Action::FreeCompleted if requested.remove(&addr) || !(live.remove(&addr) || seen.insert(addr)) => {
+                    continue;
+                }
                 _ => {}
             }
+            seen.insert(addr);
             // Streams are cudaStream_t values stored as int64: keep their bits.
             let stream = match get(entry, "stream") {
                 Some(Value::I64(stream)) => *stream as u64,
@@ -115,7 +122,12 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
         if !entries.is_empty() {
             trace.note_device(device_ordinal);
         }
+        shown.push((seen, live));
     }
+    let held = match get(&snapshot, "segments") {
+        Some(segments) => held_blocks(path, segments, &shown)?,
+        None => Vec::new(),
+    };
     let timed = events.iter().all(|(time, ..)| time.is_some());
     if timed {
         // Stable: ties keep device order, then entry order.
@@ -136,7 +148,73 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
         last = last.max(event.t_ns);
     }
     trace.events = events.into_iter().map(|(_, _, _, event)| event).collect();
+    trace.hold_from_start(held);
     Ok(trace)
+}
+
+/// The blocks of `segments` still allocated (`active_allocated`) at the snapshot's end that the
+/// trace of their device never shows: memory allocated before the recording began (the model
+/// built, then `_record_memory_history` called), as allocations of their requested size, on
+/// the segment's stream. A device whose trace is empty is not replayed, and adds none.
+fn held_blocks(path: &Path, segments: &Value, shown: &[(HashSet<u64>, HashSet<u64>)]) -> Result<Vec<Event>> {
+    let file = Location::File;
+    let bad = |message: String| TraceError::malformed(path, file, message);
+    let Value::List(segments) = segments else {
+        return Err(bad("`segments` is not a list".to_owned()));
+    };
+    let mut held = Vec::new();
+    for (s, segment) in segments.iter().enumerate() {
+        let Value::Dict(segment) = segment else {
+            return Err(bad(format!("segments[{s}] is not a dict")));
+        };
+        let int =
+            |dict: &std::collections::BTreeMap<HashableValue, Value>, key: &str, at: &str| -> Result<Option<u64>> {
+                match get(dict, key) {
+                    None | Some(Value::None) => Ok(None),
+                    Some(value) => integer(value)
+                        .map(Some)
+                        .ok_or_else(|| bad(format!("{at}: `{key}` is {value:?}, not an integer"))),
+                }
+            };
+        let at = format!("segments[{s}]");
+        let device = int(segment, "device", &at)?.unwrap_or(0);
+        let Some((seen, live)) = usize::try_from(device).ok().and_then(|device| shown.get(device)) else { continue };
+        if seen.is_empty() {
+            continue;
+        }
+        let stream = match get(segment, "stream") {
+            Some(Value::I64(stream)) => *stream as u64,
+            Some(value) => integer(value).unwrap_or(0),
+            None => 0,
+        };
+        let mut address = int(segment, "address", &at)?.ok_or_else(|| bad(format!("{at} has no `address`")))?;
+        let blocks = match get(segment, "blocks") {
+            Some(Value::List(blocks)) => blocks.as_slice(),
+            None => &[],
+            Some(_) => return Err(bad(format!("{at}: `blocks` is not a list"))),
+        };
+        for (b, block) in blocks.iter().enumerate() {
+            let at = format!("segments[{s}].blocks[{b}]");
+            let Value::Dict(block) = block else {
+                return Err(bad(format!("{at} is not a dict")));
+            };
+            let size = int(block, "size", &at)?.ok_or_else(|| bad(format!("{at} has no `size`")))?;
+            // Blocks tile their segment; newer snapshots also give each block's address.
+            let addr = int(block, "address", &at)?.unwrap_or(address);
+            address = addr.saturating_add(size);
+            let allocated = matches!(get(block, "state"), Some(Value::String(state)) if state == "active_allocated");
+            if !allocated || seen.contains(&addr) || live.contains(&addr) {
+                continue;
+            }
+            let mut event = Event::new(0, EventKind::Alloc, file);
+            event.ptr = addr;
+            event.bytes = int(block, "requested_size", &at)?.filter(|&bytes| bytes > 0).unwrap_or(size);
+            event.device = device as u32;
+            event.stream = stream;
+            held.push(event);
+        }
+    }
+    Ok(held)
 }
 
 fn get<'a>(dict: &'a std::collections::BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
