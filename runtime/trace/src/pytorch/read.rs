@@ -44,8 +44,8 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
     let mut trace = Trace::new(path, TraceFormat::PyTorch);
     trace.threads.push("python".to_owned());
     let mut events: Vec<(Option<u64>, u32, u64, Event)> = Vec::new();
-    // Per device, the addresses the trace shows and those live at its end.
-    let mut shown: Vec<(HashSet<u64>, HashSet<u64>)> = Vec::new();
+    // Per device, the addresses its trace shows.
+    let mut shown: Vec<HashSet<u64>> = Vec::new();
     for (device, entries) in device_traces.iter().enumerate() {
         let device_ordinal = check_device(path, file, device as u64)?;
         let Value::List(entries) = entries else {
@@ -122,7 +122,7 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
         if !entries.is_empty() {
             trace.note_device(device_ordinal);
         }
-        shown.push((seen, live));
+        shown.push(seen);
     }
     let held = match get(&snapshot, "segments") {
         Some(segments) => held_blocks(path, segments, &shown)?,
@@ -156,7 +156,7 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
 /// trace of their device never shows: memory allocated before the recording began (the model
 /// built, then `_record_memory_history` called), as allocations of their requested size, on
 /// the segment's stream. A device whose trace is empty is not replayed, and adds none.
-fn held_blocks(path: &Path, segments: &Value, shown: &[(HashSet<u64>, HashSet<u64>)]) -> Result<Vec<Event>> {
+fn held_blocks(path: &Path, segments: &Value, shown: &[HashSet<u64>]) -> Result<Vec<Event>> {
     let file = Location::File;
     let bad = |message: String| TraceError::malformed(path, file, message);
     let Value::List(segments) = segments else {
@@ -178,7 +178,7 @@ fn held_blocks(path: &Path, segments: &Value, shown: &[(HashSet<u64>, HashSet<u6
             };
         let at = format!("segments[{s}]");
         let device = int(segment, "device", &at)?.unwrap_or(0);
-        let Some((seen, live)) = usize::try_from(device).ok().and_then(|device| shown.get(device)) else { continue };
+        let Some(seen) = usize::try_from(device).ok().and_then(|device| shown.get(device)) else { continue };
         if seen.is_empty() {
             continue;
         }
@@ -202,8 +202,12 @@ fn held_blocks(path: &Path, segments: &Value, shown: &[(HashSet<u64>, HashSet<u6
             // Blocks tile their segment; newer snapshots also give each block's address.
             let addr = int(block, "address", &at)?.unwrap_or(address);
             address = addr.saturating_add(size);
-            let allocated = matches!(get(block, "state"), Some(Value::String(state)) if state == "active_allocated");
-            if !allocated || seen.contains(&addr) || live.contains(&addr) {
+            let allocated = match get(block, "state") {
+                Some(Value::String(state)) => state == "active_allocated",
+                Some(Value::Bytes(state)) => state == b"active_allocated",
+                _ => false,
+            };
+            if !allocated || seen.contains(&addr) {
                 continue;
             }
             let mut event = Event::new(0, EventKind::Alloc, file);
