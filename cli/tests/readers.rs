@@ -142,7 +142,7 @@ fn a_snapshot_recorded_after_the_model_was_built_replays_the_memory_held_before(
     let trace = read_trace(data("snapshot_late.pickle")).unwrap();
     assert_eq!(trace.warnings.count(WarningKind::HeldBeforeRecording), 4, "{:?}", trace.warnings.lines());
     let lines = trace.warnings.lines().join("\n");
-    assert!(lines.contains("8388608 bytes at 0x7f0000000000"), "{lines}");
+    assert!(lines.contains("segments[0].blocks[0]: 8388608 bytes at 0x7f0000000000"), "{lines}");
     let records: Vec<&Event> = trace.events.iter().filter(|e| !e.kind.is_boundary()).collect();
     let held: Vec<(u64, u64)> = records[..4].iter().map(|e| (e.ptr, e.bytes)).collect();
     assert_eq!(

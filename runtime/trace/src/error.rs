@@ -16,6 +16,14 @@ pub enum Location {
         /// The entry's index in that device's list.
         index: u64,
     },
+    /// Block `block` of segment `segment` in a PyTorch snapshot's `segments` (the allocator's
+    /// state at the dump), both from 0.
+    Block {
+        /// The segment's position in `segments`.
+        segment: u64,
+        /// The block's position in the segment's `blocks`.
+        block: u64,
+    },
     /// The whole file, or a place outside its records (the end of a trace).
     File,
 }
@@ -25,6 +33,7 @@ impl fmt::Display for Location {
         match self {
             Location::Line(line) => write!(f, "line {line}"),
             Location::Entry { device, index } => write!(f, "device_traces[{device}][{index}]"),
+            Location::Block { segment, block } => write!(f, "segments[{segment}].blocks[{block}]"),
             Location::File => f.write_str("the file as a whole"),
         }
     }

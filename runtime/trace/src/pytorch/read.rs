@@ -210,7 +210,7 @@ fn held_blocks(path: &Path, segments: &Value, shown: &[HashSet<u64>]) -> Result<
             if !allocated || seen.contains(&addr) {
                 continue;
             }
-            let mut event = Event::new(0, EventKind::Alloc, file);
+            let mut event = Event::new(0, EventKind::Alloc, Location::Block { segment: s as u64, block: b as u64 });
             event.ptr = addr;
             event.bytes = int(block, "requested_size", &at)?.filter(|&bytes| bytes > 0).unwrap_or(size);
             event.device = device as u32;
