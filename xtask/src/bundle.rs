@@ -5,7 +5,7 @@
 //! DIR/run.sh            runs it all: ./run.sh [--smoke] [--out DIR]
 //! DIR/bin/              device-probe, steppool-bench-report, steppool (the CLI: `calibrate`)
 //! DIR/tests/            the device tests: conformance, runtime, cudarc, capture (the same bodies CI runs on
-//!                       the simulated device)
+//!                       the simulated device), and the libcuda stand-in the cudarc tests load without a GPU
 //! DIR/benches/          the criterion benchmarks
 //! DIR/examples/         training_loop, cudarc_trainer
 //! DIR/peers/            the Python peer harness
@@ -65,6 +65,11 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
         "test",
     )?;
     copy_all(&tests, &dir.join("tests"))?;
+    // The libcuda stand-in, beside the cudarc tests that load it when no GPU answers: the bundle
+    // then also runs whole on the simulated device (`STEPPOOL_DEVICE=sim STEPPOOL_REQUIRE_GPU=0`),
+    // a check of the bundle before device time is spent on it.
+    let stand_in = executables(&root, &["build", "--release", "-p", "steppool-libcuda-sim"], "cdylib")?;
+    copy_all(&stand_in, &dir.join("tests"))?;
     let examples = executables(&root, &["build", "--release", "-p", "steppool-examples", "--examples"], "example")?;
     copy_all(&examples, &dir.join("examples"))?;
     let mut bins = executables(&root, &["build", "--release", "-p", "steppool-benches", "--bins"], "bin")?;
@@ -122,7 +127,7 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
 }
 
 /// Builds with `cargo <args> --target x86_64-unknown-linux-gnu --message-format=json` and
-/// returns the executables of targets of kind `kind`.
+/// returns the executables of targets of kind `kind` (for `cdylib`, the shared libraries).
 fn executables(root: &Path, args: &[&str], kind: &str) -> Result<Vec<PathBuf>> {
     let mut command = Command::new(cargo());
     command.current_dir(root).args(args).arg("--message-format=json-render-diagnostics");
@@ -149,6 +154,10 @@ fn executables(root: &Path, args: &[&str], kind: &str) -> Result<Vec<PathBuf>> {
         }
         if let Some(path) = message["executable"].as_str() {
             found.push(PathBuf::from(path));
+        } else if kind == "cdylib" {
+            // A shared library has no executable: its files are the library and its metadata.
+            let files = message["filenames"].as_array().cloned().unwrap_or_default();
+            found.extend(files.iter().filter_map(|f| f.as_str()).filter(|f| f.ends_with(".so")).map(PathBuf::from));
         }
     }
     if found.is_empty() {
@@ -242,6 +251,7 @@ nvidia-smi 2>/dev/null | tee -a "$work/device.log" || true
 
 step "device tests"
 for test in "$here"/tests/*; do
+    case "$test" in *.so) continue ;; esac
     "$test" 2>&1 | tee -a "$work/tests.log" || status=1
 done
 
