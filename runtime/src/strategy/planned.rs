@@ -37,11 +37,13 @@
 //! is laid out so when the scope that recorded it left the plan of its key part way (another
 //! sequence), and when it is new (no plan of its key yet) and that layout needs at most 1/128 more
 //! than the packing: the second step, the first one served from a plan, may already differ from
-//! the first. A scope that followed its whole plan and went on past its end (a first step
-//! recorded before the optimizer's steady sequence existed: SGD makes its momentum where later
-//! steps allocate) is planned as a new sequence is: on a recorded Llama trace with 4× gradient
-//! accumulation and SGD, laying that scope out in order held 147 MiB of slab for one step where
-//! the packing needs 133 MiB, 1.081× peak live over the run against 1.006×. Once a scope it
+//! the first. A scope that left its plan only at the plan's end is planned as a new sequence is:
+//! one that followed the whole plan and went on (the step after a first step recorded before the
+//! optimizer's steady sequence existed: SGD makes its momentum where later steps allocate), or
+//! one that followed it and ended early (that first step, served from saved plans of the steady
+//! sequence). On a recorded Llama trace with 4× gradient accumulation and SGD, laying such a
+//! scope out in order held 147 MiB of slab for one step where the packing needs 133 MiB, 1.081×
+//! peak live over the run against 1.006×, and 1.082× against 1.007× with saved plans. Once a scope it
 //! serves keeps its sequence (no deviation), it is packed (greedy), so repeating steps pay the
 //! in-order layout for one scope at most. Aligning a scope to its plan by more than position
 //! (re-synchronising the cursor on matching sizes after an inserted or missing allocation) was
@@ -497,10 +499,12 @@ pub(crate) struct Planned {
     /// deviation): best fit in chunks taken from the pool, given back at the scope's end.
     fallback: Chunks,
     deviated: bool,
-    /// The scope's first deviation was an allocation past the plan's last entry: it followed the
-    /// whole plan and went on (a first step, recorded before the steady sequence's extra
-    /// allocations existed), rather than leaving it part way.
-    ran_past_plan: bool,
+    /// The scope left its plan only at the plan's end: its first deviation was an allocation past
+    /// the last entry (a step after a first one recorded before the steady sequence's extra
+    /// allocations existed), or it ended before the last entries, having followed the plan so far
+    /// (that first step, served from a plan of the steady sequence), rather than leaving it part
+    /// way.
+    left_at_end: bool,
     /// The slab could not be had in this scope: do not ask again until its end, or until memory
     /// was given back for a retry ([`Allocator::release_unused`]).
     slab_refused: bool,
@@ -549,7 +553,7 @@ impl Planned {
             pooled: PointerMap::default(),
             fallback: Chunks::default(),
             deviated: false,
-            ran_past_plan: false,
+            left_at_end: false,
             slab_refused: false,
             holes: Vec::new(),
             unmapped: 0,
@@ -709,7 +713,7 @@ impl Planned {
         if entry < count && self.plans[index].sizes[entry] >= size {
             return self.hand_out(index, entry, size, false);
         }
-        self.ran_past_plan |= !self.deviated && entry >= count;
+        self.left_at_end |= !self.deviated && entry >= count;
         self.deviated = true;
         // Larger than its entry (a size that varies from scope to scope: routed tokens, a
         // ragged batch): at the entry's offset when the larger range is clear.
@@ -1279,9 +1283,10 @@ impl Planned {
                 own_peak = same.own_peak.max(packed.size);
                 (packed, false)
             }
-            // A scope that followed the whole plan and went on is no sign that the next one
-            // leaves its plan early: it is planned as a new sequence.
-            Some(_) if !self.ran_past_plan => (plan::best_fit_in_order(&blocks), true),
+            // A scope that followed the whole plan and went on, or followed it and ended early,
+            // is no sign that the next one leaves its plan part way: it is planned as a new
+            // sequence.
+            Some(_) if !self.left_at_end => (plan::best_fit_in_order(&blocks), true),
             _ => {
                 let packed = plan::pack(&blocks);
                 own_peak = packed.size;
@@ -1342,7 +1347,7 @@ impl Planned {
         self.online = None;
         self.slab_live.clear();
         self.deviated = false;
-        self.ran_past_plan = false;
+        self.left_at_end = false;
         self.slab_refused = false;
         self.given_back = 0;
         self.freed_unpunched = 0;
@@ -1481,6 +1486,7 @@ impl Allocator for Planned {
             if let Some(index) = self.plan {
                 let unserved = self.plans[index].sizes.len().saturating_sub(self.cursor) as u64;
                 self.counters.missing += unserved;
+                self.left_at_end |= !self.deviated && unserved > 0;
                 self.deviated |= unserved > 0;
                 self.plans[index].scopes += 1;
             }
@@ -2094,6 +2100,28 @@ mod tests {
         assert_eq!(plan.starts, blocks.iter().map(|b| b.start).collect::<Vec<_>>(), "the second scope's plan");
         assert!(!plan.in_order, "packed");
         assert_eq!((plan.bytes, &plan.offsets), (6144, &plan::pack(&blocks).offsets));
+    }
+
+    #[test]
+    fn a_scope_that_follows_its_plan_and_ends_early_is_packed_not_laid_out_in_order() {
+        use Op::{Alloc, Free};
+        let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+        // A plan of the steady sequence (saved, or recorded first), then a scope that is a prefix
+        // of it: a first step, before the optimizer allocates what later steps do.
+        let steady = [Alloc(2048), Alloc(2048), Alloc(1024), Free(1), Alloc(3072), Alloc(512)];
+        run_ops(&mut planned, &mut source, &steady);
+        assert!(!planned.plans[0].in_order);
+        let first = [Alloc(2048), Alloc(2048), Alloc(1024), Free(1), Alloc(3072)];
+        run_ops(&mut planned, &mut source, &first);
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.deviations, stats.missing), (4, 0, 1), "left only at the plan's end");
+        // Its plan: best fit in order would need 8 KiB, the packing 6 KiB.
+        let blocks = blocks_of(&first);
+        assert_eq!(plan::best_fit_in_order(&blocks).size, 8192);
+        let plan = &planned.plans[0];
+        assert_eq!(plan.starts, blocks.iter().map(|b| b.start).collect::<Vec<_>>(), "the prefix's plan");
+        assert!(!plan.in_order, "packed");
+        assert_eq!(plan.bytes, 6144);
     }
 
     #[test]
