@@ -29,13 +29,14 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace> {
 
 /// Parses a trace held in memory; `path` names it in messages. No sidecar, no inference.
 pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<Trace> {
+    // Memory freed in the trace but allocated before it began is live from its start; the
+    // snapshot reader holds it itself, with the blocks its segments still hold.
     let mut trace = match detect(bytes) {
         Some(TraceFormat::Rmm) => rmm::read(path, bytes)?,
-        Some(TraceFormat::PyTorch) => pytorch::read(path, bytes)?,
+        Some(TraceFormat::PyTorch) => return pytorch::read(path, bytes),
         Some(TraceFormat::Steppool) => jsonl::read(path, bytes)?,
         None => return Err(TraceError::UnknownFormat { path: path.to_owned() }),
     };
-    // Memory freed in the trace but allocated before it began is live from its start.
     trace.hold_from_start(Vec::new());
     Ok(trace)
 }

@@ -65,14 +65,7 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
                 Some(Value::Bytes(action)) => std::str::from_utf8(action).unwrap_or("?"),
                 _ => return Err(bad("the trace entry has no `action` string".to_owned())),
             };
-            let int = |key: &str| -> Result<Option<u64>> {
-                match get(entry, key) {
-                    None | Some(Value::None) => Ok(None),
-                    Some(value) => integer(value).map(Some).ok_or_else(|| {
-                        TraceError::malformed(path, location, format!("`{key}` is {value:?}, not an integer"))
-                    }),
-                }
-            };
+            let int = |key: &str| int_field(entry, key).map_err(bad);
             let time_us = int("time_us")?;
             let Some(known) = Action::from_name(action) else {
                 trace.warnings.add(WarningKind::UnknownAction, location, || format!("action `{action}`"));
@@ -106,12 +99,7 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
                 _ => {}
             }
             seen.insert(addr);
-            // Streams are cudaStream_t values stored as int64: keep their bits.
-            let stream = match get(entry, "stream") {
-                Some(Value::I64(stream)) => *stream as u64,
-                Some(value) => integer(value).unwrap_or(0),
-                None => 0,
-            };
+            let stream = stream_field(entry);
             let mut event = Event::new(time_us.map_or(0, |t| t.saturating_mul(1000)), kind, location);
             event.ptr = addr;
             event.bytes = size;
@@ -167,26 +155,14 @@ fn held_blocks(path: &Path, segments: &Value, shown: &[HashSet<u64>]) -> Result<
         let Value::Dict(segment) = segment else {
             return Err(bad(format!("segments[{s}] is not a dict")));
         };
-        let int =
-            |dict: &std::collections::BTreeMap<HashableValue, Value>, key: &str, at: &str| -> Result<Option<u64>> {
-                match get(dict, key) {
-                    None | Some(Value::None) => Ok(None),
-                    Some(value) => integer(value)
-                        .map(Some)
-                        .ok_or_else(|| bad(format!("{at}: `{key}` is {value:?}, not an integer"))),
-                }
-            };
+        let int = |dict: &Dict, key: &str, at: &str| int_field(dict, key).map_err(|m| bad(format!("{at}: {m}")));
         let at = format!("segments[{s}]");
         let device = int(segment, "device", &at)?.unwrap_or(0);
         let Some(seen) = usize::try_from(device).ok().and_then(|device| shown.get(device)) else { continue };
         if seen.is_empty() {
             continue;
         }
-        let stream = match get(segment, "stream") {
-            Some(Value::I64(stream)) => *stream as u64,
-            Some(value) => integer(value).unwrap_or(0),
-            None => 0,
-        };
+        let stream = stream_field(segment);
         let mut address = int(segment, "address", &at)?.ok_or_else(|| bad(format!("{at} has no `address`")))?;
         let blocks = match get(segment, "blocks") {
             Some(Value::List(blocks)) => blocks.as_slice(),
@@ -221,7 +197,27 @@ fn held_blocks(path: &Path, segments: &Value, shown: &[HashSet<u64>]) -> Result<
     Ok(held)
 }
 
-fn get<'a>(dict: &'a std::collections::BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
+/// A pickled dict.
+type Dict = std::collections::BTreeMap<HashableValue, Value>;
+
+/// The non-negative integer at `key`, none where it is absent or `None`; otherwise what is wrong.
+fn int_field(dict: &Dict, key: &str) -> std::result::Result<Option<u64>, String> {
+    match get(dict, key) {
+        None | Some(Value::None) => Ok(None),
+        Some(value) => integer(value).map(Some).ok_or_else(|| format!("`{key}` is {value:?}, not an integer")),
+    }
+}
+
+/// The `stream` of an entry or segment: a cudaStream_t stored as int64, its bits kept; 0 without one.
+fn stream_field(dict: &Dict) -> u64 {
+    match get(dict, "stream") {
+        Some(Value::I64(stream)) => *stream as u64,
+        Some(value) => integer(value).unwrap_or(0),
+        None => 0,
+    }
+}
+
+fn get<'a>(dict: &'a Dict, key: &str) -> Option<&'a Value> {
     dict.get(&HashableValue::String(key.to_owned()))
         .or_else(|| dict.get(&HashableValue::Bytes(key.as_bytes().to_vec())))
 }
