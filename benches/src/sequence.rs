@@ -109,6 +109,7 @@ impl Sequence {
             TraceFormat::Rmm => "RMM log",
             TraceFormat::PyTorch => "PyTorch snapshot",
             TraceFormat::Steppool => "steppool trace",
+            TraceFormat::Profiler => "PyTorch profiler trace",
         };
         let description = format!(
             "{format} {} ({} allocations, {} steps, {} unmatched frees dropped, {} never freed)",

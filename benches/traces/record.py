@@ -14,12 +14,14 @@ Written per workload, into the output folder (default: ``cli/tests/data/recorded
   ``step_begin``/``micro_begin``/``micro_end``/``step_end`` events.
 
 and ``manifest.json`` describing every trace (model, pattern, steps, micro-steps, peak live
-bytes, events, torch version). Not run by CI:
+bytes, events, torch version). With ``--chrome``, also the profiler's own Chrome trace,
+gzipped, as ``NAME.pt.trace.json.gz``: ``steppool replay`` reads it directly (memory events,
+steps from the ``steppool_step_N`` ranges), as it reads any ``torch.profiler`` trace. Not run by CI:
 
     python3 -m venv venv && venv/bin/pip install -r benches/traces/requirements.txt
     venv/bin/python benches/traces/record.py [--out DIR] [--only NAME ...] [--seed N] [--steps N]
                                              [--size X] [--width X] [--optimizer O] [--zero-grad Z]
-                                             [--clip] [--amp off|bf16|fp16] [--suffix S]
+                                             [--clip] [--amp off|bf16|fp16] [--suffix S] [--chrome]
 
 ``--steps`` replaces every workload's step count; ``--size`` multiplies every batch dimension
 (sequences a batch or micro-batch, images a batch, requests generated together) and ``--width``
@@ -37,10 +39,12 @@ Everything is seeded, but CPU addresses and times differ between runs.
 """
 
 import argparse
+import gzip
 import json
 import math
 import os
 import random
+import shutil
 import sys
 
 import torch
@@ -528,7 +532,7 @@ class Marks:
         return record_function(f"steppool_step_{step}" if micro is None else f"steppool_micro_{step}_{micro}")
 
 
-def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix=""):
+def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix="", keep_chrome=False):
     """Records workload `name` into `out_dir` as `name` + `suffix`; returns its manifest entry."""
     fn, default_steps = WORKLOADS[name]
     workload, name = name, name + suffix
@@ -541,6 +545,9 @@ def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix="")
     prof.export_chrome_trace(chrome)
     with open(chrome) as f:
         events = json.load(f)["traceEvents"]
+    if keep_chrome:
+        with open(chrome, "rb") as f, gzip.open(os.path.join(out_dir, f"{name}.pt.trace.json.gz"), "wb") as z:
+            shutil.copyfileobj(f, z)
     os.remove(chrome)
     KEEP.clear()
 
@@ -618,6 +625,8 @@ def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix="")
             json.dump({"workload": name, "steps_start_ns": step_starts, "events": len(rows),
                        "torch": torch.__version__}, f)
     extra = {} if loop is None or loop.is_default() else {"loop": loop.describe()}
+    if keep_chrome:
+        extra["chrome"] = f"{name}.pt.trace.json.gz"
     if suffix:
         extra["workload"] = workload
     return dict(file=os.path.basename(path), format="steppool-jsonl" if micro else "rmm-csv+sidecar",
@@ -644,6 +653,8 @@ def main():
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_ before the optimizer step")
     parser.add_argument("--amp", choices=Loop.AMP, help="autocast (fp16 with a GradScaler; default: each workload's own)")
     parser.add_argument("--suffix", default="", help="appended to each trace's name (file and manifest entry)")
+    parser.add_argument("--chrome", action="store_true",
+                        help="also keep the profiler's Chrome trace, gzipped, as NAME.pt.trace.json.gz")
     args = parser.parse_args()
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps {args.steps}: at least 1")
@@ -661,7 +672,7 @@ def main():
                                  "torch.profiler profile_memory=True, one thread")
     for name in args.only or WORKLOADS:
         loop = Loop(args.optimizer, args.zero_grad, args.clip, args.amp)
-        entry = record(name, args.out, args.seed, args.steps, scale, loop, args.suffix)
+        entry = record(name, args.out, args.seed, args.steps, scale, loop, args.suffix, args.chrome)
         entry["torch"] = torch.__version__
         manifest["traces"][name + args.suffix] = entry
         print(f"{name + args.suffix}: {entry['events']} events, peak live {entry['peak_live_bytes'] / 2**20:.1f} MiB, "

@@ -20,7 +20,8 @@ const PROGRESS_FROM_OPS: u64 = 200_000;
     name = "steppool",
     version,
     about = "Inspect GPU allocation traces and replay them through steppool on the simulated device",
-    long_about = "Inspect GPU allocation traces (RMM logs, PyTorch memory snapshots, steppool traces) and replay \
+    long_about = "Inspect GPU allocation traces (RMM logs, PyTorch memory snapshots, PyTorch profiler traces, \
+                  steppool traces) and replay \
                   them through steppool's runtime on the simulated device under each strategy: peak reserved \
                   memory, overhead over the live bytes, and the smallest device that runs them."
 )]
@@ -33,8 +34,9 @@ struct Cli {
 enum Command {
     /// Events, steps, threads and streams, peak live bytes, sizes, and lifetimes by phase.
     Inspect {
-        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace. Its
-        /// steps are its own, else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, a PyTorch profiler trace
+        /// (`.pt.trace.json`, gzipped or not), or a steppool .jsonl trace. Its steps are its own,
+        /// else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
         trace: PathBuf,
         /// Also write the inspection as JSON to this file.
         #[arg(long, value_name = "FILE")]
@@ -44,8 +46,9 @@ enum Command {
     /// reserved, overhead (whole run and steady), the distance to the offline limit, the outcome
     /// at the capacity, the smallest capacity that completes, and where the overhead goes.
     Replay {
-        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace. Its
-        /// steps are its own, else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, a PyTorch profiler trace
+        /// (`.pt.trace.json`, gzipped or not), or a steppool .jsonl trace. Its steps are its own,
+        /// else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
         trace: PathBuf,
         /// Memory of each simulated device (`80GiB`, `1.5 GiB`); default: the trace's device, or
         /// 80 GiB.
@@ -75,8 +78,9 @@ enum Command {
     /// Replay the trace under the planned strategy and save the plans its step phase kept, for a
     /// later run to load (`Runtime::load_plans`, `steppool replay --plan`).
     Plan {
-        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, or a steppool .jsonl trace. Its
-        /// steps are its own, else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
+        /// The trace: an RMM CSV log, a PyTorch snapshot pickle, a PyTorch profiler trace
+        /// (`.pt.trace.json`, gzipped or not), or a steppool .jsonl trace. Its steps are its own,
+        /// else a sidecar `<stem>.json`'s `steps_start_ns`, else inferred.
         trace: PathBuf,
         /// The plan file to write (JSON, format `steppool-plans`).
         #[arg(short, long, value_name = "PLAN")]

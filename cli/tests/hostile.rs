@@ -1,5 +1,5 @@
 //! Inputs built to break the readers and the replay: nesting and marks that would exhaust the
-//! stack or the memory, sizes past any device and times that overflow, a `--json` aimed at the step sidecar,
+//! stack or the memory, a gzip file that inflates a thousandfold, sizes past any device and times that overflow, a `--json` aimed at the step sidecar,
 //! and boundary releases a persistent strategy must still free. Each gets a clear error or the
 //! right numbers, never a panic.
 
@@ -27,6 +27,36 @@ fn deeply_nested_pickles_and_mark_floods_are_refused_before_parsing() {
     // The scan's own message: the parser's path (seconds and gigabytes on this input) never ran.
     let error = read_bytes(Path::new("marks.pickle"), &marks).unwrap_err().to_string();
     assert!(error.contains("marks open"), "{error}");
+}
+
+#[test]
+fn gzip_bombs_and_deep_json_are_refused() {
+    use std::io::Write;
+    // 256 MiB of zeros deflate to about 256 KiB: past 256 times the file, refused before the
+    // memory is taken.
+    let mut bomb = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    let zeros = vec![0u8; MIB as usize];
+    for _ in 0..256 {
+        bomb.write_all(&zeros).unwrap();
+    }
+    let bomb = bomb.finish().unwrap();
+    let error = read_bytes(Path::new("bomb.json.gz"), &bomb).unwrap_err().to_string();
+    assert!(error.contains(&format!("a gzip file of {} bytes that inflates past", bomb.len())), "{error}");
+
+    // Nesting where the reader reads a value is refused at serde_json's depth limit; inside
+    // arguments it skips unread, it is skipped without recursion, closed or not.
+    let mut deep = b"{\"traceEvents\": [{\"ts\": ".to_vec();
+    deep.extend(std::iter::repeat_n(b'[', 100_000));
+    let error = read_bytes(Path::new("deep.json"), &deep).unwrap_err().to_string();
+    assert!(error.contains("deep.json") && error.contains("recursion limit"), "{error}");
+    let mut skipped = b"{\"traceEvents\": [{\"args\": {\"Input Dims\": ".to_vec();
+    skipped.extend(std::iter::repeat_n(b'[', 100_000));
+    let error = read_bytes(Path::new("deep.json"), &skipped).unwrap_err().to_string();
+    assert!(error.contains("deep.json") && error.contains("EOF while parsing"), "{error}");
+    skipped.extend(std::iter::repeat_n(b']', 100_000));
+    skipped.extend(b"}}]}");
+    let trace = read_bytes(Path::new("deep.json"), &skipped).unwrap();
+    assert!(trace.events.is_empty(), "an event with no memory in it");
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! The readers: RMM logs, PyTorch snapshots and steppool traces, their odd records (counted
-//! warnings) and bad ones (errors with the file and line), and steppool's format round trip.
+//! The readers: RMM logs, PyTorch snapshots, PyTorch profiler traces and steppool traces, their
+//! odd records (counted warnings) and bad ones (errors with the file and line), and steppool's
+//! format round trip.
 
 use std::path::{Path, PathBuf};
 
@@ -104,6 +105,13 @@ fn formats_are_recognized_by_content() {
     assert_eq!(detect(HEADER.as_bytes()), Some(TraceFormat::Rmm));
     assert_eq!(detect(b"\n\n{\"format\":\"steppool-trace\",\"version\":1}\n"), Some(TraceFormat::Steppool));
     assert_eq!(detect(&std::fs::read(data("snapshot_p4.pickle")).unwrap()), Some(TraceFormat::PyTorch));
+    let profiler = std::fs::read(data("profiler/llama_accum_chrome.pt.trace.json.gz")).unwrap();
+    assert_eq!(detect(&profiler), None, "gzipped: recognized once decompressed");
+    assert_eq!(read_bytes(Path::new("t.json.gz"), &profiler).unwrap().format, TraceFormat::Profiler);
+    assert_eq!(detect(b"  {\"schemaVersion\": 1, \"traceEvents\": []}"), Some(TraceFormat::Profiler));
+    assert_eq!(detect(b"{\"steps_start_ns\": [0, 100]}"), None, "a step sidecar");
+    let error = read_bytes(Path::new("t.json.gz"), &profiler[..profiler.len() / 2]).unwrap_err().to_string();
+    assert!(error.contains("t.json.gz") && error.contains("gzip"), "{error}");
     assert_eq!(detect(b"hello,world\n"), None);
     assert_eq!(detect(b""), None);
     let error = read_bytes(Path::new("notes.txt"), b"just text").unwrap_err();
@@ -301,4 +309,70 @@ fn steppool_traces_round_trip() {
     assert_eq!(converted.step_count(), 5);
     let (a, b) = (analyse(&rmm).unwrap(), analyse(&converted).unwrap());
     assert_eq!((a.peak_live_bytes, a.steps, a.allocations.len()), (b.peak_live_bytes, b.steps, b.allocations.len()));
+}
+
+/// The manifest entries of recorded traces that keep the profiler's own trace beside the
+/// recorder's conversion: (conversion, profiler trace).
+fn with_profiler_traces() -> Vec<(PathBuf, PathBuf)> {
+    let text = std::fs::read_to_string(data("profiler/manifest.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let entries = manifest["traces"].as_object().unwrap().values();
+    entries
+        .filter_map(|entry| {
+            let chrome = entry.get("chrome")?.as_str().unwrap();
+            Some((data("profiler").join(entry["file"].as_str().unwrap()), data("profiler").join(chrome)))
+        })
+        .collect()
+}
+
+#[test]
+fn a_profiler_trace_replays_as_the_recorders_conversion_of_the_same_run() {
+    let pairs = with_profiler_traces();
+    assert!(!pairs.is_empty(), "the manifest keeps a profiler trace");
+    for (converted, profiler) in pairs {
+        let (ours, theirs) = (read_trace(&profiler).unwrap(), read_trace(&converted).unwrap());
+        assert_eq!(ours.format, TraceFormat::Profiler);
+        assert!(ours.warnings.is_empty(), "{:?}", ours.warnings.lines());
+        let count =
+            |trace: &Trace, boundary: fn(&EventKind) -> bool| trace.events.iter().filter(|e| boundary(&e.kind)).count();
+        for boundary in [
+            (|k: &EventKind| matches!(k, EventKind::StepBegin(_))) as fn(&EventKind) -> bool,
+            |k| matches!(k, EventKind::MicroBegin(..)),
+            |k| matches!(k, EventKind::Alloc),
+        ] {
+            assert_eq!(count(&ours, boundary), count(&theirs, boundary), "{}", profiler.display());
+        }
+        let (a, b) = (analyse(&ours).unwrap(), analyse(&theirs).unwrap());
+        assert_eq!(a.peak_live_bytes, b.peak_live_bytes);
+        assert!(a.allocations.iter().zip(&b.allocations).all(|(x, y)| (x.bytes, x.scope) == (y.bytes, y.scope)));
+        let options = ReplayOptions::new(80 << 30);
+        let all = select("all").unwrap();
+        let (ours, theirs) = (
+            replay(&ours, &a, &all, &options, &Silent).unwrap(),
+            replay(&theirs, &b, &all, &options, &Silent).unwrap(),
+        );
+        for (x, y) in ours.iter().zip(&theirs) {
+            assert_eq!(
+                (x.run.strategy, x.run.peak_reserved_bytes, x.run.steady_peak_reserved_bytes),
+                (y.run.strategy, y.run.peak_reserved_bytes, y.run.steady_peak_reserved_bytes)
+            );
+        }
+    }
+}
+
+#[test]
+fn a_scheduled_profiler_trace_has_its_profiler_steps_and_the_profilers_own_peak() {
+    use std::io::Read;
+    let path = data("profiler/profiler_schedule.pt.trace.json.gz");
+    let trace = read_trace(&path).unwrap();
+    assert_eq!((trace.format, trace.step_count()), (TraceFormat::Profiler, 3), "the schedule's three active steps");
+    assert_eq!(trace.steps, steppool_trace::StepSource::Trace);
+    // On a single profiling session of a CPU run, the profiler's own running total is the live
+    // memory it saw: its largest value is the peak the analysis must find.
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(&path).unwrap()).read_to_string(&mut text).unwrap();
+    let chrome: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let totals = chrome["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == "[memory]");
+    let peak = totals.map(|e| e["args"]["Total Allocated"].as_u64().unwrap()).max().unwrap();
+    assert_eq!(analyse(&trace).unwrap().peak_live_bytes, peak);
 }

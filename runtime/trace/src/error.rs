@@ -24,6 +24,8 @@ pub enum Location {
         /// The block's position in the segment's `blocks`.
         block: u64,
     },
+    /// Event `index` (from 0) of a Chrome trace's `traceEvents` (a PyTorch profiler trace).
+    TraceEvent(u64),
     /// The whole file, or a place outside its records (the end of a trace).
     File,
 }
@@ -34,6 +36,7 @@ impl fmt::Display for Location {
             Location::Line(line) => write!(f, "line {line}"),
             Location::Entry { device, index } => write!(f, "device_traces[{device}][{index}]"),
             Location::Block { segment, block } => write!(f, "segments[{segment}].blocks[{block}]"),
+            Location::TraceEvent(index) => write!(f, "traceEvents[{index}]"),
             Location::File => f.write_str("the file as a whole"),
         }
     }
@@ -54,7 +57,8 @@ pub enum TraceError {
     /// The file is none of the formats steppool reads.
     #[error(
         "{path}: not a trace steppool reads: expected an RMM log (header `Thread,Time,Action,Pointer,Size,Stream`), \
-         a PyTorch memory snapshot pickle, or a steppool trace (JSON lines with a `steppool-trace` header)"
+         a PyTorch memory snapshot pickle, a PyTorch profiler trace (Chrome trace JSON with `traceEvents`, gzipped or not), \
+         or a steppool trace (JSON lines with a `steppool-trace` header)"
     )]
     UnknownFormat {
         /// The file.

@@ -12,6 +12,7 @@
 //! | steppool trace (JSON lines, versioned) | [`jsonl`] | yes (feature `jsonl`) | yes (feature `jsonl`): the runtime's recorder, `steppool convert` |
 //! | RMM `logging_resource_adaptor` CSV | [`rmm`] | yes | no |
 //! | PyTorch memory snapshot pickle | [`pytorch`] | yes (feature `pytorch`) | [`pytorch::Snapshot`]: the runtime's snapshot exporter |
+//! | PyTorch profiler trace (Chrome trace JSON, `profile_memory=True`) | [`profiler`] | yes (feature `jsonl`; gzipped, feature `read`) | no |
 //! | steppool plan file (JSON, versioned) | [`plans`] | yes (feature `jsonl`) | yes (feature `jsonl`): `Runtime::saved_plans`, `steppool plan` |
 //!
 //! [`read::read_trace`] (feature `read`) recognizes the format by content and finds the step
@@ -35,8 +36,9 @@
 //!
 //! The crate depends on neither the runtime nor the driver layer: the runtime depends on it, and
 //! defines [`Scope`] through it. Features pull in what a format needs and nothing else: `jsonl`
-//! (serde, serde_json), `pytorch` (serde-pickle, for reading), `read` (both, and
-//! [`read::read_trace`]); none is on by default.
+//! (serde, serde_json: steppool traces, plan files, profiler traces), `pytorch` (serde-pickle,
+//! for reading), `read` (both, flate2 for gzipped traces, and [`read::read_trace`]); none is on
+//! by default.
 
 pub mod analysis;
 pub mod breakdown;
@@ -45,6 +47,8 @@ mod error;
 pub mod jsonl;
 pub mod packing;
 pub mod plans;
+#[cfg(feature = "jsonl")]
+pub mod profiler;
 pub mod pytorch;
 #[cfg(feature = "read")]
 pub mod read;

@@ -3,9 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::error::Location;
 use crate::error::{Result, TraceError};
 use crate::trace::{StepSource, Trace, TraceFormat};
-use crate::{jsonl, pytorch, rmm, steps};
+use crate::{jsonl, profiler, pytorch, rmm, steps};
 
 /// Reads the trace at `path` in whichever format it is, then finds its step boundaries: its own,
 /// else those of a sidecar `<stem>.json` with `steps_start_ns`, else inferred (see
@@ -27,13 +28,18 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace> {
     Ok(trace)
 }
 
-/// Parses a trace held in memory; `path` names it in messages. No sidecar, no inference.
+/// Parses a trace held in memory, gzipped or not; `path` names it in messages. No sidecar, no
+/// inference.
 pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<Trace> {
+    if bytes.starts_with(&GZIP_MAGIC) {
+        return read_bytes(path, &gunzip(path, bytes)?);
+    }
     // Memory freed in the trace but allocated before it began is live from its start; the
-    // snapshot reader holds it itself, with the blocks its segments still hold.
+    // snapshot and profiler readers hold it themselves, with what else they know was held.
     let mut trace = match detect(bytes) {
         Some(TraceFormat::Rmm) => rmm::read(path, bytes)?,
         Some(TraceFormat::PyTorch) => return pytorch::read(path, bytes),
+        Some(TraceFormat::Profiler) => return profiler::read(path, bytes),
         Some(TraceFormat::Steppool) => jsonl::read(path, bytes)?,
         None => return Err(TraceError::UnknownFormat { path: path.to_owned() }),
     };
@@ -41,9 +47,42 @@ pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<Trace> {
     Ok(trace)
 }
 
+/// The first bytes of a gzip stream.
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// The most a gzipped trace may inflate to, per compressed byte. Profiler traces compress about
+/// 16 to 1 (measured on `cli/tests/data/profiler`); deflate reaches about 1,000 to 1 only on
+/// input made to, which is refused before it takes the memory.
+const MOST_INFLATION: u64 = 256;
+
+/// The content of a gzip file (every member, as `gzip -d` writes it), at most
+/// [`MOST_INFLATION`] times its size (and at least 64 MiB).
+fn gunzip(path: &Path, bytes: &[u8]) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let limit = (bytes.len() as u64).saturating_mul(MOST_INFLATION).max(64 << 20);
+    let mut out = Vec::new();
+    flate2::read::MultiGzDecoder::new(bytes).take(limit + 1).read_to_end(&mut out).map_err(|e| {
+        TraceError::malformed(path, Location::File, format!("a gzip file that cannot be decompressed ({e})"))
+    })?;
+    if out.len() as u64 > limit {
+        return Err(TraceError::malformed(
+            path,
+            Location::File,
+            format!(
+                "a gzip file of {} bytes that inflates past {limit} bytes ({MOST_INFLATION} times its size): \
+                 not a trace; decompress it first if it is one",
+                bytes.len()
+            ),
+        ));
+    }
+    Ok(out)
+}
+
 /// The format of a trace, from its first bytes: a pickle starts with the PROTO opcode (or, for
 /// protocols 0 and 1, a dict opcode); a steppool trace's first line is a JSON object naming
-/// `steppool-trace`; an RMM log's first line names the `Action` and `Pointer` columns.
+/// `steppool-trace`; a PyTorch profiler trace is JSON naming `traceEvents` near its start
+/// ([`profiler::looks_like`]); an RMM log's first line names the `Action` and `Pointer` columns.
+/// A gzipped trace is recognized by [`read_bytes`] once decompressed.
 pub fn detect(bytes: &[u8]) -> Option<TraceFormat> {
     match bytes.first() {
         Some(0x80) => return Some(TraceFormat::PyTorch),
@@ -56,6 +95,9 @@ pub fn detect(bytes: &[u8]) -> Option<TraceFormat> {
     let line = first_line.trim();
     if line.starts_with('{') && line.contains("steppool-trace") {
         return Some(TraceFormat::Steppool);
+    }
+    if profiler::looks_like(text) {
+        return Some(TraceFormat::Profiler);
     }
     let columns: Vec<String> = line.split(',').map(|c| c.trim().to_ascii_lowercase()).collect();
     if columns.iter().any(|c| c == "action") && columns.iter().any(|c| c == "pointer") {

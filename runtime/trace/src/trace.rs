@@ -18,15 +18,19 @@ pub enum TraceFormat {
     PyTorch,
     /// steppool's own JSON-lines trace.
     Steppool,
+    /// A PyTorch profiler trace: the Chrome trace JSON of `torch.profiler` with
+    /// `profile_memory=True`.
+    Profiler,
 }
 
 impl TraceFormat {
-    /// `rmm-csv`, `pytorch-snapshot` or `steppool`.
+    /// `rmm-csv`, `pytorch-snapshot`, `steppool` or `torch-profiler`.
     pub fn name(self) -> &'static str {
         match self {
             TraceFormat::Rmm => "rmm-csv",
             TraceFormat::PyTorch => "pytorch-snapshot",
             TraceFormat::Steppool => "steppool",
+            TraceFormat::Profiler => "torch-profiler",
         }
     }
 }
@@ -208,6 +212,9 @@ pub enum WarningKind {
     /// PyTorch snapshot, as a block still allocated at its end: replayed as made at the trace's
     /// start ([`Trace::hold_from_start`]), so its memory counts.
     HeldBeforeRecording,
+    /// A memory event of another kind of device than the one the trace is replayed on (a GPU
+    /// run's CPU tensors, in a PyTorch profiler trace); left out.
+    OtherDevice,
 }
 
 impl WarningKind {
@@ -226,6 +233,7 @@ impl WarningKind {
             WarningKind::HeldBeforeRecording => {
                 "allocation(s) made before the recording began, replayed as made at its start"
             }
+            WarningKind::OtherDevice => "memory event(s) of another device type than the one replayed, left out",
             WarningKind::DroppedEvents => {
                 "event(s) dropped by the recorder before the trace begins; allocations made then and never freed are missing"
             }
