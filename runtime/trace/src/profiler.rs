@@ -137,6 +137,8 @@ struct RawEvent<'a> {
     name: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     ph: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    cat: Option<Cow<'a, str>>,
     #[serde(default, deserialize_with = "lenient_f64")]
     ts: Option<f64>,
     #[serde(default, deserialize_with = "lenient_f64")]
@@ -352,19 +354,28 @@ fn boundaries(events: &[(usize, RawEvent<'_>)]) -> Vec<Boundary> {
     found
 }
 
-/// The boundaries of the complete ranges (`"ph": "X"`) that `parse` names, unsorted.
+/// The boundaries of the complete ranges (`"ph": "X"`) that `parse` names, unsorted. Ranges of
+/// one name are one step (or micro-step) from the first begin to the last end: a loop may open
+/// its step's range twice, nested (measured on `record.py`'s recordings). The GPU's copies of a
+/// range (`gpu_user_annotation`, on the GPU's clock: when the step's kernels ran) are left out:
+/// memory events are on the CPU's.
 fn ranges(events: &[(usize, RawEvent<'_>)], parse: fn(&str) -> Option<RangeOf>) -> Vec<Boundary> {
-    let mut out = Vec::new();
+    let mut spans: std::collections::BTreeMap<RangeOf, (f64, f64, usize)> = std::collections::BTreeMap::new();
     for &(index, ref event) in events {
         let (Some(name), Some("X"), Some(ts), Some(dur)) =
             (event.name.as_deref(), event.ph.as_deref(), event.ts, event.dur)
         else {
             continue;
         };
-        let Some((step, micro)) = parse(name) else { continue };
-        if dur <= 0.0 {
+        let Some(key) = parse(name) else { continue };
+        if dur <= 0.0 || event.cat.as_deref() == Some("gpu_user_annotation") {
             continue;
         }
+        let span = spans.entry(key).or_insert((ts, ts + dur, index));
+        *span = (span.0.min(ts), span.1.max(ts + dur), span.2);
+    }
+    let mut out = Vec::new();
+    for ((step, micro), (begin_ts, end_ts, index)) in spans {
         let (begin, end) = match micro {
             None => (EventKind::StepBegin(step), EventKind::StepEnd(step)),
             Some(k) => (EventKind::MicroBegin(step, k), EventKind::MicroEnd(step, k)),
@@ -372,8 +383,8 @@ fn ranges(events: &[(usize, RawEvent<'_>)], parse: fn(&str) -> Option<RangeOf>) 
         // At one time: a micro-step ends, then its step, then the next step begins, then its
         // first micro-step.
         let (begin_rank, end_rank) = if micro.is_some() { (3, 0) } else { (2, 1) };
-        out.push(Boundary { ts, rank: begin_rank, kind: begin, index });
-        out.push(Boundary { ts: ts + dur, rank: end_rank, kind: end, index });
+        out.push(Boundary { ts: begin_ts, rank: begin_rank, kind: begin, index });
+        out.push(Boundary { ts: end_ts, rank: end_rank, kind: end, index });
     }
     out
 }
@@ -456,8 +467,12 @@ mod tests {
             memory(120.5, 11, 0x2000, -4096, 0, -1, 0),
             memory(110.25, 10, 0x2000, 4096, 0, -1, 4096),
             range("ProfilerStep#4", 150.0, 50.0),
+            // The same step's range again, nested, and the GPU's copy of it: one step.
+            range("ProfilerStep#4", 151.0, 40.0),
+            r#"{"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#4", "pid": 0, "tid": 7, "ts": 180.0, "dur": 90.0}"#.to_owned(),
             memory(160.0, 13, 0x3000, -512, 0, -1, 0),
             memory(160.0, 12, 0x3000, 512, 0, -1, 512),
+            memory(230.0, 14, 0x4000, 64, 0, -1, 576),
             range("ProfilerStep#5", 200.0, 0.0),
         ]);
         assert!(looks_like(&bytes));
@@ -474,8 +489,9 @@ mod tests {
                 (EventKind::Alloc, 512),
                 (EventKind::Free { released: false }, 512),
                 (EventKind::StepEnd(4), 0),
+                (EventKind::Alloc, 64),
             ],
-            "a range of no duration is no step"
+            "a range of no duration is no step; past the CPU's range, the GPU's copy does not count"
         );
         assert_eq!(trace.events[1].t_ns, 10_250, "nanoseconds from the first event read");
         assert_eq!(trace.events[1].location, Location::TraceEvent(3), "the later event of the file, earlier in time");
