@@ -750,6 +750,25 @@ fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
 }
 
 #[test]
+fn a_client_that_read_its_answer_finds_its_place_free_when_it_asks_again() {
+    let (runtime, _, _streams) = busy_runtime();
+    let options = ServeOptions { max_connections: 1, request_deadline: std::time::Duration::from_secs(120) };
+    let server = runtime.telemetry().serve_metrics_with("127.0.0.1:0", options).unwrap();
+    // One place, held while a request is read and answered: not while the client, its answer
+    // read, keeps the connection open, nor while the server drains the connection to close it.
+    for round in 0..20 {
+        let mut kept = TcpStream::connect(server.addr()).unwrap();
+        kept.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+        kept.write_all(b"POST /metrics HTTP/1.1\r\n\r\n").unwrap();
+        let mut answer = Vec::new();
+        kept.read_to_end(&mut answer).unwrap();
+        assert!(answer.starts_with(b"HTTP/1.1 405 "), "round {round}");
+        let response = exchange(server.addr(), b"POST /metrics HTTP/1.1\r\n\r\n");
+        assert!(response.starts_with("HTTP/1.1 405 "), "round {round}, the first connection still open: {response}");
+    }
+}
+
+#[test]
 fn oversized_heads_garbage_and_one_connection_too_many_get_their_statuses() {
     let (runtime, _, _streams) = busy_runtime();
     let options = ServeOptions { max_connections: 2, request_deadline: std::time::Duration::from_secs(120) };

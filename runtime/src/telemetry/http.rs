@@ -5,8 +5,10 @@
 //! Plain `std::net`: one thread accepts, and each connection is answered on a short-lived thread
 //! of its own, so a client that sends slowly, or not at all, holds only its own thread. Two
 //! bounds keep hostile local clients from costing more than that:
-//! - at most [`ServeOptions::max_connections`] connections are handled at once; one more is
-//!   answered `503` at once and closed;
+//! - at most [`ServeOptions::max_connections`] connections are handled at once (from accept
+//!   until the answer is written: the place is given back before the client sees the answer
+//!   end, so a client that asks again at once finds it free); one more is answered `503` at once
+//!   and closed;
 //! - a request has [`ServeOptions::request_deadline`] in all, from its acceptance to the end of
 //!   its answer, whatever pace the client keeps (a read or write timeout alone would let a
 //!   client that trickles one byte at a time hold its thread for ever); past it the client gets
@@ -103,6 +105,7 @@ fn accept_loop(listener: &TcpListener, stop: &AtomicBool, read: &ReadMetrics, op
             // cannot hold the accept loop either.
             let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
             let _ = respond(&stream, "503 Service Unavailable", "text/plain", "too many connections\n");
+            let _ = stream.shutdown(Shutdown::Write);
             continue;
         }
         let guard = Active(active.clone());
@@ -113,9 +116,14 @@ fn accept_loop(listener: &TcpListener, stop: &AtomicBool, read: &ReadMetrics, op
             // Reading a request and formatting the metrics need little stack.
             .stack_size(256 * 1024)
             .spawn(move || {
-                let (_guard, mut stream) = (guard, stream);
+                let mut stream = stream;
                 // A client that misbehaves loses its own request, nothing else.
                 let _ = answer(&mut stream, &read, deadline);
+                // The place is given back before the client can see the answer end: a client
+                // that has read it and asks again finds it free, whether or not it has closed
+                // this connection, and however long the drain below waits for it to.
+                drop(guard);
+                let _ = stream.shutdown(Shutdown::Write);
                 linger(&mut stream);
             });
         // Without a thread the connection is dropped (closed), and its guard with the closure.
@@ -231,15 +239,15 @@ fn linger(stream: &mut TcpStream) {
     }
 }
 
-/// Writes a whole response and ends the connection's sending side.
+/// Writes a whole response; the caller then ends the connection's sending side, which is when
+/// the client sees the answer end.
 fn respond(mut stream: &TcpStream, status: &str, content_type: &str, body: &str) -> io::Result<()> {
     write!(
         stream,
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )?;
-    stream.flush()?;
-    stream.shutdown(Shutdown::Write)
+    stream.flush()
 }
 
 impl Drop for MetricsServer {
