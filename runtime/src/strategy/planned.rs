@@ -176,7 +176,8 @@
 //! placements were measured for these scopes and not kept: first fit (the lowest free range that
 //! holds the request) for the whole of such a scope gains as much on generation but loses on the
 //! variable-batch ResNet (1.060× → 1.106×) and the shared T5 (1.024× → 1.029×); taking the end
-//! last only while it is under a page keeps part of the gain and all of the losses.
+//! last only while it is under a page, or only for requests under a page, keeps part of the
+//! gain and all of the losses.
 //!
 //! # When the device refuses memory
 //!
