@@ -42,6 +42,12 @@ fn gzip_bombs_and_deep_json_are_refused() {
     let bomb = bomb.finish().unwrap();
     let error = read_bytes(Path::new("bomb.json.gz"), &bomb).unwrap_err().to_string();
     assert!(error.contains(&format!("a gzip file of {} bytes that inflates past", bomb.len())), "{error}");
+    // Gzipped again, the outer layer inflates within its limit and the inner one would get a
+    // limit of its own: a gzip inside a gzip is refused.
+    let mut twice = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    twice.write_all(&bomb).unwrap();
+    let error = read_bytes(Path::new("bomb.json.gz.gz"), &twice.finish().unwrap()).unwrap_err().to_string();
+    assert!(error.contains("a gzip file inside a gzip file"), "{error}");
 
     // Nesting where the reader reads a value is refused at serde_json's depth limit; inside
     // arguments it skips unread, it is skipped without recursion, closed or not.

@@ -150,7 +150,9 @@ struct RawEvent<'a> {
 }
 
 /// A `[memory]` event's arguments. Other events' arguments are read through the same fields,
-/// each of which takes any JSON value and keeps only a number, so no event can fail the file.
+/// each of which takes any JSON value and keeps only an integer (or a number, for times), so
+/// arguments of another shape in an event this reader drops do not fail the file; an event
+/// whose `name`, `ph` or `cat` is not a string does, as JSON that is no Chrome trace.
 #[derive(Deserialize)]
 struct Args {
     #[serde(rename = "Addr", default, deserialize_with = "lenient_i64")]
@@ -173,7 +175,8 @@ fn lenient_f64<'de, D: Deserializer<'de>>(deserializer: D) -> std::result::Resul
 
 fn lenient_i64<'de, D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Option<i64>, D::Error> {
     Ok(match serde_json::Value::deserialize(deserializer)? {
-        serde_json::Value::Number(n) => n.as_i64().or_else(|| n.as_u64().map(|u| u as i64)),
+        // An integer past `i64` is kept out, not wrapped: the events that need one say so.
+        serde_json::Value::Number(n) => n.as_i64(),
         _ => None,
     })
 }
@@ -250,8 +253,13 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
         let bad = |message: String| TraceError::malformed(path, location, message);
         let args = event.args.as_ref().expect("a memory event has args");
         let ts = event.ts.ok_or_else(|| bad("a `[memory]` event without a numeric `ts`".to_owned()))?;
-        let addr = args.addr.ok_or_else(|| bad("a `[memory]` event without a numeric `args.Addr`".to_owned()))?;
-        let size = args.bytes.ok_or_else(|| bad("a `[memory]` event without a numeric `args.Bytes`".to_owned()))?;
+        let addr = args
+            .addr
+            .filter(|&addr| addr >= 0)
+            .ok_or_else(|| bad("a `[memory]` event without `args.Addr`, an address from 0 to 2^63 - 1".to_owned()))?;
+        let size = args.bytes.filter(|bytes| bytes.checked_abs().is_some()).ok_or_else(|| {
+            bad("a `[memory]` event without `args.Bytes`, an integer from -(2^63 - 1) to 2^63 - 1".to_owned())
+        })?;
         let kind = args.device_type.unwrap_or(CPU);
         if kind != device_type {
             other_device.push((location, kind, size));
@@ -298,10 +306,6 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
         }
         let m = memory.next().expect("peeked");
         let location = Location::TraceEvent(m.index as u64);
-        if device_type == CUDA && !held_before.iter().any(|&(device, _)| device == m.device) {
-            // The caching allocator's total before this device's first event, as it reports it.
-            held_before.push((m.device, m.total_allocated.map_or(0, |total| total.saturating_sub(m.bytes))));
-        }
         let kind = match m.bytes {
             0 => {
                 trace.warnings.add(WarningKind::ZeroBytes, location, || format!("at {:#x}", m.addr));
@@ -310,6 +314,10 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
             b if b > 0 => EventKind::Alloc,
             _ => EventKind::Free { released: false },
         };
+        if device_type == CUDA && !held_before.iter().any(|&(device, _)| device == m.device) {
+            // The caching allocator's total before this device's first event, as it reports it.
+            held_before.push((m.device, m.total_allocated.map_or(0, |total| total.saturating_sub(m.bytes))));
+        }
         let mut event = Event::new(ns(m.ts), kind, location);
         event.ptr = m.addr;
         event.bytes = m.bytes.unsigned_abs();
@@ -368,7 +376,8 @@ fn ranges(events: &[(usize, RawEvent<'_>)], parse: fn(&str) -> Option<RangeOf>) 
             continue;
         };
         let Some(key) = parse(name) else { continue };
-        if dur <= 0.0 || event.cat.as_deref() == Some("gpu_user_annotation") {
+        // No duration at the time's precision (a time of 1e17 µs moves in steps of 16): no range.
+        if ts + dur <= ts || event.cat.as_deref() == Some("gpu_user_annotation") {
             continue;
         }
         let span = spans.entry(key).or_insert((ts, ts + dur, index));
@@ -551,6 +560,22 @@ mod tests {
         let trace = read(Path::new("t.json"), &bytes).unwrap();
         assert_eq!(kinds(&trace), [(EventKind::Alloc, 100), (EventKind::Free { released: false }, 100)]);
         assert!(trace.warnings.is_empty());
+    }
+
+    #[test]
+    fn addresses_and_sizes_out_of_range_are_errors_and_ranges_too_short_to_time_are_none() {
+        for (addr, bytes) in [("-1", "64"), ("18446744073709551615", "64"), ("4096", "-9223372036854775808")] {
+            let event = format!(
+                r#"{{"ph": "i", "name": "[memory]", "ts": 1.0, "args": {{"Addr": {addr}, "Bytes": {bytes}}}}}"#
+            );
+            let error = read(Path::new("t.json"), &chrome(&[event])).unwrap_err().to_string();
+            assert!(error.contains("traceEvents[1]") && error.contains("2^63 - 1"), "{error}");
+        }
+        // At 1e17 µs a duration of 1 is below the time's precision: begin and end would be one
+        // time, the end ordered first.
+        let bytes = chrome(&[range("steppool_step_0", 1e17, 1.0), memory(1e17, 1, 0x1000, 64, 0, -1, 64)]);
+        let trace = read(Path::new("t.json"), &bytes).unwrap();
+        assert_eq!(kinds(&trace), [(EventKind::Alloc, 64)]);
     }
 
     #[test]

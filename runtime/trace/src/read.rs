@@ -32,7 +32,16 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace> {
 /// inference.
 pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<Trace> {
     if bytes.starts_with(&GZIP_MAGIC) {
-        return read_bytes(path, &gunzip(path, bytes)?);
+        let inflated = gunzip(path, bytes)?;
+        if inflated.starts_with(&GZIP_MAGIC) {
+            // Decompressed once: a gzip inside would escape the limit on inflation.
+            return Err(TraceError::malformed(
+                path,
+                Location::File,
+                "a gzip file inside a gzip file; decompress it once first",
+            ));
+        }
+        return read_bytes(path, &inflated);
     }
     // Memory freed in the trace but allocated before it began is live from its start; the
     // snapshot and profiler readers hold it themselves, with what else they know was held.
