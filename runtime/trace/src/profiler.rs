@@ -16,7 +16,14 @@
 //! `steppool_micro_N_K` (gradient accumulation), as `record.py` marks them; without them, the
 //! `ProfilerStep#N` ranges that `prof.step()` opens under a schedule. Without either the trace
 //! has no steps of its own ([`read_trace`](crate::read::read_trace) then infers them). Ranges of
-//! no duration are left out.
+//! one name are one step (or micro-step), from the first begin to the last end (a loop may open
+//! its step's range twice, nested); the GPU's copies of a range (`gpu_user_annotation`, timed on
+//! the GPU's clock) and ranges of no duration at the time's precision are left out. At one time,
+//! ranges end before others begin, and both come before memory events.
+//!
+//! **Bad input.** A `[memory]` event without a time, an address from 0 to 2^63 - 1 or a byte
+//! count within `i64` (its negation included) is an error naming the event
+//! (`traceEvents[i]`), as is JSON that is no Chrome trace.
 //!
 //! **Memory from before the recording.** `args."Total Allocated"` is the allocator's total after
 //! the event; on CUDA it counts memory allocated before profiling began (a model built before the
