@@ -295,7 +295,7 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
     let ns = |ts: f64| ((ts - t0) * 1000.0).round().max(0.0) as u64;
 
     let mut threads = Threads::default();
-    let mut held_before: Vec<(u32, i64)> = Vec::new();
+    let mut held_before: Vec<(u32, i64, Location)> = Vec::new();
     let mut memory = memory.into_iter().peekable();
     let mut boundaries = boundaries.into_iter().peekable();
     loop {
@@ -321,9 +321,10 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
             b if b > 0 => EventKind::Alloc,
             _ => EventKind::Free { released: false },
         };
-        if device_type == CUDA && !held_before.iter().any(|&(device, _)| device == m.device) {
+        if device_type == CUDA && !held_before.iter().any(|&(device, ..)| device == m.device) {
             // The caching allocator's total before this device's first event, as it reports it.
-            held_before.push((m.device, m.total_allocated.map_or(0, |total| total.saturating_sub(m.bytes))));
+            let before = m.total_allocated.map_or(0, |total| total.saturating_sub(m.bytes));
+            held_before.push((m.device, before, location));
         }
         let mut event = Event::new(ns(m.ts), kind, location);
         event.ptr = m.addr;
@@ -406,31 +407,18 @@ fn ranges(events: &[(usize, RawEvent<'_>)], parse: fn(&str) -> Option<RangeOf>) 
 }
 
 /// One allocation per device for the memory its allocator held before the first event (`held`:
-/// device and bytes) that the trace does not free, at [`BEFORE_RECORDING`].
-fn held_from_before(trace: &Trace, held: &[(u32, i64)]) -> Vec<Event> {
+/// device and bytes, with the location of that event) that the trace does not free, at
+/// [`BEFORE_RECORDING`]: what the frees of pointers it never showed account for is held by
+/// [`Trace::hold_from_start`] itself.
+fn held_from_before(trace: &Trace, held: &[(u32, i64, Location)]) -> Vec<Event> {
+    let freed = trace.allocations_behind_unseen_frees(std::collections::HashSet::new());
     let mut out = Vec::new();
-    for &(device, before) in held {
-        let mut seen = std::collections::HashSet::new();
-        let mut freed_unseen = 0i64;
-        let mut first = None;
-        for event in trace.events.iter().filter(|event| event.device == device) {
-            match event.kind {
-                EventKind::Alloc => {
-                    seen.insert(event.ptr);
-                    first.get_or_insert(event.location);
-                }
-                EventKind::Free { .. } => {
-                    first.get_or_insert(event.location);
-                    if seen.insert(event.ptr) {
-                        freed_unseen = freed_unseen.saturating_add(event.bytes as i64);
-                    }
-                }
-                _ => {}
-            }
-        }
-        let unseen = before.saturating_sub(freed_unseen);
+    for &(device, before, location) in held {
+        let freed: i64 =
+            freed.iter().filter(|e| e.device == device).map(|e| e.bytes as i64).fold(0, i64::saturating_add);
+        let unseen = before.saturating_sub(freed);
         if unseen > 0 {
-            let mut event = Event::new(0, EventKind::Alloc, first.unwrap_or(Location::File));
+            let mut event = Event::new(0, EventKind::Alloc, location);
             event.ptr = BEFORE_RECORDING;
             event.bytes = unseen as u64;
             event.device = device;

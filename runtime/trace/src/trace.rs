@@ -376,18 +376,8 @@ impl Trace {
     /// pointer seen before (freed twice) or of unknown size stays a free of a pointer that is not
     /// live, which analysis skips.
     pub fn hold_from_start(&mut self, mut held: Vec<Event>) {
-        let mut seen: std::collections::HashSet<(u32, u64)> = held.iter().map(|e| (e.device, e.ptr)).collect();
-        for event in &self.events {
-            match event.kind {
-                EventKind::Alloc => {
-                    seen.insert((event.device, event.ptr));
-                }
-                EventKind::Free { .. } if seen.insert((event.device, event.ptr)) && event.bytes > 0 => {
-                    held.push(Event { kind: EventKind::Alloc, phase: None, ..*event });
-                }
-                _ => {}
-            }
-        }
+        let seen = held.iter().map(|e| (e.device, e.ptr)).collect();
+        held.extend(self.allocations_behind_unseen_frees(seen));
         if held.is_empty() {
             return;
         }
@@ -399,6 +389,28 @@ impl Trace {
             });
         }
         self.events.splice(0..0, held);
+    }
+
+    /// The allocation behind each free of a pointer neither in `seen` (device, pointer) nor
+    /// allocated or freed in the trace before it, with the free's size when it has one: memory
+    /// allocated before the recording began, as [`Trace::hold_from_start`] holds it.
+    pub(crate) fn allocations_behind_unseen_frees(
+        &self,
+        mut seen: std::collections::HashSet<(u32, u64)>,
+    ) -> Vec<Event> {
+        let mut behind = Vec::new();
+        for event in &self.events {
+            match event.kind {
+                EventKind::Alloc => {
+                    seen.insert((event.device, event.ptr));
+                }
+                EventKind::Free { .. } if seen.insert((event.device, event.ptr)) && event.bytes > 0 => {
+                    behind.push(Event { kind: EventKind::Alloc, phase: None, ..*event });
+                }
+                _ => {}
+            }
+        }
+        behind
     }
 
     /// Records device `ordinal` in [`Trace::devices`] (kept in ordinal order) if it is new.
