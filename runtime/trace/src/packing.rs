@@ -232,6 +232,252 @@ fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
     Packing { offsets, size }
 }
 
+/// Lowers `packing` below granule boundaries while it can: the blocks that reach past the
+/// highest boundary under its size move, largest first, each into the smallest gap below that
+/// boundary between the time-overlapping blocks (the others keep their offsets), and when every
+/// one of them fits the packing ends there, a granule lower, and the next boundary is tried. A
+/// slab mapped in pages of `granule` bytes (a range that grows in place) holds `⌈size /
+/// granule⌉` of them, so a packing that reaches a few KiB into its last page pays the whole
+/// page; [`pack`] minimises bytes and does not see that. Returns the packing unchanged when no
+/// boundary can be met, or when `granule` is 0.
+pub fn below_granules(blocks: &[Block], mut packing: Packing, granule: u64) -> Packing {
+    if granule == 0 || packing.offsets.len() != blocks.len() {
+        return packing;
+    }
+    let ranked = compress(blocks);
+    while packing.size > granule {
+        let ceiling = (packing.size - 1) / granule * granule;
+        match fit_below(&ranked, &packing, ceiling) {
+            Some(lower) => packing = lower,
+            None => break,
+        }
+    }
+    packing
+}
+
+/// [`below_granules`]' move of the blocks reaching past `ceiling`, or `None` when one of them
+/// finds no room under it.
+fn fit_below(blocks: &[Block], packing: &Packing, ceiling: u64) -> Option<Packing> {
+    let mut offsets = packing.offsets.clone();
+    let reaches = |id: usize| offsets[id] + blocks[id].size > ceiling;
+    let mut moved: Vec<usize> = (0..blocks.len()).filter(|&id| reaches(id)).collect();
+    // What moves must fit beside what stays: a quick refusal before any placement.
+    if moved.iter().any(|&id| blocks[id].size > ceiling) {
+        return None;
+    }
+    moved.sort_by(|&a, &b| blocks[b].size.cmp(&blocks[a].size).then(blocks[a].start.cmp(&blocks[b].start)));
+    let mut index = TimeIndex::new(blocks);
+    let mut staying = vec![true; blocks.len()];
+    for &id in &moved {
+        staying[id] = false;
+    }
+    for id in (0..blocks.len()).filter(|&id| staying[id]) {
+        index.insert(id as u32, &blocks[id]);
+    }
+    let mut near: Vec<(u64, u64)> = Vec::new();
+    for &id in &moved {
+        let block = &blocks[id];
+        near.clear();
+        index.for_each_overlapping(block, |other| {
+            let offset = offsets[other as usize];
+            near.push((offset, offset + blocks[other as usize].size));
+        });
+        near.push((ceiling, ceiling));
+        near.sort_unstable();
+        let mut best: Option<(u64, u64)> = None;
+        let mut top = 0u64;
+        for &(offset, end) in &near {
+            if offset > top {
+                let gap = offset.min(ceiling) - top.min(ceiling);
+                if gap >= block.size && best.is_none_or(|(smallest, _)| gap < smallest) {
+                    best = Some((gap, top));
+                }
+            }
+            top = top.max(end);
+        }
+        let (_, offset) = best?;
+        offsets[id] = offset;
+        index.insert(id as u32, block);
+    }
+    let size = offsets.iter().zip(blocks).map(|(&offset, block)| offset + block.size).max().unwrap_or(0);
+    Some(Packing { offsets, size })
+}
+
+/// A packing's blocks split between its slab and a *bin*: a separate stretch of `len` bytes (the
+/// unused end of the last page another pool's long-lived allocations touch), so that the slab
+/// ends a page lower. See [`into_bin`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BinLayout {
+    /// Per block: its offset in the bin, or `None` where it is in the slab.
+    pub at: Vec<Option<u64>>,
+    /// Per block: its offset in the slab (meaningless for a block in the bin).
+    pub offsets: Vec<u64>,
+    /// The bin's length the layout was made for.
+    pub len: u64,
+    /// The slab's size now: the highest end of a block that stayed.
+    pub slab_bytes: u64,
+}
+
+/// Puts some blocks of `packing` into a bin of `len` bytes so that the slab ends a whole
+/// `granule` lower (or more): a slab taken in whole granules (pages mapped in a range that grows
+/// in place) then holds a granule less for each boundary met.
+///
+/// First the blocks reaching past the highest boundary under the slab's size move to the bin
+/// (with those moved before, for the next boundary), largest first, each at the start of the
+/// smallest gap between the time-overlapping blocks already there; the others keep their
+/// offsets. Where a block across the boundary is larger than the bin, small blocks alive where
+/// more than the boundary is live go to the bin instead, largest first, until no moment needs
+/// more, and the rest is packed again ([`pack`]) under the boundary — unless `keep_layout` (a
+/// layout whose placement matters beyond its size: best fit in allocation order). `None` when
+/// neither meets the first boundary (or the packing does not match the blocks). The bin holds no
+/// more than 256 blocks, and a packing of more than 4096 blocks is not packed again.
+pub fn into_bin(blocks: &[Block], packing: &Packing, granule: u64, len: u64, keep_layout: bool) -> Option<BinLayout> {
+    if granule == 0 || len == 0 || packing.offsets.len() != blocks.len() || packing.size <= granule {
+        return None;
+    }
+    let moved = move_top(blocks, packing, granule, len);
+    if keep_layout { moved } else { moved.or_else(|| repack_under(blocks, packing, granule, len)) }
+}
+
+/// The most blocks a bin holds.
+const BIN_MOST: usize = 256;
+
+/// [`into_bin`]'s first way: the blocks at the top move.
+fn move_top(blocks: &[Block], packing: &Packing, granule: u64, len: u64) -> Option<BinLayout> {
+    const MOST: usize = BIN_MOST;
+    let mut layout: Option<BinLayout> = None;
+    let mut moved: Vec<usize> = Vec::new();
+    let mut top = packing.size;
+    while top > granule {
+        let ceiling = (top - 1) / granule * granule;
+        let mut candidate = moved.clone();
+        candidate.extend(
+            (0..blocks.len()).filter(|&id| !moved.contains(&id) && packing.offsets[id] + blocks[id].size > ceiling),
+        );
+        if candidate.len() > MOST {
+            break;
+        }
+        let Some(at) = bin_offsets(blocks, &mut candidate, len) else { break };
+        let mut in_bin = vec![None; blocks.len()];
+        for (&id, &offset) in candidate.iter().zip(&at) {
+            in_bin[id] = Some(offset);
+        }
+        top = (0..blocks.len())
+            .filter(|&id| in_bin[id].is_none())
+            .map(|id| packing.offsets[id] + blocks[id].size)
+            .max()
+            .unwrap_or(0);
+        moved = candidate;
+        layout = Some(BinLayout { at: in_bin, offsets: packing.offsets.clone(), len, slab_bytes: top });
+    }
+    layout
+}
+
+/// [`into_bin`]'s second way: small blocks alive where too much is live go to the bin, and the
+/// rest is packed again under the boundary.
+fn repack_under(blocks: &[Block], packing: &Packing, granule: u64, len: u64) -> Option<BinLayout> {
+    const MOST_PACKED: usize = 4096;
+    let ceiling = (packing.size - 1) / granule * granule;
+    if blocks.len() > MOST_PACKED || ceiling == 0 || lower_bound(blocks) > ceiling + len {
+        return None;
+    }
+    // Live bytes at each position of the compressed time axis.
+    let ranked = compress(blocks);
+    let horizon = ranked.iter().map(|b| if b.end == Block::NEVER_FREED { b.start } else { b.end }).max()? as usize + 1;
+    let span = |b: &Block| b.start as usize..(if b.end == Block::NEVER_FREED { horizon } else { b.end as usize });
+    let mut live = vec![0u64; horizon];
+    for block in &ranked {
+        for at in span(block) {
+            live[at] += block.size;
+        }
+    }
+    let mut candidates: Vec<usize> = (0..blocks.len()).filter(|&id| blocks[id].size <= len).collect();
+    candidates.sort_by(|&a, &b| blocks[b].size.cmp(&blocks[a].size).then(blocks[a].start.cmp(&blocks[b].start)));
+    let mut chosen: Vec<usize> = Vec::new();
+    let mut chosen_at: Vec<u64> = Vec::new();
+    let mut near: Vec<(u64, u64)> = Vec::new();
+    for id in candidates {
+        if live.iter().all(|&bytes| bytes <= ceiling) || chosen.len() == BIN_MOST {
+            break;
+        }
+        let block = &ranked[id];
+        if span(block).all(|at| live[at] <= ceiling) {
+            continue;
+        }
+        near.clear();
+        near.extend(
+            chosen
+                .iter()
+                .zip(&chosen_at)
+                .filter(|&(&other, _)| ranked[other].overlaps_in_time(block))
+                .map(|(&other, &offset)| (offset, offset + blocks[other].size)),
+        );
+        let Some(offset) = smallest_gap(&mut near, block.size, len) else { continue };
+        chosen.push(id);
+        chosen_at.push(offset);
+        for at in span(block) {
+            live[at] -= block.size;
+        }
+    }
+    if live.iter().any(|&bytes| bytes > ceiling) {
+        return None;
+    }
+    let mut in_bin = vec![None; blocks.len()];
+    for (&id, &offset) in chosen.iter().zip(&chosen_at) {
+        in_bin[id] = Some(offset);
+    }
+    let rest: Vec<usize> = (0..blocks.len()).filter(|&id| in_bin[id].is_none()).collect();
+    let repacked = pack(&rest.iter().map(|&id| blocks[id]).collect::<Vec<_>>());
+    if repacked.size > ceiling {
+        return None;
+    }
+    let mut offsets = vec![0u64; blocks.len()];
+    for (&id, &offset) in rest.iter().zip(&repacked.offsets) {
+        offsets[id] = offset;
+    }
+    Some(BinLayout { at: in_bin, offsets, len, slab_bytes: repacked.size })
+}
+
+/// Offsets in a bin of `len` bytes for `ids` (sorted here, largest first), or `None` when one
+/// finds no room.
+fn bin_offsets(blocks: &[Block], ids: &mut [usize], len: u64) -> Option<Vec<u64>> {
+    ids.sort_by(|&a, &b| blocks[b].size.cmp(&blocks[a].size).then(blocks[a].start.cmp(&blocks[b].start)));
+    let mut at: Vec<u64> = Vec::with_capacity(ids.len());
+    let mut near: Vec<(u64, u64)> = Vec::new();
+    for (i, &id) in ids.iter().enumerate() {
+        let block = &blocks[id];
+        near.clear();
+        near.extend(
+            ids[..i]
+                .iter()
+                .zip(&at)
+                .filter(|&(&other, _)| blocks[other].overlaps_in_time(block))
+                .map(|(&other, &offset)| (offset, offset + blocks[other].size)),
+        );
+        at.push(smallest_gap(&mut near, block.size, len)?);
+    }
+    Some(at)
+}
+
+/// The start of the smallest gap of at least `size` bytes below `len` between the `(offset, end)`
+/// ranges of `near` (sorted here), the lowest on ties; `None` when none holds it.
+fn smallest_gap(near: &mut Vec<(u64, u64)>, size: u64, len: u64) -> Option<u64> {
+    near.push((len, len));
+    near.sort_unstable();
+    let mut best: Option<(u64, u64)> = None;
+    let mut top = 0u64;
+    for &(offset, end) in near.iter() {
+        if offset > top {
+            let gap = offset - top;
+            if gap >= size && best.is_none_or(|(smallest, _)| gap < smallest) {
+                best = Some((gap, top));
+            }
+        }
+        top = top.max(end);
+    }
+    best.map(|(_, offset)| offset)
+}
+
 /// Why a packing is not valid for its blocks: what [`first_conflict`] finds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -465,7 +711,89 @@ mod tests {
         assert!(packing.size >= bound && packing.size <= bound + bound / 4, "{} vs {bound}", packing.size);
     }
 
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_blocks_past_a_granule_boundary_move_to_the_bin_and_the_slab_ends_a_granule_lower() {
+        // 2 MiB and, meeting it, 0.5 MiB: packed to 2.5 MiB, two 2 MiB granules.
+        let blocks = [block(2 * MIB, 0, 4), block(MIB / 2, 1, 3), block(MIB / 4, 5, 6)];
+        let packing = pack(&blocks);
+        assert_eq!(packing.size, 5 * MIB / 2);
+        let layout = into_bin(&blocks, &packing, 2 * MIB, MIB, false).expect("the half MiB fits the bin");
+        assert_eq!(layout.at, vec![None, Some(0), None]);
+        assert_eq!((layout.slab_bytes, layout.len), (2 * MIB, MIB));
+        // A bin smaller than the block above the boundary: nothing moves.
+        assert_eq!(into_bin(&blocks, &packing, 2 * MIB, MIB / 4, false), None);
+        // A packing inside one granule has no boundary to meet.
+        assert_eq!(into_bin(&blocks[1..], &pack(&blocks[1..]), 2 * MIB, MIB, false), None);
+    }
+
+    #[test]
+    fn where_a_block_across_the_boundary_is_larger_than_the_bin_small_ones_go_and_the_rest_is_packed_again() {
+        // 1.25 + 0.5 + 0.5 + 0.25 MiB alive together: 2.5 MiB. Packed, a 0.5 MiB block crosses
+        // 2 MiB with the 0.25 above it: 0.75 MiB past the boundary, more than the 0.5 MiB bin.
+        let blocks = [block(5 * MIB / 4, 0, 9), block(MIB / 2, 1, 8), block(MIB / 2, 2, 7), block(MIB / 4, 3, 6)];
+        let packing = pack(&blocks);
+        assert_eq!(packing.size, 5 * MIB / 2);
+        let layout = into_bin(&blocks, &packing, 2 * MIB, MIB / 2, false).expect("one half MiB block goes");
+        assert_eq!(layout.at.iter().filter(|at| at.is_some()).count(), 1);
+        assert_eq!(layout.at[1], Some(0), "the larger, earlier of the two");
+        assert_eq!(layout.slab_bytes, 2 * MIB);
+        // Less than the 0.5 MiB that must go: nothing.
+        assert_eq!(into_bin(&blocks, &packing, 2 * MIB, MIB / 4, false), None);
+    }
+
+    #[test]
+    fn blocks_in_the_bin_that_meet_in_time_do_not_share_bytes() {
+        // Two half MiB blocks alive together above a 2 MiB one: the bin must hold both side by
+        // side; a third that meets neither reuses the bin's start.
+        let blocks = [block(2 * MIB, 0, 9), block(MIB / 2, 1, 4), block(MIB / 2, 2, 5), block(MIB / 2, 6, 7)];
+        let packing = pack(&blocks);
+        assert!(packing.size > 2 * MIB);
+        let layout = into_bin(&blocks, &packing, 2 * MIB, MIB, false).expect("both fit side by side");
+        assert_eq!(layout.slab_bytes, 2 * MIB);
+        let mut in_bin: Vec<u64> = layout.at[1..3].iter().map(|at| at.expect("moved")).collect();
+        in_bin.sort_unstable();
+        assert_eq!(in_bin, vec![0, MIB / 2]);
+        assert_eq!(into_bin(&blocks, &packing, 2 * MIB, 3 * MIB / 4, false), None, "not both in 0.75 MiB");
+    }
+
     proptest! {
+        #[test]
+        fn a_bin_layout_keeps_every_block_apart_and_lowers_the_slab_by_granules(
+            blocks in sequence(),
+            granule in 1u64..16,
+            len in 1u64..16,
+        ) {
+            let (granule, len) = (granule * 2048, len * 1024);
+            let packing = pack(&blocks);
+            for keep_layout in [false, true] {
+            if let Some(layout) = into_bin(&blocks, &packing, granule, len, keep_layout) {
+                if keep_layout {
+                    prop_assert!((0..blocks.len()).all(|id| layout.offsets[id] == packing.offsets[id]));
+                }
+                prop_assert!(layout.slab_bytes.div_ceil(granule) < packing.size.div_ceil(granule));
+                for (id, block) in blocks.iter().enumerate() {
+                    match layout.at[id] {
+                        Some(at) => prop_assert!(at + block.size <= len),
+                        None => prop_assert!(layout.offsets[id] + block.size <= layout.slab_bytes),
+                    }
+                    for (other, second) in blocks.iter().enumerate().skip(id + 1) {
+                        if !block.overlaps_in_time(second) {
+                            continue;
+                        }
+                        let (a, b) = match (layout.at[id], layout.at[other]) {
+                            (Some(a), Some(b)) => (a, b),
+                            (None, None) => (layout.offsets[id], layout.offsets[other]),
+                            _ => continue,
+                        };
+                        prop_assert!(a + block.size <= b || b + second.size <= a, "{id} and {other} share bytes");
+                    }
+                }
+            }
+            }
+        }
+
         #[test]
         fn packings_are_valid_and_never_below_the_bound(blocks in sequence()) {
             let greedy = greedy_by_size(&blocks);
