@@ -1264,3 +1264,58 @@ fn the_shared_training_traces_stay_near_the_limit_from_the_second_step() {
     // T5, variable lengths: step 4 is a new, largest shape served online; within 8 %.
     check_against_limit("t5_varlen_train", &trace_program("t5_varlen_train"), 1, 1.08);
 }
+
+/// One step of the bin test: a 4 MiB buffer and a quarter MiB one, both live at the step's peak.
+/// Returns the quarter MiB buffer's address and the bytes mapped at the peak.
+fn bin_step(rt: &Runtime, phase: Phase, stream: &steppool::Stream) -> (CUdeviceptr, u64) {
+    let step = rt.begin_step().unwrap();
+    let large = step.alloc(phase, 4 * MIB, stream).unwrap();
+    let small = step.alloc(phase, 256 * KIB, stream).unwrap();
+    let (at, peak) = (small.ptr(), mapped(rt));
+    drop((small, large));
+    step.end().unwrap();
+    (at, peak)
+}
+
+#[test]
+fn a_persistent_pool_lends_the_end_of_its_last_page_to_the_plans_of_its_stream() {
+    let rt = runtime(GIB);
+    let weights = rt
+        .declare_phase(
+            PhaseSpec::new("params", Scope::Persistent).strategy(Allocation::Chunked { chunk_bytes: 16 * MIB }),
+        )
+        .unwrap();
+    let phase = planned_phase(&rt, "step", Scope::Step, Allocation::PLANNED);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    // 3.5 MiB of weights: two pages, the second half used.
+    let first = rt.alloc(weights, 7 * MIB / 2, &stream).unwrap();
+    let base = first.ptr();
+    // The first step is recorded: 4.25 MiB, three pages of the step's own range beside the two.
+    let (at, peak) = bin_step(&rt, phase, &stream);
+    assert!(!(base..base + 4 * MIB).contains(&at));
+    assert_eq!(peak, 4 * MIB + 6 * MIB);
+    // From the second step on, the plan's quarter MiB past 4 MiB is served in the free half
+    // page of the weights: two pages of the step's range, not three.
+    for _ in 0..2 {
+        let (at, peak) = bin_step(&rt, phase, &stream);
+        assert_eq!(at, base + 7 * MIB / 2, "in the weights' last page");
+        assert_eq!(peak, 4 * MIB + 4 * MIB);
+        let plan = pool_stats(&rt, phase, &stream).plan.unwrap();
+        assert_eq!((plan.planned, plan.deviations), (2, 0));
+    }
+    // Weights that come while the loan lasts go past it; the next step borrows the new end of
+    // their last page, and the first loan is free for the weights again.
+    let step = rt.begin_step().unwrap();
+    let second = rt.alloc(weights, 7 * MIB / 4, &stream).unwrap();
+    assert_eq!(second.ptr(), base + 4 * MIB);
+    step.end().unwrap();
+    let (at, peak) = bin_step(&rt, phase, &stream);
+    assert_eq!(at, base + 4 * MIB + 7 * MIB / 4, "the end of the third page: a quarter MiB");
+    assert_eq!(peak, 6 * MIB + 4 * MIB);
+    let third = rt.alloc(weights, MIB / 2, &stream).unwrap();
+    assert_eq!(third.ptr(), base + 7 * MIB / 2, "the first loan came back");
+    // The weights go before the step's pool: the loan goes back with it, and nothing is lost.
+    drop((first, second, third));
+    drop(stream);
+    assert!(rt.take_errors().is_empty());
+}

@@ -254,9 +254,12 @@ impl RuntimeInner {
     fn begin_step_checked(&self, guarded: bool) -> Result<u64> {
         let mut steps = self.control.lock();
         steps.check_begin()?;
-        for pool in self.registry.pools() {
+        let pools = self.registry.pools();
+        for pool in &pools {
             pool.lock().begin_step()?;
         }
+        // No step is active: nothing of a step- or micro-step-scoped pool lives in a bin.
+        lend_tails(&pools);
         let index = steps.begin(&self.control, guarded);
         self.hub.recorder.set_step(Some(index));
         self.hub.recorder.record(EventKind::StepBegin { step: index });
@@ -437,5 +440,57 @@ impl RuntimeInner {
     /// The name of a phase, or `#index` for one the runtime does not have.
     pub(crate) fn phase_name(&self, phase: Phase) -> String {
         self.registry.phase(phase).map_or_else(|_| format!("#{}", phase.index()), |entry| entry.spec.name.clone())
+    }
+}
+
+/// Between steps, each planned pool that packs the top of its plans into a bin (see
+/// [`Allocator::lend_tail`](crate::strategy::Allocator)) keeps its loan while it is still the end
+/// of its lender's last page, or gives it back and takes that end as it is now, from a persistent
+/// pool of the same stream. Two pools, each with a partly used last page, then pay one between
+/// them: on small runs (tens of MiB) that page decides whether a plan beats one pool. One lock at
+/// a time: a borrower's, then its lender's, then the borrower's again.
+fn lend_tails(pools: &[Arc<PhasePool>]) {
+    for borrower in pools {
+        let Some((current, wants, lender)) = borrower.lock().bin() else { continue };
+        if current.is_none() && !wants {
+            continue;
+        }
+        let lenders = lender.into_iter().chain(
+            pools
+                .iter()
+                .filter(|pool| {
+                    pool.scope() == Scope::Persistent
+                        && pool.stream.id == borrower.stream.id
+                        && pool.device_ordinal() == borrower.device_ordinal()
+                })
+                .cloned(),
+        );
+        let mut lent = None;
+        let mut returned = current.is_none();
+        for lender in lenders {
+            if !returned {
+                // The loan's own lender first: it keeps it, lends its end anew, or takes it back.
+                returned = true;
+                let bin = lender.lock().lend_tail(current, wants);
+                if let Some(bin) = bin {
+                    lent = Some((bin, lender));
+                    break;
+                }
+                continue;
+            }
+            if !wants {
+                break;
+            }
+            let bin = lender.lock().lend_tail(None, true);
+            if let Some(bin) = bin {
+                lent = Some((bin, lender));
+                break;
+            }
+        }
+        match lent {
+            Some((bin, lender)) => borrower.lock().set_bin(Some(bin), Some(lender)),
+            None if current.is_some() => borrower.lock().set_bin(None, None),
+            None => {}
+        }
     }
 }

@@ -19,7 +19,7 @@ use crate::error::{Error, ErrorSink, Result};
 use crate::phase::{ALIGNMENT, MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::{PoolId, PoolStats};
 use crate::source::{DeviceSource, Source};
-use crate::strategy::{Allocator, Served, allocator};
+use crate::strategy::{Allocator, Bin, Served, allocator};
 use crate::stream_core::StreamCore;
 use crate::sync::{PoolMutex, PoolMutexGuard, lock_pool, pool_state_mut};
 use crate::telemetry::{self, EventKind, PoolMetrics, Recorder, Retired, Usage, thread_number};
@@ -142,6 +142,10 @@ struct PoolState {
     timing: Timing,
     /// What the pool needed at recent boundaries, for [`TrimPolicy::KeepRecentPeak`].
     recent: VecDeque<u64>,
+    /// The pool whose strategy lent the bin this pool's strategy holds
+    /// ([`Allocator::lend_tail`]): kept alive while the loan lasts, and given the loan back
+    /// when this pool goes.
+    bin_lender: Option<Arc<PhasePool>>,
 }
 
 /// The pool of one (device, stream, phase).
@@ -194,6 +198,7 @@ impl PhasePool {
             totals: Usage::default(),
             timing: Timing::default(),
             recent: VecDeque::new(),
+            bin_lender: None,
         };
         let handle = state.source.handle().map(PoolHandle::from_raw);
         let PoolSinks { errors, recorder, retired } = sinks;
@@ -365,6 +370,26 @@ impl PoolGuard<'_> {
     /// The packed plan a captured step would be served from (see [`Allocator::plan_view`]).
     pub(crate) fn plan_view(&self) -> Option<crate::strategy::PlanView> {
         self.state.allocator.plan_view()
+    }
+
+    /// The bin the strategy holds and whether it wants one, for a strategy that takes bins; its
+    /// lender. See [`Allocator::lend_tail`].
+    pub(crate) fn bin(&self) -> Option<(Option<Bin>, bool, Option<Arc<PhasePool>>)> {
+        let state = self.state.deref();
+        state.allocator.bin().map(|(bin, wants)| (bin, wants, state.bin_lender.clone()))
+    }
+
+    /// Gives the strategy `bin`, lent by `lender` (see [`Allocator::lend_tail`]).
+    pub(crate) fn set_bin(&mut self, bin: Option<Bin>, lender: Option<Arc<PhasePool>>) {
+        let state = self.state.deref_mut();
+        state.allocator.set_bin(bin);
+        state.bin_lender = bin.and(lender);
+    }
+
+    /// Lends the unused end of the strategy's last page, or keeps or takes back `current` (see
+    /// [`Allocator::lend_tail`]).
+    pub(crate) fn lend_tail(&mut self, current: Option<Bin>, lend: bool) -> Option<Bin> {
+        self.state.deref_mut().allocator.lend_tail(current, lend)
     }
 
     /// Lends the strategy's slab to a captured step (see [`Allocator::lend_slab`]).
@@ -652,13 +677,19 @@ impl Drop for PhasePool {
         // Its counts outlive it, so the runtime's counters never go back.
         let mut usage = state.totals;
         usage.alloc_nanos = state.timing.estimate_nanos();
-        let PoolState { allocator, source, raw, .. } = state;
+        let PoolState { allocator, source, raw, bin_lender, .. } = state;
         let mut outcome = Ok(());
         // Through the strategy: a raw pointer is the source's own allocation only for `Direct`.
         for (ptr, allocation) in raw.drain() {
             outcome = outcome.and(allocator.free(source, Served { ptr, slot: allocation.slot }, allocation.bytes));
         }
         outcome = outcome.and(allocator.release_all(source));
+        // A bin goes back to the pool that lent it, which this pool kept alive until now.
+        if let Some(lender) = bin_lender.take()
+            && let Some((Some(bin), _)) = allocator.bin()
+        {
+            lender.lock().lend_tail(Some(bin), false);
+        }
         outcome = outcome.and(source.destroy());
         let metrics = pool_metrics(self, usage, None);
         self.retired.add(metrics);

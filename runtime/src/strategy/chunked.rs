@@ -3,7 +3,7 @@
 //! leave tails after.
 
 use super::chunks::Chunks;
-use super::{Allocator, Served};
+use super::{Allocator, Bin, Served};
 use crate::error::Result;
 use crate::phase::ALIGNMENT;
 use crate::report::FreeSpace;
@@ -68,6 +68,17 @@ impl Allocator for Chunked {
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
         self.chunks.release_all(source)
     }
+
+    fn lend_tail(&mut self, current: Option<Bin>, lend: bool) -> Option<Bin> {
+        let current = current.map(|bin| (bin.ptr, bin.len));
+        if !lend {
+            if let Some((ptr, _)) = current {
+                self.chunks.free(ptr);
+            }
+            return None;
+        }
+        self.chunks.lend_tail(current).map(|(ptr, len)| Bin { ptr, len })
+    }
 }
 
 #[cfg(test)]
@@ -111,6 +122,28 @@ mod tests {
         chunked.allocate(&mut source, MIB).unwrap();
         chunked.release_all(&mut source).unwrap();
         assert_eq!(source.held(), 0);
+    }
+
+    #[test]
+    fn the_unused_end_of_the_last_page_is_lent_kept_while_it_is_the_end_and_taken_back() {
+        let (mut source, mut chunked) = (FakeSource::with_ranges(256 * MIB), Chunked::new(16 * MIB));
+        assert_eq!(chunked.lend_tail(None, true), None, "nothing to lend before the range exists");
+        let first = chunked.allocate(&mut source, 9 * MIB / 4).unwrap();
+        assert_eq!(source.mapped(), 4 * MIB);
+        let loan = chunked.lend_tail(None, true).expect("the end of the second page");
+        assert_eq!(loan, Bin { ptr: first.ptr + 9 * MIB / 4, len: 7 * MIB / 4 });
+        assert_eq!(chunked.lend_tail(Some(loan), true), Some(loan), "still the end: kept");
+        // A long-lived allocation comes: it goes past the loan, which is no longer the end.
+        let second = chunked.allocate(&mut source, MIB).unwrap();
+        assert_eq!(second.ptr, first.ptr + 4 * MIB);
+        assert_eq!(source.mapped(), 6 * MIB);
+        let again = chunked.lend_tail(Some(loan), true).expect("the end of the third page");
+        assert_eq!(again, Bin { ptr: first.ptr + 5 * MIB, len: MIB });
+        // The first loan came back: the next allocation that fits takes it.
+        assert_eq!(chunked.allocate(&mut source, 3 * MIB / 2).unwrap().ptr, loan.ptr);
+        assert_eq!(chunked.lend_tail(Some(again), false), None, "taken back, nothing lent");
+        assert_eq!(chunked.allocate(&mut source, MIB).unwrap().ptr, again.ptr, "and free again");
+        assert_eq!(source.mapped(), 6 * MIB);
     }
 
     #[test]

@@ -151,6 +151,15 @@ impl FreeRanges {
         }
     }
 
+    /// Takes the free range at `at` of exactly `len` bytes, if there is one.
+    pub(crate) fn take_exact(&mut self, at: u64, len: u64) -> bool {
+        if self.by_addr.get(&at) != Some(&len) {
+            return false;
+        }
+        self.remove(at, len);
+        true
+    }
+
     /// Forgets every range and region.
     pub(crate) fn clear(&mut self) {
         self.by_addr.clear();
@@ -286,6 +295,30 @@ impl Chunks {
         self.held += len;
         self.peak_held = self.peak_held.max(self.held);
         Ok(())
+    }
+
+    /// Lends the unused end of the last page the range's hand-outs touch, as a hand-out of its
+    /// own: `(address, bytes)`, or `None` where there is no range or its end is free from a page
+    /// boundary on. `current`, an earlier loan, comes back first ([`Chunks::free`]), so the end
+    /// is found as if it had not been lent: the same loan again while nothing was handed out or
+    /// freed around it, a lower one once the hand-outs below it were freed (their pages can then
+    /// go back), a higher one once others came past it. See
+    /// [`Allocator::lend_tail`](super::Allocator::lend_tail).
+    pub(crate) fn lend_tail(&mut self, current: Option<(CUdeviceptr, u64)>) -> Option<(CUdeviceptr, u64)> {
+        if let Some((ptr, _)) = current {
+            self.free(ptr);
+        }
+        let (base, mapped) = self.range?;
+        let (at, free) = self.ranges.free_end(base + mapped)?;
+        let len = (at - base).next_multiple_of(GRANULE).min(mapped) - (at - base);
+        if len == 0 || len > free || !self.ranges.take_exact(at, free) {
+            return None;
+        }
+        if free > len {
+            self.ranges.give(at + len, free - len);
+        }
+        self.live.insert(at, len);
+        Some((at, len))
     }
 
     /// Gives back a hand-out; its aligned size, or `None` if it is not one of these chunks'.

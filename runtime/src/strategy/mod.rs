@@ -141,6 +141,39 @@ pub(crate) trait Allocator: Send + fmt::Debug {
     fn plan_view(&self) -> Option<PlanView> {
         None
     }
+
+    /// A strategy of long-lived allocations in a range that grows in place lends the unused end
+    /// of the last page its allocations touch, to a planned pool on the same stream that packs
+    /// the top of its plans there ([`Allocator::set_bin`]): the two pools then pay one partly
+    /// used page between them, not one each. The loan is a hand-out of the lender's, so nothing
+    /// of the lender's goes there while it lasts. `current` is the loan made before: while `lend`
+    /// it stays if it is still that end, otherwise it comes back and the end as it is now is lent
+    /// (`None` when there is none); without `lend` it comes back and nothing is lent. Called
+    /// between steps, when nothing of the borrower lives in the loan.
+    fn lend_tail(&mut self, current: Option<Bin>, _lend: bool) -> Option<Bin> {
+        debug_assert!(current.is_none(), "a loan made by a strategy that lends none");
+        None
+    }
+
+    /// For a strategy that packs the top of its plans into a bin lent by another pool
+    /// ([`Allocator::lend_tail`]): the bin it holds, and whether it wants one. `None` for the
+    /// others.
+    fn bin(&self) -> Option<(Option<Bin>, bool)> {
+        None
+    }
+
+    /// Takes `bin` as the strategy's bin (see [`Allocator::lend_tail`]); called between steps,
+    /// when nothing lives in the one it replaces.
+    fn set_bin(&mut self, _bin: Option<Bin>) {}
+}
+
+/// Memory one pool lends another (see [`Allocator::lend_tail`]): its address and length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Bin {
+    /// Where it starts.
+    pub(crate) ptr: CUdeviceptr,
+    /// Its bytes.
+    pub(crate) len: u64,
 }
 
 /// A read-only view of a packed plan: entry *i* (in allocation order) is `sizes[i]` bytes at

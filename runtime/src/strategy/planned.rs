@@ -179,6 +179,39 @@
 //! last only while it is under a page, or only for requests under a page, keeps part of the
 //! gain and all of the losses.
 //!
+//! # A bin lent by the long-lived allocations' pool
+//!
+//! Persistent allocations and the step's plan live in two ranges, and each pays for the unused
+//! end of its last page: on a run of tens of MiB, where the two ends are a granule together more
+//! often than not, that granule decides whether a plan reserves less than one pool. So between
+//! steps the runtime lends the planned pool the unused end of the last page a persistent pool of
+//! the same stream touches ([`Allocator::lend_tail`], brokered in `inner.rs`): a *bin*, from a few
+//! KiB to a page, already mapped and paid for. A plan then serves the entries that reach past its
+//! last granule boundaries from the bin ([`plan::into_bin`]: those entries move there whole,
+//! or, where one across the boundary is larger than the bin, small entries alive at the moments
+//! that need more go there and the rest is packed again under the boundary), and its slab maps a
+//! page less; a plan laid out in allocation order keeps its offsets and only moves its top
+//! entries, and one laid out so only because its sequence was new is packed instead where the
+//! packing with the bin needs fewer pages. A scope served online takes a request in the bin
+//! when the bin's smallest free range that holds it is no larger than the slab's (the free range
+//! at the slab's end, which costs pages, taken last as before). Only slabs that grow in place
+//! take bins: their pages are what a bin saves.
+//!
+//! The loan is a hand-out of the lender's, so nothing of its own goes there while it lasts; at
+//! each step's start it comes back and the end as it is then is lent again — the same one while
+//! nothing was allocated or freed around it, another once the persistent pool grew past it or
+//! freed what lay below it (a loan left at the top of freed memory kept a 5.6 GiB run's
+//! persistent range from shrinking under memory pressure: its smallest device grew by 66 MiB
+//! until the loan moved). The planned pool holds its lender alive and gives the loan back when
+//! it goes. Plans saved or lent to a captured step keep their own offsets: a bin is never part of
+//! a plan file or a graph, and a pool whose slab is lent gives its bin back.
+//!
+//! On 192 replays of recorded and generated traces (`benches/results/2026-11-27-bin-simulated.md`)
+//! 52 reserve less with bins (a page, at times two) and 8 a page more (the online placement of
+//! four generation and variable-length runs, each with and without its sidecar); misses of the
+//! replay targets 15 → 12. On 27 generated runs of 3 to 80 MiB live, misses 16 → 9, each of the
+//! nine a tie with a baseline already at the page floor but one.
+//!
 //! # When the device refuses memory
 //!
 //! A refusal (pages for a plan, the growth of a scope served online, a fallback chunk) fails the
@@ -236,7 +269,7 @@ use steppool_trace::packing::{self as plan, Block};
 use steppool_trace::plans::{PlannedBlock, SavedPlan};
 
 use super::chunks::{Chunks, GRANULE, PointerMap};
-use super::{Allocator, Served};
+use super::{Allocator, Bin, Served};
 use crate::error::{Error, Result};
 use crate::phase::ALIGNMENT;
 use crate::phase::PhaseEntry;
@@ -281,6 +314,12 @@ struct Plan {
     largest: Vec<u64>,
     /// The most a scope of this sequence needed packed at its own sizes.
     own_peak: u64,
+    /// Laid out in allocation order only because its sequence is new (the layout costs little
+    /// more than the packing): packed instead where a bin makes the packing a granule smaller.
+    new_sequence: bool,
+    /// Where the bin lent by another pool holds the entries that reach past the slab's last
+    /// granule boundaries ([`plan::into_bin`]): a packed plan, while a bin is held.
+    binned: Option<plan::BinLayout>,
 }
 
 /// One recorded event of a scope.
@@ -315,6 +354,28 @@ struct SlabAllocation {
 }
 
 const FOREIGN: u32 = u32::MAX;
+
+/// The offset in the slab of entry `entry` of plan `index`: the plan's own, or its layout's
+/// around the bin held.
+#[inline]
+fn planned_offset(plans: &[Plan], bin: Option<Bin>, index: usize, entry: usize) -> u64 {
+    match (&plans[index].binned, bin) {
+        (Some(binned), Some(_)) => binned.offsets[entry],
+        _ => plans[index].offsets[entry],
+    }
+}
+
+/// A plan's entries as the packer's blocks.
+fn plan_blocks(plan: &Plan) -> Vec<Block> {
+    (0..plan.sizes.len()).map(|i| Block { size: plan.sizes[i], start: plan.starts[i], end: plan.ends[i] }).collect()
+}
+
+/// Where a plan puts an allocation: at an offset in the slab, or at an address in the bin.
+#[derive(Clone, Copy, Debug)]
+enum Placed {
+    Slab(u64),
+    Bin(CUdeviceptr),
+}
 
 /// The live allocations in the slab, filed by their index among the scope's allocations, which
 /// is the slot handed out with each ([`Served::slot`]): a free finds its record by that index,
@@ -563,6 +624,13 @@ pub(crate) struct Planned {
     /// The slab while a captured step holds it ([`Planned::lend_slab`]): out of `slab`, so that
     /// nothing here resizes, frees or serves from it until it comes back.
     lent: Option<Slab>,
+    /// The unused end of another pool's last page, lent between steps
+    /// ([`Allocator::lend_tail`]): plans serve the entries at their top from it.
+    bin: Option<Bin>,
+    /// The live allocations in the bin, filed as those in the slab are.
+    bin_live: SlabLive,
+    /// The bin's free ranges while the scope is served online.
+    bin_free: Option<FreeRanges>,
 }
 
 impl Planned {
@@ -601,6 +669,9 @@ impl Planned {
             freed_unpunched: 0,
             no_ranges: false,
             lent: None,
+            bin: None,
+            bin_live: SlabLive::default(),
+            bin_free: None,
         }
     }
 
@@ -632,6 +703,8 @@ impl Planned {
                 in_order: false,
                 largest: blocks.iter().map(|b| b.size).collect(),
                 own_peak: 0,
+                new_sequence: false,
+                binned: None,
             });
         }
         planned
@@ -677,13 +750,18 @@ impl Planned {
         self.slab_live.for_each_mut(|allocation| {
             if allocation.entry != FOREIGN {
                 if self.entries[allocation.entry as usize] == Entry::Live {
-                    let offset =
-                        self.plans[self.plan.expect("a live entry has a plan")].offsets[allocation.entry as usize];
+                    let offset = planned_offset(
+                        &self.plans,
+                        self.bin,
+                        self.plan.expect("a live entry has a plan"),
+                        allocation.entry as usize,
+                    );
                     self.late.push((offset, allocation.size));
                 }
                 allocation.entry = FOREIGN;
             }
         });
+        self.bin_live.for_each_mut(|allocation| allocation.entry = FOREIGN);
         self.plan = index;
         self.cursor = at;
         self.passed_ends = 0;
@@ -739,12 +817,16 @@ impl Planned {
         let from_empty = self.slab_live.is_empty() && self.late.is_empty();
         let live = self.slab_live.iter().map(|allocation| (allocation.ptr - slab.base, allocation.size)).collect();
         self.slab_live.for_each_mut(|allocation| allocation.entry = FOREIGN);
+        self.bin_live.for_each_mut(|allocation| allocation.entry = FOREIGN);
         self.late.clear();
         self.online = Some(FreeRanges { end_last: from_empty, ..FreeRanges::around(slab.size, live) });
+        self.bin_free = self.bin.map(|bin| {
+            FreeRanges::around(bin.len, self.bin_live.iter().map(|live| (live.ptr - bin.ptr, live.size)).collect())
+        });
     }
 
-    /// The planned offset for the next allocation of `size` (aligned), if the plan may serve it.
-    fn next_planned(&mut self, size: u64) -> Option<u64> {
+    /// Where the plan puts the next allocation of `size` (aligned), if it may serve it.
+    fn next_planned(&mut self, size: u64) -> Option<Placed> {
         let index = self.plan?;
         let entry = self.cursor;
         let count = self.plans[index].sizes.len();
@@ -757,9 +839,9 @@ impl Planned {
         self.deviated = true;
         // Larger than its entry (a size that varies from scope to scope: routed tokens, a
         // ragged batch): at the entry's offset when the larger range is clear.
-        if entry < count {
+        if entry < count && self.in_bin(index, entry).is_none() {
             self.pass_ends(index, entry);
-            if self.grown_range_clear(self.plans[index].offsets[entry], size) {
+            if self.grown_range_clear(planned_offset(&self.plans, self.bin, index, entry), size) {
                 return self.hand_out(index, entry, size, true);
             }
         }
@@ -792,7 +874,14 @@ impl Planned {
             }
             if self.entries[passed as usize] == Entry::Live {
                 self.entries[passed as usize] = Entry::Late;
-                self.late.push((plan.offsets[passed as usize], plan.sizes[passed as usize]));
+                // An entry in the bin keeps clear of the slab's; a later one in the bin is
+                // checked against every live one there (`hand_out`).
+                let in_bin =
+                    self.bin.is_some() && plan.binned.as_ref().is_some_and(|b| b.at[passed as usize].is_some());
+                if !in_bin {
+                    let offset = planned_offset(&self.plans, self.bin, index, passed as usize);
+                    self.late.push((offset, self.plans[index].sizes[passed as usize]));
+                }
             }
             self.passed_ends += 1;
         }
@@ -811,10 +900,23 @@ impl Planned {
     /// Entry `entry` of plan `index` for an allocation of `size`, if its range is clear: `grown`
     /// when the allocation is larger than the entry (the range was checked against every live
     /// allocation, and goes on the late list, so no later entry is handed out over it).
-    fn hand_out(&mut self, index: usize, entry: usize, size: u64, grown: bool) -> Option<u64> {
+    fn hand_out(&mut self, index: usize, entry: usize, size: u64, grown: bool) -> Option<Placed> {
         self.cursor = entry + 1;
         self.pass_ends(index, entry);
-        let offset = self.plans[index].offsets[entry];
+        if let Some(ptr) = self.in_bin(index, entry) {
+            // In the bin: clear of every allocation live there (one kept past its planned free
+            // included); a grown entry never comes here (`next_planned`).
+            let clear = self.bin_live.iter().all(|live| live.ptr + live.size <= ptr || ptr + size <= live.ptr);
+            if !clear {
+                self.entries[entry] = Entry::Done;
+                self.deviated = true;
+                self.counters.deviations += 1;
+                return None;
+            }
+            self.entries[entry] = Entry::Live;
+            return Some(Placed::Bin(ptr));
+        }
+        let offset = planned_offset(&self.plans, self.bin, index, entry);
         let fits = self.slab.is_some_and(|slab| offset + size <= slab.size);
         let clear = self.late.iter().all(|&(late, len)| late + len <= offset || offset + size <= late);
         if !(fits && clear) {
@@ -829,7 +931,64 @@ impl Planned {
         } else {
             self.entries[entry] = Entry::Live;
         }
-        Some(offset)
+        Some(Placed::Slab(offset))
+    }
+
+    /// The address in the bin of entry `entry` of plan `index`, where the plan has a layout for
+    /// the bin held ([`Planned::set_bin`]) and puts the entry there.
+    #[inline]
+    fn in_bin(&self, index: usize, entry: usize) -> Option<CUdeviceptr> {
+        let bin = self.bin?;
+        let at = self.plans[index].binned.as_ref()?.at[entry]?;
+        Some(bin.ptr + at)
+    }
+
+    /// The slab a plan needs: less than its packing where the bin holds its top entries.
+    fn slab_bytes(&self, plan: &Plan) -> u64 {
+        match (&plan.binned, self.bin) {
+            (Some(binned), Some(_)) => binned.slab_bytes,
+            _ => plan.bytes,
+        }
+    }
+
+    /// `plan` with its layout in the bin held ([`Planned::bin_layout`]); a plan laid out in
+    /// allocation order only because its sequence is new is packed instead, with its layout in
+    /// the bin, where that needs fewer granules: the rule that chose the order (a layout within
+    /// 1/128 of the packing) counts the slab's granules once a bin is held.
+    fn fit_bin(&self, mut plan: Plan) -> Plan {
+        plan.binned = self.bin_layout(&plan);
+        let Some(bin) = self.bin.filter(|_| plan.binned.is_none() && plan.in_order && plan.new_sequence) else {
+            return plan;
+        };
+        if self.slab.is_none_or(|slab| !slab.growable) {
+            return plan;
+        }
+        let blocks = plan_blocks(&plan);
+        let packed = plan::pack(&blocks);
+        if let Some(layout) = plan::into_bin(&blocks, &packed, GRANULE, bin.len, false)
+            && layout.slab_bytes.div_ceil(GRANULE) < plan.bytes.div_ceil(GRANULE)
+        {
+            plan.offsets = packed.offsets;
+            plan.bytes = packed.size;
+            plan.in_order = false;
+            plan.new_sequence = false;
+            plan.binned = Some(layout);
+        }
+        plan
+    }
+
+    /// The layout of a plan's top entries in the bin held, if that ends its slab a granule
+    /// lower (see [`plan::into_bin`]). A plan laid out in allocation order keeps the offsets of
+    /// the entries that stay: a scope that leaves it part way finds what lives in the slab where
+    /// best fit would have put it.
+    fn bin_layout(&self, plan: &Plan) -> Option<plan::BinLayout> {
+        let bin = self.bin?;
+        if self.slab.is_none_or(|slab| !slab.growable) {
+            return None;
+        }
+        let blocks = plan_blocks(plan);
+        let packing = plan::Packing { offsets: plan.offsets.clone(), size: plan.bytes };
+        plan::into_bin(&blocks, &packing, GRANULE, bin.len, plan.in_order)
     }
 
     /// What the slab should hold at a scope's end: the largest plan that served or was recorded
@@ -840,7 +999,7 @@ impl Planned {
         self.plans
             .iter()
             .filter(|plan| self.clock - plan.last_used < RECENT_SCOPES)
-            .map(|plan| plan.bytes)
+            .map(|plan| self.slab_bytes(plan))
             .max()
             .unwrap_or(0)
     }
@@ -894,6 +1053,29 @@ impl Planned {
         let size = source.resize_range(slab.base, bytes)?;
         self.slab = Some(Slab { size, ..slab });
         Ok(())
+    }
+
+    /// Serves `size` online and files it: in the bin when its smallest free range that holds the
+    /// request is no larger than the slab's (the free range at a growable slab's end aside: it
+    /// costs new pages), else in the slab ([`Planned::take_online`]).
+    fn serve_online(&mut self, source: &mut dyn Source, size: u64) -> Result<Option<CUdeviceptr>> {
+        let index = self.allocations;
+        if let (Some(bin), Some(bin_free), Some(online)) = (self.bin, &self.bin_free, &self.online)
+            && let Some(&(len, _)) = bin_free.by_size.range((size, 0)..).next()
+        {
+            let growable_end = self.slab.filter(|slab| slab.growable).map(|slab| slab.size);
+            let slab_best = online.by_size.range((size, 0)..).find(|&&(l, at)| Some(at + l) != growable_end);
+            if slab_best.is_none_or(|&(slab_len, _)| len <= slab_len) {
+                let at = self.bin_free.as_mut().and_then(|free| free.take(size, None)).expect("a range that holds it");
+                let ptr = bin.ptr + at;
+                self.bin_live.insert(SlabAllocation { ptr, index, entry: FOREIGN, size });
+                return Ok(Some(ptr));
+            }
+        }
+        let Some(offset) = self.take_online(source, size)? else { return Ok(None) };
+        let ptr = self.slab.expect("an online scope has a slab").base + offset;
+        self.slab_live.insert(SlabAllocation { ptr, index, entry: FOREIGN, size });
+        Ok(Some(ptr))
     }
 
     /// Serves `size` online from the slab's free ranges, growing a growable slab at its end when
@@ -1148,10 +1330,7 @@ impl Planned {
                 self.go_online(slab);
             }
         }
-        if let Some(offset) = self.take_online(source, size)? {
-            let slab = self.slab.expect("an online scope has a slab");
-            let ptr = slab.base + offset;
-            self.slab_live.insert(SlabAllocation { ptr, index: self.allocations, entry: FOREIGN, size });
+        if let Some(ptr) = self.serve_online(source, size)? {
             self.counters.unplanned += 1;
             return Ok(ptr);
         }
@@ -1160,11 +1339,13 @@ impl Planned {
         // serve: the scope deviates and the chunks serve.
         if let (false, Some(slab), Some(index)) = (self.online.is_some(), self.slab, self.plan)
             && slab.growable
-            && let Some(&offset) = self.plans[index].offsets.get(self.cursor)
-            && offset + size > slab.size
+            && self.cursor < self.plans[index].offsets.len()
+            && self.in_bin(index, self.cursor).is_none()
+            && planned_offset(&self.plans, self.bin, index, self.cursor) + size > slab.size
         {
             // An entry past the end of what is mapped (the plan's cursor reaching pages not mapped
             // yet, or an entry larger than planned): the slab grows to hold it.
+            let offset = planned_offset(&self.plans, self.bin, index, self.cursor);
             self.grow_slab(source, offset + size)?;
         }
         let planned = match (self.online.is_some(), self.slab) {
@@ -1176,10 +1357,19 @@ impl Planned {
             _ => None,
         };
         match planned {
-            Some((slab, offset)) => {
-                let ptr = slab.base + offset;
+            Some((slab, placed)) => {
                 let entry = self.cursor as u32 - 1;
-                self.slab_live.insert(SlabAllocation { ptr, index: self.allocations, entry, size });
+                let ptr = match placed {
+                    Placed::Slab(offset) => {
+                        let ptr = slab.base + offset;
+                        self.slab_live.insert(SlabAllocation { ptr, index: self.allocations, entry, size });
+                        ptr
+                    }
+                    Placed::Bin(ptr) => {
+                        self.bin_live.insert(SlabAllocation { ptr, index: self.allocations, entry, size });
+                        ptr
+                    }
+                };
                 self.counters.planned += 1;
                 Ok(ptr)
             }
@@ -1192,10 +1382,7 @@ impl Planned {
                 // of itself in chunks.
                 if let Some(slab) = self.slab.filter(|slab| slab.size > 0) {
                     self.go_online(slab);
-                    if let Some(offset) = self.take_online(source, size)? {
-                        let slab = self.slab.expect("an online scope has a slab");
-                        let ptr = slab.base + offset;
-                        self.slab_live.insert(SlabAllocation { ptr, index: self.allocations, entry: FOREIGN, size });
+                    if let Some(ptr) = self.serve_online(source, size)? {
                         return Ok(ptr);
                     }
                 }
@@ -1210,17 +1397,8 @@ impl Planned {
                         if self.online.is_none() {
                             self.go_online(slab);
                         }
-                        match self.take_online(source, size)? {
-                            Some(offset) => {
-                                let ptr = slab.base + offset;
-                                self.slab_live.insert(SlabAllocation {
-                                    ptr,
-                                    index: self.allocations,
-                                    entry: FOREIGN,
-                                    size,
-                                });
-                                Ok(ptr)
-                            }
+                        match self.serve_online(source, size)? {
+                            Some(ptr) => Ok(ptr),
                             None => Err(Error::Driver(error)),
                         }
                     }
@@ -1307,6 +1485,7 @@ impl Planned {
         // allocations of experts that routed no tokens are missing), or a new plan whose packing
         // that layout costs at most 1/128 more (the next scope may differ from it), or sizes that
         // vary in shares of a fixed total (`in_shares`).
+        let mut new_sequence = false;
         let (packing, in_order) = match same {
             Some(same) if same_sequence && varies => {
                 let packed = plan::pack(&blocks);
@@ -1330,6 +1509,7 @@ impl Planned {
             // sequence.
             Some(_) if !self.left_at_end => (plan::best_fit_in_order(&blocks), true),
             _ => {
+                new_sequence = true;
                 let packed = plan::pack(&blocks);
                 own_peak = packed.size;
                 let in_order = plan::best_fit_in_order(&blocks);
@@ -1362,7 +1542,10 @@ impl Planned {
             in_order,
             largest,
             own_peak,
+            new_sequence,
+            binned: None,
         };
+        let plan = self.fit_bin(plan);
         self.counters.replans += 1;
         if let Some(same) = self.plans.iter().position(|p| p.key == plan.key) {
             // The scopes it served in this step stay counted.
@@ -1388,6 +1571,8 @@ impl Planned {
         self.late.clear();
         self.online = None;
         self.slab_live.clear();
+        self.bin_live.clear();
+        self.bin_free = None;
         self.deviated = false;
         self.left_at_end = false;
         self.slab_refused = false;
@@ -1483,6 +1668,16 @@ impl Allocator for Planned {
                 if let Some(at) = self.late.iter().position(|&(late, _)| late == offset) {
                     self.late.swap_remove(at);
                 }
+            }
+            return Ok(());
+        }
+        if let Some(allocation) = self.bin_live.remove(served.slot, ptr) {
+            self.events.push(Event::Free(allocation.index));
+            if let (Some(bin), Some(free)) = (self.bin, &mut self.bin_free) {
+                free.give(ptr - bin.ptr, allocation.size);
+            }
+            if allocation.entry != FOREIGN {
+                self.entries[allocation.entry as usize] = Entry::Done;
             }
             return Ok(());
         }
@@ -1699,6 +1894,24 @@ impl Allocator for Planned {
     fn plan_view(&self) -> Option<super::PlanView> {
         let plan = self.plans.iter().max_by_key(|plan| plan.last_used)?;
         Some(super::PlanView { sizes: plan.sizes.clone(), offsets: plan.offsets.clone(), bytes: plan.bytes })
+    }
+
+    /// A bin is wanted once there are plans to serve from a slab that grows in place, and none
+    /// while the slab is lent to a captured step (whose graph is laid out at the plan's own
+    /// offsets, and outlives any loan).
+    fn bin(&self) -> Option<(Option<Bin>, bool)> {
+        let wants = self.lent.is_none() && self.slab.is_some_and(|slab| slab.growable) && !self.plans.is_empty();
+        Some((self.bin, wants))
+    }
+
+    fn set_bin(&mut self, bin: Option<Bin>) {
+        debug_assert!(self.bin_live.is_empty(), "the bin changes while an allocation lives in it");
+        if self.bin == bin {
+            return;
+        }
+        self.bin = bin;
+        let plans = std::mem::take(&mut self.plans);
+        self.plans = plans.into_iter().map(|plan| self.fit_bin(plan)).collect();
     }
 
     fn saved_plans(&self) -> Vec<SavedPlan> {
@@ -2214,6 +2427,54 @@ mod tests {
         assert_eq!(slab.size, 10 * MIB, "the plan's 9 MiB, mapped as its cursor reached them, rounded up to a page");
         assert_eq!(source.held(), 10 * MIB, "and kept mapped for the next scope of the plan");
         assert!(again.iter().all(|&p| p >= slab.base && p < slab.base + slab.size));
+    }
+
+    /// Where a bin lent by another pool lies in the tests: far from any range of the fake source.
+    const BIN_AT: CUdeviceptr = 3 << 50;
+
+    #[test]
+    fn a_bin_holds_the_entries_past_the_plans_last_granule_and_the_slab_maps_a_page_less() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
+        let sizes = [4 * MIB, MIB / 2];
+        assert_eq!(planned.bin(), Some((None, false)), "no bin wanted before a plan exists");
+        live_scope(&mut planned, &mut source, &sizes);
+        assert_eq!(planned.plans[0].bytes, 9 * MIB / 2);
+        assert_eq!(planned.bin(), Some((None, true)));
+        let bin = Bin { ptr: BIN_AT, len: MIB };
+        planned.set_bin(Some(bin));
+        for _ in 0..2 {
+            let (ptrs, slab) = live_scope(&mut planned, &mut source, &sizes);
+            assert_eq!(ptrs, vec![slab.base, BIN_AT], "the half MiB past 4 MiB is served in the bin");
+            assert_eq!(slab.size, 4 * MIB, "two pages mapped, not three");
+            let stats = planned.plan_stats().unwrap();
+            assert_eq!((stats.planned, stats.deviations), (2, 0));
+        }
+        // Without the bin the plan maps its own packing again.
+        planned.set_bin(None);
+        let (ptrs, slab) = live_scope(&mut planned, &mut source, &sizes);
+        assert_eq!(ptrs, vec![slab.base, slab.base + 4 * MIB]);
+        assert_eq!(slab.size, 6 * MIB);
+        // A bin too small for what lies past the boundary changes nothing.
+        planned.set_bin(Some(Bin { ptr: BIN_AT, len: MIB / 4 }));
+        let (ptrs, slab) = live_scope(&mut planned, &mut source, &sizes);
+        assert_eq!((ptrs[1], slab.size), (slab.base + 4 * MIB, 6 * MIB));
+    }
+
+    #[test]
+    fn a_scope_served_online_takes_a_small_request_in_the_bin_when_its_range_there_is_smallest() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
+        live_scope(&mut planned, &mut source, &[3 * MIB, MIB]);
+        planned.set_bin(Some(Bin { ptr: BIN_AT, len: MIB }));
+        // A new shape: served best-fit online. The 3 MiB request fits only the slab; the quarter
+        // and the half MiB find no free range in the slab but its end, which is taken last, and
+        // go to the bin.
+        let (ptrs, slab) = live_scope(&mut planned, &mut source, &[3 * MIB, MIB / 4, MIB / 2]);
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned), (1, 2), "the first size matches the plan's, the next do not");
+        assert_eq!(ptrs, vec![slab.base, BIN_AT, BIN_AT + MIB / 4]);
+        // Once the bin is full, the slab serves.
+        let (ptrs, slab) = live_scope(&mut planned, &mut source, &[3 * MIB, MIB / 2, MIB / 2, MIB / 2]);
+        assert_eq!(ptrs, vec![slab.base, BIN_AT, BIN_AT + MIB / 2, slab.base + 3 * MIB]);
     }
 
     #[test]
