@@ -1302,6 +1302,7 @@ fn a_persistent_pool_lends_the_end_of_its_last_page_to_the_plans_of_its_stream()
         assert_eq!(peak, 4 * MIB + 4 * MIB);
         let plan = pool_stats(&rt, phase, &stream).plan.unwrap();
         assert_eq!((plan.planned, plan.deviations), (2, 0));
+        assert_eq!((plan.slab_bytes, plan.bin_bytes), (4 * MIB, MIB / 2), "the step's two pages and the lent half");
     }
     // Weights that come while the loan lasts go past it; the next step borrows the new end of
     // their last page, and the first loan is free for the weights again.

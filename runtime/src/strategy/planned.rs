@@ -1930,6 +1930,7 @@ impl Allocator for Planned {
             deviated_scopes: c.deviated_scopes,
             replans: c.replans,
             slab_bytes: self.slab.or(self.lent).map_or(0, |slab| slab.size),
+            bin_bytes: self.bin.map_or(0, |bin| bin.len),
             plans: plans
                 .into_iter()
                 .map(|plan| PlanSummary {

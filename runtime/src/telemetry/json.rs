@@ -85,6 +85,7 @@ pub fn step_json(report: &StepReport) -> Value {
                     "missing": plan.missing,
                     "replans": plan.replans,
                     "slab_bytes": plan.slab_bytes,
+                    "bin_bytes": plan.bin_bytes,
                     "plans": plan.plans.len(),
                     "overhead": plan.overhead(),
                 })),
