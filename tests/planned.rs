@@ -1320,3 +1320,36 @@ fn a_persistent_pool_lends_the_end_of_its_last_page_to_the_plans_of_its_stream()
     drop(stream);
     assert!(rt.take_errors().is_empty());
 }
+
+#[test]
+fn an_automatic_phase_that_chose_the_plan_borrows_the_bin_too() {
+    let rt = runtime(GIB);
+    let params = rt
+        .declare_phase(
+            PhaseSpec::new("params", Scope::Persistent).strategy(Allocation::Chunked { chunk_bytes: 16 * MIB }),
+        )
+        .unwrap();
+    let phase = planned_phase(&rt, "step", Scope::Step, Allocation::Auto);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let weights = rt.alloc(params, 7 * MIB / 2, &stream).unwrap();
+    let mut small_at = Vec::new();
+    for _ in 0..4 {
+        // Three 2.25 MiB buffers, the first freed and its memory reused by a fourth, then 1.25
+        // and 0.25 MiB: 8.25 MiB live at the peak. A pool takes a 4 MiB segment per 2.25 MiB
+        // buffer (12 MiB), an arena cannot reuse the first's memory, a plan packs five pages;
+        // with the bin, four.
+        let step = rt.begin_step().unwrap();
+        let alloc = |quarters: u64| step.alloc(phase, quarters * MIB / 4, &stream).unwrap();
+        let first = alloc(9);
+        let kept = [alloc(9), alloc(9)];
+        drop(first);
+        let rest = [alloc(9), alloc(5), alloc(1)];
+        small_at.push(rest[2].ptr());
+        drop((kept, rest));
+        step.end().unwrap();
+    }
+    let stats = pool_stats(&rt, phase, &stream);
+    assert_eq!(stats.chosen, Some(Allocation::PLANNED));
+    assert_eq!(stats.plan.unwrap().bin_bytes, MIB / 2);
+    assert_eq!(*small_at.last().unwrap(), weights.ptr() + 7 * MIB / 2, "served in the weights' last page");
+}

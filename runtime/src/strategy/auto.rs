@@ -31,7 +31,7 @@ use steppool_sys::{CUdeviceptr, CUstream_flags, Driver};
 use steppool_trace::plans::SavedPlan;
 use steppool_trace::recommend::{Candidate, recommend};
 
-use super::{Allocator, Arena, Direct, Planned, Served};
+use super::{Allocator, Arena, Bin, Direct, Planned, Served};
 use crate::device_core::DeviceCore;
 use crate::error::Result;
 use crate::phase::{ALIGNMENT, PhaseEntry, Strategy};
@@ -295,6 +295,16 @@ impl Allocator for Auto {
 
     fn chosen(&self) -> Option<Strategy> {
         self.chosen
+    }
+
+    /// A chosen planned strategy takes bins as a planned phase does; the recording (served
+    /// directly) takes none, and it is replaced only once, before any bin is lent.
+    fn bin(&self) -> Option<(Option<Bin>, bool)> {
+        self.inner.bin()
+    }
+
+    fn set_bin(&mut self, bin: Option<Bin>) {
+        self.inner.set_bin(bin);
     }
 }
 
