@@ -492,9 +492,9 @@ pub struct PlanStats {
     pub replans: u64,
     /// Bytes of the slab shared by the plans, held from the pool now.
     pub slab_bytes: u64,
-    /// Bytes of the bin held now: the unused end of a persistent pool's last page, lent for the
-    /// step (see [`Allocator::lend_tail`](crate::strategy::Allocator)), where the plans serve
-    /// the entries past their last page boundary; 0 without one.
+    /// Bytes of the bin held now: the unused end of the last page of a `Chunked` persistent
+    /// pool on the same stream, lent at the step's start, where the plans serve the entries past
+    /// their last page boundary so that the slab maps a page less; 0 without one.
     pub bin_bytes: u64,
     /// The plans kept, most recently used first.
     pub plans: Vec<PlanSummary>,
