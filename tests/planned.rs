@@ -1353,3 +1353,108 @@ fn an_automatic_phase_that_chose_the_plan_borrows_the_bin_too() {
     assert_eq!(stats.plan.unwrap().bin_bytes, MIB / 2);
     assert_eq!(*small_at.last().unwrap(), weights.ptr() + 7 * MIB / 2, "served in the weights' last page");
 }
+
+/// One op of a step in the bin property test.
+#[derive(Clone, Debug)]
+enum BinOp {
+    /// A step allocation of this many 64 KiB units.
+    Step(u64),
+    /// Frees the step allocation picked by this index among the live ones.
+    FreeStep(usize),
+    /// A persistent allocation of this many 64 KiB units.
+    Persistent(u64),
+    /// Frees the persistent allocation picked by this index among the live ones.
+    FreePersistent(usize),
+}
+
+fn bin_op() -> impl Strategy<Value = BinOp> {
+    prop_oneof![
+        6 => (1u64..48).prop_map(BinOp::Step),
+        3 => any::<usize>().prop_map(BinOp::FreeStep),
+        1 => (1u64..48).prop_map(BinOp::Persistent),
+        1 => any::<usize>().prop_map(BinOp::FreePersistent),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// A persistent `Chunked` phase lends the end of its last page to a planned phase on the same
+    /// stream while both allocate and free at random, steps repeating one of a few shapes: no
+    /// hand-out of either ever overlaps a live one of the other, every one lies in mapped pages,
+    /// and nothing is left mapped once the runtime is gone.
+    #[test]
+    fn a_page_lent_between_a_persistent_pool_and_a_plan_is_never_handed_out_twice(
+        shapes in prop::collection::vec(prop::collection::vec(bin_op(), 1..30), 1..3),
+        order in prop::collection::vec(0usize..8, 2..12),
+    ) {
+        let driver = steppool::sys::Driver::simulated(SimConfig::with_capacity(4 * GIB)).unwrap();
+        let rt = Runtime::with_driver(driver.clone()).unwrap();
+        let persistent = rt
+            .declare_phase(PhaseSpec::new("params", Scope::Persistent).strategy(Allocation::Chunked { chunk_bytes: 8 * MIB }))
+            .unwrap();
+        let step_phase = planned_phase(&rt, "step", Scope::Step, Allocation::PLANNED);
+        let stream = rt.device(0).unwrap().create_stream().unwrap();
+        let sim = driver.sim().expect("a simulated driver");
+        let mut ranges = Ranges::default();
+        let mut kept: Vec<(CUdeviceptr, u64)> = Vec::new();
+        let unit = 64 * KIB;
+        let mapped = |ptr: CUdeviceptr, size: u64| {
+            let mut to = ptr;
+            for range in sim.mapped_ranges() {
+                if range.base <= to && to < range.base + range.size {
+                    to = range.base + range.size;
+                }
+            }
+            to >= ptr + size
+        };
+        // Weights first, so there is a last page to lend from the first step on.
+        // SAFETY: nothing runs on the device; every pointer is freed or released below.
+        let first = unsafe { rt.raw().alloc(persistent, 5 * unit, &stream) }.unwrap();
+        ranges.insert(first, 5 * unit).map_err(TestCaseError::fail)?;
+        kept.push((first, 5 * unit));
+        for &pick in &order {
+            let ops = &shapes[pick % shapes.len()];
+            rt.raw().begin_step().unwrap();
+            let mut live: Vec<(CUdeviceptr, u64)> = Vec::new();
+            for op in ops {
+                match *op {
+                    BinOp::Step(units) | BinOp::Persistent(units) => {
+                        let phase = if matches!(op, BinOp::Step(_)) { step_phase } else { persistent };
+                        // SAFETY: as above.
+                        let ptr = unsafe { rt.raw().alloc(phase, units * unit, &stream) }.unwrap();
+                        ranges.insert(ptr, units * unit).map_err(TestCaseError::fail)?;
+                        prop_assert!(mapped(ptr, units * unit), "{:#x}+{} is not mapped", ptr, units * unit);
+                        if matches!(op, BinOp::Step(_)) {
+                            live.push((ptr, units * unit));
+                        } else {
+                            kept.push((ptr, units * unit));
+                        }
+                    }
+                    BinOp::FreeStep(pick) | BinOp::FreePersistent(pick) => {
+                        let list = if matches!(op, BinOp::FreeStep(_)) { &mut live } else { &mut kept };
+                        if list.is_empty() {
+                            continue;
+                        }
+                        let (ptr, _) = list.swap_remove(pick % list.len());
+                        // SAFETY: as above.
+                        unsafe { rt.raw().free(ptr) }.unwrap();
+                        ranges.remove(ptr);
+                    }
+                }
+            }
+            // SAFETY: the step's pointers are not used after its end releases them.
+            unsafe { rt.raw().end_step() }.unwrap();
+            for (ptr, _) in live {
+                ranges.remove(ptr);
+            }
+        }
+        for (ptr, _) in kept {
+            // SAFETY: as above.
+            unsafe { rt.raw().free(ptr) }.unwrap();
+        }
+        drop(stream);
+        drop(rt);
+        prop_assert!(sim.mapped_ranges().is_empty(), "pages left mapped: {:?}", sim.mapped_ranges());
+    }
+}
