@@ -1277,14 +1277,19 @@ fn bin_step(rt: &Runtime, phase: Phase, stream: &steppool::Stream) -> (CUdevicep
     (at, peak)
 }
 
+/// A persistent phase that packs its allocations in one range grown in place: the lender of the
+/// bin tests.
+fn params_phase(rt: &Runtime) -> Phase {
+    rt.declare_phase(
+        PhaseSpec::new("params", Scope::Persistent).strategy(Allocation::Chunked { chunk_bytes: 16 * MIB }),
+    )
+    .unwrap()
+}
+
 #[test]
 fn a_persistent_pool_lends_the_end_of_its_last_page_to_the_plans_of_its_stream() {
     let rt = runtime(GIB);
-    let weights = rt
-        .declare_phase(
-            PhaseSpec::new("params", Scope::Persistent).strategy(Allocation::Chunked { chunk_bytes: 16 * MIB }),
-        )
-        .unwrap();
+    let weights = params_phase(&rt);
     let phase = planned_phase(&rt, "step", Scope::Step, Allocation::PLANNED);
     let stream = rt.device(0).unwrap().create_stream().unwrap();
     // 3.5 MiB of weights: two pages, the second half used.
@@ -1324,11 +1329,7 @@ fn a_persistent_pool_lends_the_end_of_its_last_page_to_the_plans_of_its_stream()
 #[test]
 fn an_automatic_phase_that_chose_the_plan_borrows_the_bin_too() {
     let rt = runtime(GIB);
-    let params = rt
-        .declare_phase(
-            PhaseSpec::new("params", Scope::Persistent).strategy(Allocation::Chunked { chunk_bytes: 16 * MIB }),
-        )
-        .unwrap();
+    let params = params_phase(&rt);
     let phase = planned_phase(&rt, "step", Scope::Step, Allocation::Auto);
     let stream = rt.device(0).unwrap().create_stream().unwrap();
     let weights = rt.alloc(params, 7 * MIB / 2, &stream).unwrap();

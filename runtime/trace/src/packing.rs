@@ -344,7 +344,6 @@ const BIN_MOST: usize = 256;
 
 /// [`into_bin`]'s first way: the blocks at the top move.
 fn move_top(blocks: &[Block], packing: &Packing, granule: u64, len: u64) -> Option<BinLayout> {
-    const MOST: usize = BIN_MOST;
     let mut layout: Option<BinLayout> = None;
     let mut moved: Vec<usize> = Vec::new();
     let mut top = packing.size;
@@ -354,7 +353,7 @@ fn move_top(blocks: &[Block], packing: &Packing, granule: u64, len: u64) -> Opti
         candidate.extend(
             (0..blocks.len()).filter(|&id| !moved.contains(&id) && packing.offsets[id] + blocks[id].size > ceiling),
         );
-        if candidate.len() > MOST {
+        if candidate.len() > BIN_MOST {
             break;
         }
         let Some(at) = bin_offsets(blocks, &mut candidate, len) else { break };
