@@ -123,6 +123,12 @@ impl RuntimeInner {
         slots: &'s PoolSlots,
         caller: Caller,
     ) -> Result<(&'s Arc<PhasePool>, Served)> {
+        // Under a capture the runtime does not own, an allocation it served would be reused by
+        // the graph's relaunches behind its back; it ends the capture instead (`capture.rs`).
+        // Asked first: a stream's first allocation in a phase creates its pool, and the driver
+        // refuses `cuMemPoolCreate` during a global capture (measured on an H200, driver
+        // 580.159.04), invalidating it.
+        stream.refuse_capture("allocation")?;
         let pool = self.pool(stream, slots, phase)?;
         let spec = pool.spec();
         let allowed = matches!(
@@ -151,9 +157,6 @@ impl RuntimeInner {
                 device_total: device.total_memory,
             });
         }
-        // Under a capture the runtime does not own, an allocation it served would be reused by
-        // the graph's relaunches behind its back; it ends the capture instead (`capture.rs`).
-        stream.refuse_capture("allocation")?;
         let raw = caller == Caller::Raw;
         match self.try_allocate(pool, bytes, raw) {
             Err(Error::Driver(error)) if error.is_out_of_memory() => {

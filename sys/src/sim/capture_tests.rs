@@ -83,9 +83,14 @@ impl Fixture {
         self.driver.device_graph_mem_counters(0).unwrap()
     }
 
+    /// The pool's used bytes, read in relaxed mode: a pool attribute is a potentially unsafe
+    /// call, which a global capture prohibits.
     fn pool_used(&self) -> u64 {
+        let mode = self.driver.thread_exchange_capture_mode(RELAXED).unwrap();
         // SAFETY: the pool comes from this driver.
-        unsafe { self.driver.mem_pool_counters(self.pool) }.unwrap().used
+        let used = unsafe { self.driver.mem_pool_counters(self.pool) }.unwrap().used;
+        self.driver.thread_exchange_capture_mode(mode).unwrap();
+        used
     }
 
     /// Captures on `stream`: allocations of `sizes`, each freed in the graph when `free_all`.
@@ -184,15 +189,21 @@ fn a_free_under_capture_must_name_a_graph_allocation() {
     let f = Fixture::new();
     let eager = f.alloc(MIB, f.stream).unwrap();
     f.begin(f.stream, GLOBAL).unwrap();
+    // Refused, and the capture goes on, as on an H200.
     assert_eq!(code(f.free(eager, f.stream)), CUresult::CUDA_ERROR_INVALID_VALUE);
-    assert_eq!(f.status(f.stream), INVALIDATED);
-    assert_eq!(code(f.end(f.stream)), CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    assert_eq!(f.status(f.stream), ACTIVE);
+    let graph = f.end(f.stream).unwrap();
+    // SAFETY: just returned; nothing else holds it.
+    unsafe { f.driver.graph_destroy(graph) }.unwrap();
     f.free(eager, f.stream).unwrap();
     f.begin(f.stream, GLOBAL).unwrap();
     let ptr = f.alloc(MIB, f.stream).unwrap();
     f.free(ptr, f.stream).unwrap();
     assert_eq!(code(f.free(ptr, f.stream)), CUresult::CUDA_ERROR_INVALID_VALUE, "freed twice in one capture");
-    assert_eq!(code(f.end(f.stream)), CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    assert_eq!(f.status(f.stream), ACTIVE);
+    let graph = f.end(f.stream).unwrap();
+    // SAFETY: just returned; nothing else holds it.
+    unsafe { f.driver.graph_destroy(graph) }.unwrap();
 }
 
 #[test]
@@ -303,6 +314,15 @@ fn unsafe_calls_follow_the_capture_modes() {
                 code(unsafe { f.driver.mem_pool_trim_to(f.pool, 0) }),
                 CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
             );
+            assert_eq!(
+                // SAFETY: handles of this fixture's driver, which checks them.
+                code(unsafe { f.driver.mem_pool_counters(f.pool) }),
+                CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+            );
+            let props = crate::PoolProps::device(0).build();
+            assert_eq!(code(f.driver.mem_pool_create(&props)), CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            // Graph memory may be trimmed in every mode.
+            f.driver.device_graph_mem_trim(0).unwrap();
         } else {
             let ptr = result.unwrap();
             // SAFETY: allocated just above; nothing uses it.
@@ -404,13 +424,24 @@ fn events_fork_streams_into_a_capture_which_must_join_them_back() {
         f.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap(),
         f.driver.event_create(CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap(),
     );
+    // An event recorded in a capture cannot be queried or waited for from the host: refused, and
+    // the capture is invalidated (as on an H200).
+    for query in [true, false] {
+        f.begin(f.stream, GLOBAL).unwrap();
+        // SAFETY: events and streams of this driver.
+        let asked = unsafe {
+            f.driver.event_record(fork, f.stream).unwrap();
+            if query { f.driver.event_query(fork).map(drop) } else { f.driver.event_synchronize(fork) }
+        };
+        assert_eq!(code(asked), CUresult::CUDA_ERROR_CAPTURED_EVENT);
+        assert_eq!(f.status(f.stream), INVALIDATED);
+        assert_eq!(code(f.end(f.stream)), CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
     for joined in [false, true] {
         f.begin(f.stream, GLOBAL).unwrap();
         // SAFETY: events and streams of this driver.
         unsafe {
             f.driver.event_record(fork, f.stream).unwrap();
-            assert_eq!(code(f.driver.event_query(fork)), CUresult::CUDA_ERROR_CAPTURED_EVENT);
-            assert_eq!(code(f.driver.event_synchronize(fork)), CUresult::CUDA_ERROR_CAPTURED_EVENT);
             f.driver.stream_wait_event(f.other, fork).unwrap();
         }
         assert_eq!(f.status(f.other), ACTIVE, "the wait forked `other` into the capture");

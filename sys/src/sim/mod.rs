@@ -48,6 +48,16 @@
 //! The driver's placement policy is unpublished; this is steppool's model of it, documented so
 //! that its numbers can be read for what they are and calibrated against real GPU runs.
 //!
+//! **Calibration** (`benches/results/2026-11-27-h200-calibration.md`: an H200, driver
+//! 580.159.04, CUDA 13.0). Where steppool places allocations in pages it maps itself (the
+//! planned strategy's growable slabs), the driver's peaks equal this model's on all 23 traces
+//! replayed. Where the driver places them, they do not: its pool reserves in units of 32 MiB (a
+//! one-byte request reserved 32 MiB, 33 MiB reserved 64) and places allocations across the units'
+//! boundaries, as in one range that grows, so its peak was 0.61 to 1.26 times this model's for
+//! one pool (lower on variable shapes, higher on the small traces), 0.64 to 2.0 for phase pools,
+//! and 0.98 to 1.20 for the arena's slabs. Figures of `default-pool`, `phase-pools` and `arena`
+//! on this device are this model's, not the driver's.
+//!
 //! - **Reservations.** A pool reserves device memory in *segments*. When no free piece fits an
 //!   allocation, the pool reserves a new segment of the request rounded up to the granule
 //!   (`STEPPOOL_SIM_GRANULE`, default 2 MiB). A device refuses a segment that would take its
@@ -56,7 +66,9 @@
 //!   enable an unrelated memory allocation request in the same process to succeed".
 //! - **Placement.** Allocations are rounded up to 512 bytes, which is also their alignment, and
 //!   placed best-fit: the smallest free piece that is large enough, the lowest address on ties,
-//!   at the start of that piece. Freed neighbours merge; pieces never span two segments.
+//!   at the start of that piece. Freed neighbours merge; pieces never span two segments. A
+//!   request of zero bytes succeeds with a null pointer and places nothing (as the driver
+//!   answered on an H200).
 //! - **Stream order.** Every stream-ordered call moves its stream one position forward; events
 //!   carry the position (and everything it was ordered after) at which they were recorded. Memory
 //!   freed on stream A is reusable at once on A; on another stream B once B is ordered after the
@@ -90,22 +102,28 @@
 //!   device range must lie inside one live allocation (`CUDA_ERROR_INVALID_VALUE` otherwise).
 //!   The synchronous `cuMemcpy*_v2` and `cuMemsetD8_v2` are the asynchronous call on the legacy
 //!   stream followed by its synchronization.
-//! - **Stream capture and graphs** (`capture.rs`; *unconfirmed until the capture conformance
-//!   tests have run on a GPU*). While a stream captures, its stream-ordered calls are recorded,
+//! - **Stream capture and graphs** (`capture.rs`). The capture conformance tests ran on an H200
+//!   (driver 580.159.04, 2026-11-27): the codes and capture states of synchronizations, queries,
+//!   `cuMemAlloc`, `cuMemPoolTrimTo`, `cuMemPoolCreate`, `cuMemPoolGetAttribute`,
+//!   `cuDeviceGraphMemTrim`, queries of captured events and frees of memory allocated before the
+//!   capture are the driver's, in all three modes, as are graph allocations keeping their
+//!   addresses across relaunches; rules marked *unconfirmed* have not been seen on a GPU. While a stream captures, its stream-ordered calls are recorded,
 //!   not run: `cuMemAllocAsync`/`cuMemAllocFromPoolAsync` become allocation nodes whose address
 //!   is reserved at once and fixed for the graph's life (the pool only parameterises the node;
-//!   nothing counts against it), `cuMemFreeAsync` a free node that must name a graph allocation,
-//!   kernels, memsets and copies nodes checked against live memory. A synchronization or query
+//!   nothing counts against it), `cuMemFreeAsync` a free node that must name a graph allocation
+//!   (of memory allocated outside the capture it is `CUDA_ERROR_INVALID_VALUE`, and the capture
+//!   goes on), kernels, memsets and copies nodes checked against live memory. A synchronization or query
 //!   of a capturing stream is `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture;
 //!   later calls on it return `..._INVALIDATED` until `cuStreamEndCapture`, which returns no
 //!   graph. Potentially unsafe calls (`cuMemAlloc`, `cuMemFree`, `cuMemPoolTrimTo`,
-//!   `cuDeviceGraphMemTrim`) follow the rules of `cuThreadExchangeStreamCaptureMode` (global,
-//!   thread-local, relaxed); `cuCtxSynchronize` with a capturing stream in the context is
+//!   `cuMemPoolCreate`, `cuMemPoolGetAttribute`, `cuMemPoolSetAttribute`) follow the rules of
+//!   `cuThreadExchangeStreamCaptureMode` (global, thread-local, relaxed); `cuDeviceGraphMemTrim`
+//!   is allowed in every mode; `cuCtxSynchronize` with a capturing stream in the context is
 //!   refused; work on the legacy stream while a blocking stream captures is `..._IMPLICIT`;
 //!   events recorded in a capture fork other streams into it, must be joined back
 //!   (`..._UNJOINED`), cannot be waited on from another capture (`..._MERGE`), and cannot be
-//!   queried or synchronized (`CUDA_ERROR_CAPTURED_EVENT`); waiting in capture on an event
-//!   recorded outside it is `..._ISOLATION`. Graph memory comes from a per-device graph pool
+//!   queried or synchronized (`CUDA_ERROR_CAPTURED_EVENT`, invalidating the capture); waiting
+//!   in capture on an event recorded outside it is `..._ISOLATION`. Graph memory comes from a per-device graph pool
 //!   whose reservation counts against the device: an executable graph's first launch maps its
 //!   footprint (the peak of its allocations in node order, each rounded to the granule), which
 //!   stays associated with graphs ("used") until the executable graph is destroyed, and

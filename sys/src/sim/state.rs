@@ -1209,6 +1209,9 @@ impl State {
     pub(crate) fn mem_alloc_async(&mut self, bytes: usize, stream: CUstream) -> R<CUdeviceptr> {
         self.require_pools()?;
         let id = self.stream(stream)?;
+        if bytes == 0 {
+            return Ok(0);
+        }
         if let Some(sequence) = self.capture_gate(id)? {
             return self.capture_alloc(sequence, id, bytes as u64);
         }
@@ -1224,6 +1227,9 @@ impl State {
     ) -> R<CUdeviceptr> {
         let pool = self.pool(pool)?;
         let id = self.stream(stream)?;
+        if bytes == 0 {
+            return Ok(0);
+        }
         if let Some(sequence) = self.capture_gate(id)? {
             return self.capture_alloc(sequence, id, bytes as u64);
         }
@@ -1256,6 +1262,7 @@ impl State {
 
     pub(crate) fn mem_pool_create(&mut self, props: &CUmemPoolProps) -> R<CUmemoryPool> {
         self.require_pools()?;
+        self.capture_forbids_unsafe_call()?;
         // Before 12.2 `maxSize` was part of the reserved bytes, which must be zero.
         let max_size_known = self.config.driver_version >= 12020;
         if props.allocType != CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED
@@ -1309,6 +1316,7 @@ impl State {
     ) -> R<()> {
         use CUmemPool_attribute as A;
         let id = self.pool(raw)?;
+        self.capture_forbids_unsafe_call()?;
         let pool = self.pools.get_mut(&id).expect("pool");
         match attribute {
             A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES => pool.follow_event_dependencies = value != 0,
@@ -1322,9 +1330,11 @@ impl State {
         Ok(())
     }
 
-    pub(crate) fn mem_pool_get_attribute(&self, raw: CUmemoryPool, attribute: CUmemPool_attribute) -> R<u64> {
+    pub(crate) fn mem_pool_get_attribute(&mut self, raw: CUmemoryPool, attribute: CUmemPool_attribute) -> R<u64> {
         use CUmemPool_attribute as A;
-        let pool = &self.pools[&self.pool(raw)?];
+        let id = self.pool(raw)?;
+        self.capture_forbids_unsafe_call()?;
+        let pool = &self.pools[&id];
         Ok(match attribute {
             A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES => u64::from(pool.follow_event_dependencies),
             A::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC => u64::from(pool.allow_opportunistic),
