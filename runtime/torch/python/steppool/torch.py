@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings as _warnings
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Dict, List, Optional, Tuple, Type
@@ -41,6 +42,7 @@ __all__ = [
     "AllocationFailure",
     "PhaseUsage",
     "Step",
+    "StepScopeWarning",
     "alloc",
     "current_phase",
     "empty_cache",
@@ -75,6 +77,18 @@ class _State:
     lock = threading.Lock()
     allocator: Any = None
     pools: Dict[Tuple[str, int], Any] = {}
+    # Whether the runtime serves a GPU (None: not asked yet).
+    on_gpu: Optional[bool] = None
+    # (device, stream) pairs whose cuBLAS workspace was made outside step-scoped phases.
+    blas_ready: set = set()
+    # Step-scoped phases already warned about releasing memory PyTorch still held.
+    warned: set = set()
+
+
+class StepScopeWarning(UserWarning):
+    """A step's end released memory of a step-scoped phase that PyTorch still held: a tensor or a
+    library workspace made inside the phase outlived the step, and its memory may be handed out
+    again while it is in use."""
 
 
 def _torch() -> Any:
@@ -183,12 +197,54 @@ def use(
 
 
 def _mempool_mode() -> bool:
-    """Whether phases go through ``torch.cuda.MemPool``: torch is loaded, has CUDA, and steppool
-    is not the process's allocator."""
+    """Whether phases go through ``torch.cuda.MemPool``: torch is loaded, has CUDA, steppool is
+    not the process's allocator, and its runtime serves the GPU (a runtime on the simulated
+    device cannot back PyTorch's tensors, so its phases are steppool's own)."""
     if _State.allocator is not None or "torch" not in sys.modules:
         return False
     torch = sys.modules["torch"]
-    return bool(torch.cuda.is_available())
+    if not torch.cuda.is_available():
+        return False
+    if _State.on_gpu is None:
+        _State.on_gpu = native().telemetry()["driver"] == "cuda"
+    return _State.on_gpu
+
+
+def _make_blas_workspace() -> None:
+    """Makes the current stream's cuBLAS and cuBLASLt workspaces before a step-scoped phase is
+    entered.
+
+    PyTorch allocates them on the first matrix product on a stream and keeps them for the
+    process's life: made inside a step-scoped phase, the step's end would release memory cuBLAS
+    goes on writing (seen on an H200 as ``CUBLAS_STATUS_EXECUTION_FAILED`` some steps later).
+    Asking for the handle makes cuBLAS's (32 MiB there); a product with a bias, which PyTorch
+    hands to cuBLASLt, makes cuBLASLt's (1 MiB). Both here, in the phase current outside."""
+    torch = _torch()
+    key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    if key not in _State.blas_ready:
+        torch.cuda.current_blas_handle()
+        ones = torch.ones(2, 2, device="cuda")
+        torch.nn.functional.linear(ones, ones, ones[0])
+        _State.blas_ready.add(key)
+
+
+def _warn_about_released(report: Optional[Dict[str, Any]]) -> None:
+    """Warns, once per phase, when the step that ended released memory of a step-scoped phase
+    while steppool is PyTorch's allocator: PyTorch held it still (it frees every tensor it drops)."""
+    if report is None:
+        return
+    for entry in report.get("phases", []):
+        name, released = entry.get("phase"), int(entry.get("released_bytes", 0))
+        if released > 0 and entry.get("scope") != "persistent" and name not in _State.warned:
+            _State.warned.add(name)
+            _warnings.warn(
+                f"step {report.get('step')} ended while PyTorch still held {released} bytes of the "
+                f"step-scoped phase {name!r}; they were released and may be handed out again while "
+                "in use. Make tensors and library workspaces that outlive a step outside step-scoped "
+                "phases (a warm-up step before the first steppool.torch.step(), say).",
+                StepScopeWarning,
+                stacklevel=3,
+            )
 
 
 def _mempool(name: str) -> Any:
@@ -221,6 +277,8 @@ class _Phase:
                 "so only persistent phases are allowed. Call steppool.torch.use() first for step scopes.",
                 "invalid",
             )
+        if _State.allocator is not None and self.scope != "persistent":
+            _make_blas_workspace()
         native().phase_enter(self.name, self.scope, self.strategy)
         if mempool:
             torch = _torch()
@@ -280,6 +338,8 @@ class Step:
     ) -> None:
         if native().telemetry().get("active_step") == self.index:
             native().end_step()
+            if _State.allocator is not None:
+                _warn_about_released(last_step_report())
 
     def __repr__(self) -> str:
         return f"Step({self.index})"
@@ -291,8 +351,14 @@ def step() -> Step:
 
     Call it at the top of each iteration, or use it as ``with steppool.torch.step():`` around
     one (the step then ends at the block's end). Returns the new :class:`Step`.
+
+    Warns (:class:`StepScopeWarning`, once per phase) when the step that ended released memory
+    PyTorch still held.
     """
-    return Step(native().step())
+    index = native().step()
+    if _State.allocator is not None:
+        _warn_about_released(last_step_report())
+    return Step(index)
 
 
 @dataclass(frozen=True)

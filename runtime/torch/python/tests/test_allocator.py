@@ -1,8 +1,10 @@
 """steppool's Python package over its C ABI, on the simulated device, without PyTorch."""
 
 import pickle
+import sys
 import threading
 import urllib.request
+import warnings
 from typing import List
 
 import pytest
@@ -177,3 +179,49 @@ def test_init_runs_once():
     with pytest.raises(steppool.AlreadyInitialisedError) as error:
         sp.init()
     assert "planned" in error.value.message
+
+
+class _FakeCuda:
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+
+class _FakeTorch:
+    """A loaded PyTorch with a GPU, as the package sees it through ``sys.modules``."""
+
+    cuda = _FakeCuda()
+
+
+def test_step_phases_stay_steppools_own_on_the_simulated_device_even_with_torch_loaded(monkeypatch):
+    # A CUDA build of PyTorch in the process does not turn a simulated runtime's phases into
+    # torch.cuda.MemPool phases (only persistent ones): its memory cannot back tensors.
+    monkeypatch.setitem(sys.modules, "torch", _FakeTorch())
+    monkeypatch.setattr(sp._State, "on_gpu", None)
+    sp.step()
+    with sp.phase("py_step_with_torch", scope="step"):
+        ptr = sp.alloc(MIB)
+        sp.free(ptr, MIB)
+    assert sp._State.on_gpu is False
+
+
+def test_a_step_that_released_memory_pytorch_held_warns_once_per_phase(monkeypatch):
+    # As PyTorch's allocator: every tensor PyTorch drops is freed, so memory a step end still
+    # finds live in a step-scoped phase is memory PyTorch holds.
+    monkeypatch.setattr(sp._State, "allocator", object())
+    monkeypatch.setattr(sp._State, "warned", set())
+    monkeypatch.setattr(sp, "_make_blas_workspace", lambda: None)
+    sp.step()
+    with sp.phase("py_outlives", scope="step"):
+        sp.alloc(2 * MIB)
+    with pytest.warns(sp.StepScopeWarning, match=r"2097152 bytes of the step-scoped phase 'py_outlives'"):
+        sp.step()
+    with sp.phase("py_outlives", scope="step"):
+        ptr = sp.alloc(MIB)
+        sp.free(ptr, MIB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sp.step()  # nothing held: no warning
+        with sp.phase("py_outlives", scope="step"):
+            sp.alloc(MIB)
+        sp.step()  # held again, but this phase was warned about already
