@@ -1,8 +1,15 @@
-"""Records PyTorch training and inference runs on the CPU as allocation traces steppool replays.
+"""Records PyTorch training and inference runs, on the CPU or a CUDA GPU, as allocation traces
+steppool replays.
 
 Each workload runs under ``torch.profiler`` with ``profile_memory=True``, which reports every
-allocation and free of the CPU allocator (the ``[memory]`` events of the exported chrome trace,
-with ``Addr``, ``Bytes`` and ``Total Allocated``). Steps and micro-steps are marked with
+allocation and free of the device's allocator (the ``[memory]`` events of the exported chrome
+trace, with ``Addr``, ``Bytes`` and ``Total Allocated``). On the CPU that is the CPU allocator;
+with ``--device cuda`` it is PyTorch's CUDA caching allocator (whose requests are rounded to
+512 bytes), and the manifest also keeps what that allocator itself reserved over the workload
+(``torch_cuda``: ``torch.cuda.max_memory_reserved()`` and ``max_memory_allocated()`` from a
+cache emptied before it, the ``PYTORCH_CUDA_ALLOC_CONF`` it ran under, and its retries after
+running out of memory), the real figure the ``torch-caching`` and ``torch-expandable`` models of
+``steppool replay`` stand for. Steps and micro-steps are marked with
 ``record_function`` ranges named ``steppool_step_N`` and ``steppool_micro_N_K``.
 
 Written per workload, into the output folder (default: ``cli/tests/data/recorded``):
@@ -22,6 +29,7 @@ steps from the ``steppool_step_N`` ranges), as it reads any ``torch.profiler`` t
     venv/bin/python benches/traces/record.py [--out DIR] [--only NAME ...] [--seed N] [--steps N]
                                              [--size X] [--width X] [--optimizer O] [--zero-grad Z]
                                              [--clip] [--amp off|bf16|fp16] [--suffix S] [--chrome]
+                                             [--device cpu|cuda]
 
 ``--steps`` replaces every workload's step count; ``--size`` multiplies every batch dimension
 (sequences a batch or micro-batch, images a batch, requests generated together) and ``--width``
@@ -35,7 +43,11 @@ record the shapes of the committed traces.
 loops differ from these (class ``Loop``); their defaults write the loops as the committed traces
 were recorded.
 
-Everything is seeded, but CPU addresses and times differ between runs.
+Everything is seeded, but addresses and times differ between runs. On CUDA the workloads run
+with CUDA as torch's default device (``torch.set_default_device``), so models, batches and
+temporaries are all on the GPU; the same run under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+makes the same requests, so its ``torch_cuda`` figures are PyTorch's expandable mode on the same
+trace.
 """
 
 import argparse
@@ -56,6 +68,9 @@ from torch.utils.checkpoint import checkpoint
 
 # Micro-batches a step in the accumulation workloads.
 ACCUMULATION = 4
+
+# Where the workloads run: `--device`.
+DEVICE = torch.device("cpu")
 
 
 class Scale:
@@ -139,7 +154,7 @@ class Loop:
     def autocast(self, own=None):
         """Autocast as `--amp` says, or as the workload's own `own` dtype when it is not given."""
         dtype = own if self.amp is None else {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.amp]
-        return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+        return torch.autocast(DEVICE.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
     def begin(self, opt):
         """The step's first statement."""
@@ -149,7 +164,7 @@ class Loop:
     def backward(self, loss):
         if self.amp == "fp16":
             if self.scaler is None:
-                self.scaler = torch.amp.GradScaler("cpu")
+                self.scaler = torch.amp.GradScaler(DEVICE.type)
                 KEEP.append(self.scaler)
             self.scaler.scale(loss).backward()
         else:
@@ -540,8 +555,27 @@ def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix="",
     random.seed(seed)
     torch.manual_seed(seed)
     chrome = os.path.join(out_dir, f".{name}.chrome.json")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        # What PyTorch's allocator reserves for this workload alone: the cache of the one before
+        # is given back, and the peaks start again.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, profile_memory=True) as prof:
         info = fn(Marks(), steps, scale, loop or Loop())
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        info["torch_cuda"] = dict(
+            allocator_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+            alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
+            device=torch.cuda.get_device_name(),
+        )
     prof.export_chrome_trace(chrome)
     with open(chrome) as f:
         events = json.load(f)["traceEvents"]
@@ -551,12 +585,15 @@ def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix="",
     os.remove(chrome)
     KEEP.clear()
 
-    memory = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0]
+    # c10's device types: 0 the CPU, 1 CUDA. A CUDA run's CPU tensors are left out.
+    memory = [e for e in events
+              if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == (1 if cuda else 0)]
     memory.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
     ranges = {}
     for e in events:
         n = e.get("name", "")
-        if e.get("ph") == "X" and n.startswith("steppool_"):
+        # The host's ranges; a CUDA run also has the GPU's copies of them (`gpu_user_annotation`).
+        if e.get("ph") == "X" and n.startswith("steppool_") and e.get("cat") != "gpu_user_annotation":
             ranges.setdefault(n, (e["ts"], e["ts"] + e["dur"]))
     t0 = memory[0]["ts"]
     ns = lambda ts: int(round((ts - t0) * 1000))
@@ -595,7 +632,7 @@ def record(name, out_dir, seed, steps=None, scale=Scale(), loop=None, suffix="",
                 boundaries.append((ns(me), 2, {"event": "micro_end", "step": s, "micro": k}))
         boundaries.sort(key=lambda b: (b[0], b[1]))
         lines = [json.dumps({"format": "steppool-trace", "version": 1,
-                             "driver": f"torch {torch.__version__} CPU profiler (profile_memory)",
+                             "driver": f"torch {torch.__version__} {DEVICE.type.upper()} profiler (profile_memory)",
                              "devices": [{"ordinal": 0, "total_bytes": None}], "phases": [],
                              "dropped_events": 0}, separators=(",", ":"))]
         b, last = 0, 0
@@ -653,6 +690,8 @@ def main():
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_ before the optimizer step")
     parser.add_argument("--amp", choices=Loop.AMP, help="autocast (fp16 with a GradScaler; default: each workload's own)")
     parser.add_argument("--suffix", default="", help="appended to each trace's name (file and manifest entry)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the workloads run: the CPU, or the first CUDA GPU (PyTorch's caching allocator)")
     parser.add_argument("--chrome", action="store_true",
                         help="also keep the profiler's Chrome trace, gzipped, as NAME.pt.trace.json.gz")
     args = parser.parse_args()
@@ -661,6 +700,12 @@ def main():
     if args.size <= 0 or args.width <= 0:
         parser.error(f"--size {args.size} and --width {args.width} must be positive")
     scale = Scale(args.size, args.width)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: this torch sees no CUDA device")
+        torch.set_default_device(DEVICE)
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     manifest_path = os.path.join(args.out, "manifest.json")
@@ -668,7 +713,8 @@ def main():
     if os.path.exists(manifest_path):
         with open(manifest_path) as f:
             manifest = json.load(f)
-    manifest["recorded_with"] = (f"benches/traces/record.py, torch {torch.__version__} on the CPU, "
+    where = "the CPU" if DEVICE.type == "cpu" else torch.cuda.get_device_name()
+    manifest["recorded_with"] = (f"benches/traces/record.py, torch {torch.__version__} on {where}, "
                                  "torch.profiler profile_memory=True, one thread")
     for name in args.only or WORKLOADS:
         loop = Loop(args.optimizer, args.zero_grad, args.clip, args.amp)

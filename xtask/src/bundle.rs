@@ -7,11 +7,15 @@
 //! DIR/tests/            the device tests: conformance, runtime, cudarc, capture (the same bodies CI runs on
 //!                       the simulated device), and the libcuda stand-in the cudarc tests load without a GPU
 //! DIR/benches/          the criterion benchmarks
-//! DIR/examples/         training_loop, cudarc_trainer
+//! DIR/examples/         training_loop, cudarc_trainer, torch_gpt.py
 //! DIR/peers/            the Python peer harness
+//! DIR/lib/              libsteppool_torch.so, steppool as PyTorch's allocator
+//! DIR/python/           the `steppool` Python package (without its library: `STEPPOOL_TORCH_LIBRARY`
+//!                       names the one in lib/) and its pytest suite, whose CUDA tests run there
 //! DIR/traces/           the recorded traces the fragmentation benchmark replays and `steppool
 //!                       calibrate` replays on the GPU beside the simulated device; recorded/ the
-//!                       nine recorded workloads too, where they fit the 64 MiB
+//!                       nine recorded workloads too, where they fit the 64 MiB; record.py, which
+//!                       records the workloads on the GPU under PyTorch's allocator in both modes
 //! ```
 //!
 //! Binaries are x86-64 Linux release builds (`--target x86_64-unknown-linux-gnu` on other hosts),
@@ -39,7 +43,7 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
-    for sub in ["bin", "tests", "benches", "examples", "peers", "traces"] {
+    for sub in ["bin", "tests", "benches", "examples", "peers", "traces", "lib", "python"] {
         std::fs::create_dir_all(dir.join(sub))?;
     }
 
@@ -72,6 +76,12 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
     copy_all(&stand_in, &dir.join("tests"))?;
     let examples = executables(&root, &["build", "--release", "-p", "steppool-examples", "--examples"], "example")?;
     copy_all(&examples, &dir.join("examples"))?;
+    let torch = executables(&root, &["build", "--release", "-p", "steppool-torch", "--lib"], "cdylib")?;
+    copy_all(&torch, &dir.join("lib"))?;
+    copy_tree(&root.join("runtime/torch/python/steppool"), &dir.join("python/steppool"))?;
+    copy_tree(&root.join("runtime/torch/python/tests"), &dir.join("python/tests"))?;
+    copy(&root.join("examples/torch_gpt.py"), &dir.join("examples/torch_gpt.py"))?;
+    copy(&root.join("benches/traces/record.py"), &dir.join("traces/record.py"))?;
     let mut bins = executables(&root, &["build", "--release", "-p", "steppool-benches", "--bins"], "bin")?;
     bins.extend(executables(&root, &["build", "--release", "-p", "steppool-tests", "--bin", "device-probe"], "bin")?);
     bins.extend(executables(&root, &["build", "--release", "-p", "steppool-cli", "--bin", "steppool"], "bin")?);
@@ -186,6 +196,19 @@ fn copy_all(executables: &[PathBuf], dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Copies the plain files of `from` into `to` (made if missing), leaving out caches.
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if entry.file_type()?.is_file() && !name.to_str().is_some_and(|n| n.ends_with(".pyc")) {
+            copy(&entry.path(), &to.join(name))?;
+        }
+    }
+    Ok(())
+}
+
 fn copy(from: &Path, to: &Path) -> Result<()> {
     std::fs::copy(from, to).with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
     Ok(())
@@ -210,9 +233,11 @@ fn folder_size(dir: &Path) -> Result<u64> {
 }
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# steppool on a GPU host: device probe, conformance tests, the training-loop example, the
-# benchmarks, the calibration of the simulated device (`steppool calibrate`) and the peer harness,
-# then the results as `cargo xtask bench` writes them.
+# steppool on a GPU host, most needed first: device probe, conformance tests, the calibration of
+# the simulated device (`steppool calibrate`), the examples, steppool as PyTorch's allocator (its
+# pytest suite, examples/torch_gpt.py) and record.py's workloads recorded on the GPU under
+# PyTorch's own allocator in both its modes (then calibrated too), the benchmarks and the peer
+# harness, then the results as `cargo xtask bench` writes them.
 #   ./run.sh [--smoke] [--out DIR]     (results go to DIR, default ./results)
 # Needs no Rust toolchain and no network. Python peers (PyTorch, CuPy, RMM) are measured where
 # python3 has them and recorded as skipped otherwise. Every step runs even if one before failed;
@@ -236,6 +261,9 @@ export STEPPOOL_DEVICE="${STEPPOOL_DEVICE:-cuda}"
 export STEPPOOL_REQUIRE_GPU="${STEPPOOL_REQUIRE_GPU:-1}"
 export STEPPOOL_TRACES="$here/traces"
 export STEPPOOL_BENCH_RECORDS="$work/records.jsonl"
+# What the device tests observe of the driver (return codes under capture, addresses across
+# relaunches), one JSON line each: commit it with the results.
+export STEPPOOL_FACTS="${STEPPOOL_FACTS:-$out/facts.jsonl}"
 export CRITERION_HOME="$work/criterion"
 smoke=()
 if [ "$mode" = smoke ]; then
@@ -255,15 +283,6 @@ for test in "$here"/tests/*; do
     "$test" 2>&1 | tee -a "$work/tests.log" || status=1
 done
 
-step "examples"
-"$here/examples/training_loop" --steps 8 2>&1 | tee "$work/example.log" || status=1
-"$here/examples/cudarc_trainer" 2>&1 | tee -a "$work/example.log" || status=1
-
-step "benchmarks ($mode)"
-for bench in "$here"/benches/*; do
-    "$bench" --bench 2>&1 | tee -a "$work/benches.log" || status=1
-done
-
 step "calibration: the traces replayed on the GPU and on the simulated device"
 calibration=("$here"/traces/*_train.csv)
 for trace in "$here"/traces/recorded/*.csv "$here"/traces/recorded/*.jsonl; do
@@ -271,6 +290,54 @@ for trace in "$here"/traces/recorded/*.csv "$here"/traces/recorded/*.jsonl; do
 done
 "$here/bin/steppool" calibrate "${calibration[@]}" --markdown "$out/calibration.md" --json "$out/calibration.json" \
     2>&1 | tee "$work/calibration.log" || status=1
+
+step "examples"
+"$here/examples/training_loop" --steps 8 2>&1 | tee "$work/example.log" || status=1
+"$here/examples/cudarc_trainer" 2>&1 | tee -a "$work/example.log" || status=1
+
+step "PyTorch: steppool as its allocator; the workloads recorded under its own allocator"
+cuda_recorded="$out/cuda-recorded"
+if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    export STEPPOOL_TORCH_LIBRARY="$here/lib/libsteppool_torch.so"
+    python_path="$here/python${PYTHONPATH:+:$PYTHONPATH}"
+    PYTHONPATH="$python_path" python3 -m pytest -q -rs -p no:cacheprovider "$here/python/tests" 2>&1 \
+        | tee "$work/pytorch.log" || status=1
+    gpt_steps=60
+    [ "$mode" = smoke ] && gpt_steps=20
+    PYTHONPATH="$python_path" python3 "$here/examples/torch_gpt.py" --steps "$gpt_steps" 2>&1 \
+        | tee -a "$work/pytorch.log" || status=1
+    # The same requests under both modes of PyTorch's allocator: the traces (and the profiler's own
+    # files) from the default mode, the expandable mode's peaks in manifest-expandable.json.
+    python3 "$here/traces/record.py" --device cuda --chrome --out "$cuda_recorded" 2>&1 \
+        | grep -v '^USDT' | tee "$work/record.log" || status=1
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/traces/record.py" --device cuda \
+        --out "$work/cuda-expandable" 2>&1 | grep -v '^USDT' | tee -a "$work/record.log" || status=1
+    cp "$work/cuda-expandable/manifest.json" "$cuda_recorded/manifest-expandable.json" || status=1
+    # A CUDA profiler trace read directly must replay as its conversion does.
+    for chrome in "$cuda_recorded"/*.pt.trace.json.gz; do
+        [ -e "$chrome" ] || continue
+        base="${chrome%.pt.trace.json.gz}"
+        converted="$base.csv"
+        [ -e "$converted" ] || converted="$base.jsonl"
+        "$here/bin/steppool" replay "$chrome" --json "$base.profiler-replay.json" >/dev/null 2>>"$work/record.log" \
+            && "$here/bin/steppool" replay "$converted" --json "$base.replay.json" >/dev/null 2>>"$work/record.log" \
+            || status=1
+    done
+    # The traces recorded here, replayed on this GPU and on the simulated device.
+    cuda_traces=()
+    for trace in "$cuda_recorded"/*.csv "$cuda_recorded"/*.jsonl; do
+        [ -e "$trace" ] && cuda_traces+=("$trace")
+    done
+    "$here/bin/steppool" calibrate "${cuda_traces[@]}" --markdown "$out/calibration-cuda-recorded.md" \
+        --json "$out/calibration-cuda-recorded.json" 2>&1 | tee -a "$work/calibration.log" || status=1
+else
+    echo "skipped: python3 has no CUDA build of PyTorch" | tee "$work/pytorch.log"
+fi
+
+step "benchmarks ($mode)"
+for bench in "$here"/benches/*; do
+    "$bench" --bench 2>&1 | tee -a "$work/benches.log" || status=1
+done
 
 step "peers"
 if "$here/bin/steppool-bench-report" export-sequences "$work/sequences" "${smoke[@]}"; then
