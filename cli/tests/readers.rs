@@ -376,3 +376,26 @@ fn a_scheduled_profiler_trace_has_its_profiler_steps_and_the_profilers_own_peak(
     let peak = totals.map(|e| e["args"]["Total Allocated"].as_u64().unwrap()).max().unwrap();
     assert_eq!(analyse(&trace).unwrap().peak_live_bytes, peak);
 }
+
+#[test]
+fn a_cuda_profiler_trace_from_a_gpu_has_pytorchs_own_peak() {
+    // Recorded on an H200 by `record.py --device cuda --chrome`, after another workload in the same
+    // process: cuBLAS's workspaces were allocated before the recording began. The manifest keeps
+    // what PyTorch's allocator itself counted over the run (`torch.cuda.max_memory_allocated()`).
+    let text = std::fs::read_to_string(data("profiler/h200/manifest.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let entry = &manifest["traces"]["train_eval"];
+    let profiler = read_trace(data("profiler/h200").join(entry["chrome"].as_str().unwrap())).unwrap();
+    let converted = read_trace(data("profiler/h200").join(entry["file"].as_str().unwrap())).unwrap();
+    assert_eq!(profiler.format, TraceFormat::Profiler);
+    assert_eq!(profiler.step_count() as u64, entry["steps"].as_u64().unwrap());
+    assert_eq!(profiler.warnings.count(WarningKind::HeldBeforeRecording), 1, "{:?}", profiler.warnings.lines());
+    // The host's own tensors (a loss read back with `.item()`) are left out, counted.
+    assert!(profiler.warnings.count(WarningKind::OtherDevice) > 0);
+    let peak = analyse(&profiler).unwrap().peak_live_bytes;
+    assert_eq!(peak, entry["torch_cuda"]["peak_allocated_bytes"].as_u64().unwrap(), "PyTorch's own peak, to the byte");
+    // The recorder's conversion leaves out the memory from before the recording.
+    let without = analyse(&converted).unwrap().peak_live_bytes;
+    assert_eq!(without, entry["peak_live_bytes"].as_u64().unwrap());
+    assert!(peak > without, "{peak} > {without}");
+}
