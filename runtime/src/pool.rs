@@ -15,13 +15,14 @@ use std::sync::{Arc, OnceLock, PoisonError};
 use steppool_sys::handle::PoolHandle;
 use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
 
+use crate::device_core::GivesBackFreed;
 use crate::error::{Error, ErrorSink, Result};
 use crate::phase::{ALIGNMENT, MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::{PoolId, PoolStats};
 use crate::source::{DeviceSource, Source};
 use crate::strategy::{Allocator, Bin, Served, allocator};
 use crate::stream_core::StreamCore;
-use crate::sync::{PoolMutex, PoolMutexGuard, lock_pool, pool_state_mut};
+use crate::sync::{PoolMutex, PoolMutexGuard, lock_pool, pool_state_mut, try_lock_pool};
 use crate::telemetry::{self, EventKind, PoolMetrics, Recorder, Retired, Usage, thread_number};
 
 /// The pools of one stream, by phase index.
@@ -668,6 +669,19 @@ fn pool_metrics(pool: &PhasePool, usage: Usage, free_space: Option<crate::report
         retired: false,
         usage,
         free_space,
+    }
+}
+
+impl GivesBackFreed for PhasePool {
+    fn give_back_freed(&self) {
+        let Some(mut state) = try_lock_pool(&self.state) else { return };
+        let PoolState { allocator, source, .. } = state.deref_mut();
+        match allocator.give_back_freed(source) {
+            Ok(0) => {}
+            Ok(_) => source.record_reserved(),
+            // The pages stay mapped and counted; the allocation that asked goes on.
+            Err(error) => self.errors.record(error),
+        }
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockRea
 
 use steppool_sys::Driver;
 
-use crate::device_core::DeviceCore;
+use crate::device_core::{DeviceCore, GivesBackFreed};
 use crate::error::{Error, Result};
 use crate::phase::{MAX_PHASES, Phase, PhaseEntry, PhaseSpec};
 use crate::pool::{PhasePool, PoolSinks, PoolSlots};
@@ -170,6 +170,8 @@ impl Registry {
         let peers = stream.device.peers();
         let pool = Arc::new(PhasePool::new(entry, stream.clone(), &peers, sinks())?);
         created(&pool)?;
+        let gives_back: Weak<dyn GivesBackFreed> = Arc::downgrade(&pool) as Weak<PhasePool>;
+        stream.device.freed.register(gives_back);
         let mut pools = write(&self.pools);
         pools.retain(|pool| pool.strong_count() > 0);
         pools.push(Arc::downgrade(&pool));

@@ -107,6 +107,10 @@ pub(crate) trait Source {
     /// the range at `base` touches: all of them, or (refused by the device, an out-of-memory
     /// error) none. Returns the bytes mapped.
     fn fill_range(&mut self, base: CUdeviceptr, offset: u64, len: u64) -> Result<u64>;
+
+    /// The strategy starts (`true`) or stops keeping pages of freed memory mapped, which it gives
+    /// back when the device needs more ([`FreedPages`](crate::device_core::FreedPages)).
+    fn hold_freed(&mut self, _holding: bool) {}
 }
 
 /// An address range of a [`DeviceSource`] that grows in place.
@@ -507,6 +511,7 @@ impl Source for DeviceSource {
         if !self.after_capture.is_empty() {
             self.free_after_capture()?;
         }
+        self.stream.device.freed.before_growth();
         self.poll_retirements(Look::Query, |_| false)?;
         if let Backing::Synchronous(_) = self.backing {
             self.stream.device.make_current()?;
@@ -597,6 +602,7 @@ impl Source for DeviceSource {
         let target = bytes.div_ceil(granule) as usize;
         let mapped = range.pages.len();
         if target > mapped {
+            self.stream.device.freed.before_growth();
             self.poll_retirements(Look::Query, |_| false)?;
             let pages: Vec<usize> = (mapped..target).collect();
             self.map_holes(base, &pages, granule)?;
@@ -655,10 +661,15 @@ impl Source for DeviceSource {
         if !range.pages.get(from..to).is_some_and(|pages| pages.iter().any(Option::is_none)) {
             return Ok(0);
         }
+        self.stream.device.freed.before_growth();
         self.poll_retirements(Look::Query, |_| false)?;
         let range = &self.ranges[&base];
         let holes: Vec<usize> = (from..to).filter(|&page| range.pages[page].is_none()).collect();
         self.map_holes(base, &holes, granule)
+    }
+
+    fn hold_freed(&mut self, holding: bool) {
+        self.stream.device.freed.hold(holding);
     }
 }
 
@@ -1116,6 +1127,8 @@ pub(crate) mod fake {
         /// in stream order without a wait as [`DeviceSource`](super::DeviceSource) does.
         pub(crate) grows: u64,
         pub(crate) shrinks: u64,
+        /// Whether the strategy keeps pages of freed memory mapped ([`Source::hold_freed`]).
+        pub(crate) holding: bool,
     }
 
     /// Where the fake device's addresses start.
@@ -1141,6 +1154,7 @@ pub(crate) mod fake {
                 holes: BTreeMap::new(),
                 grows: 0,
                 shrinks: 0,
+                holding: false,
             }
         }
 
@@ -1268,6 +1282,11 @@ pub(crate) mod fake {
             }
             self.grows += 1;
             Ok(bytes)
+        }
+
+        fn hold_freed(&mut self, holding: bool) {
+            assert_ne!(self.holding, holding, "told twice");
+            self.holding = holding;
         }
     }
 }

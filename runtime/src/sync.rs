@@ -43,6 +43,19 @@ pub(crate) fn lock_pool<T>(mutex: &PoolMutex<T>) -> PoolMutexGuard<'_, T> {
     return mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
 }
 
+/// Locks a pool's mutex if no one holds it.
+#[inline]
+pub(crate) fn try_lock_pool<T>(mutex: &PoolMutex<T>) -> Option<PoolMutexGuard<'_, T>> {
+    #[cfg(not(loom))]
+    return mutex.try_lock();
+    #[cfg(loom)]
+    return match mutex.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    };
+}
+
 /// The state behind a pool's mutex, reached through exclusive access (no locking).
 #[inline]
 pub(crate) fn pool_state_mut<T>(mutex: &mut PoolMutex<T>) -> &mut T {

@@ -277,6 +277,10 @@ impl Allocator for Auto {
         self.inner.release_unused(source)
     }
 
+    fn give_back_freed(&mut self, source: &mut dyn Source) -> Result<u64> {
+        self.inner.give_back_freed(source)
+    }
+
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
         self.inner.release_all(source)
     }

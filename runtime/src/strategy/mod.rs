@@ -100,6 +100,12 @@ pub(crate) trait Allocator: Send + fmt::Debug {
         Ok(0)
     }
 
+    /// Another pool on the device (or this one) is about to take new memory: give back the pages
+    /// of freed memory kept mapped ([`Source::hold_freed`]). Returns the bytes given back.
+    fn give_back_freed(&mut self, _source: &mut dyn Source) -> Result<u64> {
+        Ok(0)
+    }
+
     /// The pool is going away: give everything back.
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()>;
 

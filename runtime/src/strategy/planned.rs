@@ -59,8 +59,9 @@
 //! one's buffers badly (an evaluation pass after training steps). When it leaves the plans later,
 //! it is served best-fit from the slab's free space, then from the fallback chunks, and recorded.
 //!
-//! The slab follows the plan of the scope that just ended (the borrowing scope's own plan, not the
-//! one it borrowed): it shrinks at the scope's end when larger than that plan needs by an eighth,
+//! A pool slab follows the plan of the scope that just ended (the borrowing scope's own plan, not the
+//! one it borrowed; a growable slab, the largest plan of the last eight scopes, see below): it
+//! shrinks at the scope's end when larger than that plan needs by an eighth,
 //! and grows, after a stream wait that lets the trim give the old one back, when a larger plan
 //! serves again. So a first step run before the optimizer state existed, or a long sequence, does
 //! not keep the slab at its size while smaller scopes follow.
@@ -106,16 +107,18 @@
 //! past the mapped end maps up to that entry's end; an entry larger than planned is still checked
 //! against every live allocation before it is handed out); a scope served online
 //! (a new shape, a deviation) grows the slab at its end by what its free range there lacks, instead
-//! of taking fallback chunks, and gives back the pages of that free end once they are an eighth of
-//! the slab. At the scope's end the pages past what the plan of the scope that just ended needs are
-//! given back in stream order (no wait for the stream): physical pages are the device's, and another phase takes
-//! them while this one is small. A new shape is served best-fit in the empty range rather than
+//! of taking fallback chunks, and gives back its freed pages when it must map more or another pool
+//! needs memory (below). At the scope's end the pages past what the largest plan of the last eight
+//! scopes needs are given back in stream order (no wait for the stream), and the pages the scope
+//! punched below that are mapped again: physical pages are the device's, and another phase takes
+//! the idle ones whenever it needs memory. A new shape is served best-fit in the empty range rather than
 //! recorded in chunks beside it, and so is the first scope: it is recorded best-fit in the range
 //! from its start, pages mapped at the end as it needs them.
 //!
-//! Nothing is mapped *ahead* of a scope: the boundary keeps at most the pages the plan of the
-//! scope that just ended needs (those the scope left mapped; a plan that serves scope after scope
-//! keeps its pages and maps nothing more), and does not grow the range for the next scope, whose
+//! Nothing is mapped *ahead* of a scope: the boundary keeps at most the pages the recent plans
+//! need (those the scopes left mapped; a plan that serves scope after scope keeps its pages and
+//! maps nothing more; a scope served from its plan first gives back what an earlier, larger scope
+//! left mapped past its own plan), and does not grow the range for the next scope, whose
 //! shape it does not know; a selected plan maps by its cursor, not whole. And a scope of a new
 //! shape does not borrow a larger shape's plan here: it is served best-fit from the range's start,
 //! as a new shape is, and records its own. Both matter when the first step is the largest (a
@@ -130,30 +133,38 @@
 //! serves the next scope of its shape.
 //!
 //! What makes that right is that a scope served online gives back its free pages *wherever they
-//! are* as it runs ([`Planned::punch_freed`]), not only those at the range's end: each time it has
-//! freed a 256th of the range (at least a page), it gives back the whole pages of every free range
-//! ([`Source::punch_range`]) in stream order, without waiting for the stream; a range handed out
-//! over such a hole maps its pages again first ([`Source::fill_range`]). So what the range holds
-//! is the pages its live allocations touch plus at most a 256th of it freed since the last punch, however
-//! best fit has scattered them: a buffer reallocated larger (a KV cache grown by concatenation)
-//! leaves no stranded copy below it, and a range freed below a live allocation goes back as well
-//! as one at the end. Recording the first scope in the range without this was measured and not
-//! kept (the generated KV-cache trace 1.024× to 1.062× peak live, static BERT at scale 0.05 1.008×
-//! to 1.036×, the shared ViT 1.015× to 1.027×); recording it in fallback chunks, as before, leaves
-//! the last chunk mostly unused at the scope's peak (up to 256 MiB: the generated ResNet trace at
-//! scale 1, 1.043× against torch-expandable's 1.012×). With both, that ResNet trace reaches 1.003×,
-//! the generated curriculum at scale 1 1.002× (1.043× before), and no trace measured reserves
-//! more at 80 GiB; the recorded KV-cache trace needs one 2 MiB page more on its smallest device (a
-//! 15 KiB allocation of its recording keeps an otherwise free page mapped, where the chunks packed
-//! small requests together).
-//! Only scopes the slab did not serve from a plan (a recording, a new shape, a deviation) punch,
-//! at most 256 times per range's worth of bytes freed, and no punch waits for the stream: the
+//! are* ([`Planned::punch_freed`]), not only those at the range's end, before it maps more: when
+//! it grows the range, the whole pages of every other free range go back first
+//! ([`Source::punch_range`]); when a hand-out lands over such a hole, every free page goes back,
+//! the range's free end included, before the hole's pages are mapped again
+//! ([`Source::fill_range`]). So whenever the range maps, what it holds is the pages its live
+//! allocations touch plus the free end it grows into, however best fit has scattered them: a
+//! buffer reallocated larger (a KV cache grown by concatenation) leaves no stranded copy below it,
+//! and a range freed below a live allocation goes back as well as one at the end. Recording the
+//! first scope in the range without this was measured and not kept (the generated KV-cache trace
+//! 1.024× to 1.062× peak live, static BERT at scale 0.05 1.008× to 1.036×, the shared ViT 1.015×
+//! to 1.027×); recording it in fallback chunks, as before, leaves the last chunk mostly unused at
+//! the scope's peak (up to 256 MiB: the generated ResNet trace at scale 1, 1.043× against
+//! torch-expandable's 1.012×). With both, that ResNet trace reaches 1.003×, the generated
+//! curriculum at scale 1 1.002× (1.043× before), and no trace measured reserves more at 80 GiB;
+//! the recorded KV-cache trace needs one 2 MiB page more on its smallest device (a 15 KiB
+//! allocation of its recording keeps an otherwise free page mapped, where the chunks packed small
+//! requests together).
+//!
+//! Freed pages stay mapped until then. A free gives nothing back: the pages wait for the scope's
+//! next growth, for another pool on the device that is about to take memory (the source asks
+//! every pool holding freed pages to give them back first:
+//! [`FreedPages`](crate::device_core::FreedPages)), for the scope's end, or for memory pressure.
+//! Between scopes an idle slab's pages are held the same way. Giving pages back at every free,
+//! as this strategy first did (the free end once it was an eighth of the range, the rest at every
+//! 256th of the range freed), gave the same peaks on the 192 replays of the evaluation (two
+//! reserve a page less now, none more), and on a GPU cost what the simulated device does not: on
+//! an H200 a page took some 50 µs to map and unmap again, an allocation and free of 4 KiB in a
+//! scope served online took 56 µs (1.7 ms for 64 MiB, against 3 µs for the other strategies),
+//! and PyTorch's training step under steppool ran three times slower
+//! (`benches/results/2026-11-27-h200-calibration.md`). No give-back waits for the stream: the
 //! source unmaps the pages once an event recorded after their last use has completed
-//! ([`crate::source`]). A sixty-fourth was measured first: it leaves up to 1.6 % of the range mapped and free at
-//! a scope's peak, more than the distance between the strategies compared here (the recorded
-//! ResNet trace whose largest batch first comes in its last step, recorded online there, held
-//! 10 MiB so, 1.010× peak live, a tie with torch-expandable; 1.003× with a 256th, and no trace
-//! measured reserves more).
+//! ([`crate::source`]).
 //!
 //! A scope served online from an empty slab (a first scope, a new shape) takes the free range
 //! at the slab's end last: best fit over the other free ranges, the end only when none holds the
@@ -459,14 +470,19 @@ fn in_shares(own: &[Block], own_bytes: u64, own_peak: u64, largest_bytes: u64) -
     (in_order.size < largest_bytes).then_some(in_order)
 }
 
-/// How many scopes a plan keeps the slab at its size after it last served: the slab follows the
-/// plan of the scope that just ended, and grows again (after a stream wait) when a larger plan
-/// serves.
+/// How many scopes a plan keeps a pool slab at its size after it last served: the slab follows
+/// the plan of the scope that just ended, and grows again (after a stream wait) when a larger
+/// plan serves.
 const RECENT_SCOPES: u64 = 1;
 
-/// A scope served online from a growable slab gives back its free pages each time it has freed
-/// this fraction of the slab ([`Planned::punch_freed`]).
-const PUNCH_FRACTION: u64 = 256;
+/// The same for a slab that grows in place: its pages stay mapped for the largest plan of the last
+/// eight scopes, so shapes that vary from step to step (sequence lengths, batches) map pages only
+/// when a scope is larger than those before, not at every step. They cost nothing meanwhile: idle
+/// pages go back first whenever another pool on the device takes memory
+/// ([`FreedPages`](crate::device_core::FreedPages)). With one scope, a variable-length step
+/// mapped and unmapped most of its pages at every boundary on the simulated device, which on an
+/// H200 cost some 50 µs a page; with eight, the 192 replays of the evaluation reserve the same.
+const RECENT_SCOPES_IN_RANGE: u64 = 8;
 
 /// The largest fallback chunk: a scope far larger than its slab takes several.
 const MAX_FALLBACK_CHUNK: u64 = 256 << 20;
@@ -616,9 +632,12 @@ pub(crate) struct Planned {
     counters: Counters,
     /// Bytes of emptied fallback chunks given back in the scope since the last wait.
     given_back: u64,
-    /// Bytes freed in a scope served online since its free pages last went back
-    /// ([`Planned::punch_freed`]).
+    /// Bytes freed in a scope served online since its free pages last went back: they go back
+    /// before the scope maps more ([`Planned::punch_freed`], [`Planned::fill_holes`]).
     freed_unpunched: u64,
+    /// Whether the source was told that this pool keeps pages of freed memory mapped
+    /// ([`Source::hold_freed`]), which it gives back when the device needs more.
+    holding_freed: bool,
     /// The source has no ranges that grow in place: slabs are pool allocations.
     no_ranges: bool,
     /// The slab while a captured step holds it ([`Planned::lend_slab`]): out of `slab`, so that
@@ -667,6 +686,7 @@ impl Planned {
             counters: Counters::default(),
             given_back: 0,
             freed_unpunched: 0,
+            holding_freed: false,
             no_ranges: false,
             lent: None,
             bin: None,
@@ -992,13 +1012,14 @@ impl Planned {
     }
 
     /// What the slab should hold at a scope's end: the largest plan that served or was recorded
-    /// in the last [`RECENT_SCOPES`] scopes. A plan that has not served for longer (the first
+    /// in the last [`RECENT_SCOPES`] scopes ([`RECENT_SCOPES_IN_RANGE`] for a growable slab). A plan that has not served for longer (the first
     /// step's, before the optimizer state existed; a shape that stopped coming) no longer keeps
     /// the slab at its size.
     fn desired_slab(&self) -> u64 {
+        let recent = if self.slab.is_some_and(|slab| slab.growable) { RECENT_SCOPES_IN_RANGE } else { RECENT_SCOPES };
         self.plans
             .iter()
-            .filter(|plan| self.clock - plan.last_used < RECENT_SCOPES)
+            .filter(|plan| self.clock - plan.last_used < recent)
             .map(|plan| self.slab_bytes(plan))
             .max()
             .unwrap_or(0)
@@ -1046,6 +1067,14 @@ impl Planned {
         }
     }
 
+    /// Tells the source whether this pool keeps pages of freed memory mapped.
+    fn hold_freed(&mut self, source: &mut dyn Source, holding: bool) {
+        if self.holding_freed != holding {
+            self.holding_freed = holding;
+            source.hold_freed(holding);
+        }
+    }
+
     /// Unmaps the growable slab's pages past `bytes` (rounded up to a page), waiting for the
     /// stream first; nothing may live there.
     fn shrink_slab(&mut self, source: &mut dyn Source, bytes: u64) -> Result<()> {
@@ -1090,6 +1119,8 @@ impl Planned {
         if self.slab_refused {
             return Ok(None);
         }
+        self.punch_freed(source)?;
+        let online = self.online.as_mut().expect("an online scope");
         let tail =
             online.by_offset.iter().next_back().filter(|&(&at, &len)| at + len == slab.size).map_or(0, |(_, &len)| len);
         if !self.grow_slab(source, slab.size + (size - tail))? {
@@ -1109,6 +1140,13 @@ impl Planned {
         let touches = |&(at, len): &(u64, u64)| at < offset + size && offset < at + len;
         if !self.holes.iter().any(touches) {
             return Ok(Some(offset));
+        }
+        // Pages are mapped here: those of the other free ranges, the one at the end included,
+        // go back first.
+        if self.freed_unpunched > 0 {
+            self.freed_unpunched = 0;
+            self.hold_freed(source, false);
+            self.give_back_free_pages(source)?;
         }
         let slab = self.slab.expect("holes are in a slab");
         match source.fill_range(slab.base, offset, size) {
@@ -1174,48 +1212,30 @@ impl Planned {
         Ok(released)
     }
 
-    /// While a scope is served online from a growable slab, gives back the pages of the free
-    /// range at its end once they are an eighth of the slab (at least a page): in a first step,
-    /// another phase (gradients, optimizer state) then takes the memory the activations held
-    /// instead of adding to it. None waits for the stream: the pages go back in stream order
-    /// ([`Source::resize_range`]).
-    fn release_free_tail(&mut self, source: &mut dyn Source) -> Result<()> {
-        let (Some(slab), Some(online)) = (self.slab.filter(|slab| slab.growable), &mut self.online) else {
-            return Ok(());
-        };
-        let Some((&at, &len)) = online.by_offset.iter().next_back() else { return Ok(()) };
-        let keep = at.next_multiple_of(GRANULE);
-        if at + len != slab.size || slab.size - keep.min(slab.size) < (slab.size / 8).max(GRANULE) {
-            return Ok(());
-        }
-        let size = source.resize_range(slab.base, keep)?;
-        online.remove(at, len);
-        if size > at {
-            online.give(at, size - at);
-        }
-        self.slab = Some(Slab { size, ..slab });
-        self.clip_holes(size);
-        Ok(())
-    }
-
-    /// While a scope is served online from a growable slab, gives back the whole pages of its
-    /// free ranges, wherever they lie, once the bytes freed since the last time reach
-    /// 1/[`PUNCH_FRACTION`] of the slab (at least a page): a range freed below a live allocation,
-    /// a buffer reallocated larger, no longer holds its pages until the scope ends. At most
-    /// [`PUNCH_FRACTION`] punches per slab's worth of bytes freed, none waiting for the stream
-    /// (the pages go back in stream order); a range handed out over such a hole maps its pages
-    /// again first ([`Planned::fill_holes`]).
-    fn punch_freed(&mut self, source: &mut dyn Source, size: u64) -> Result<()> {
+    /// A scope served online from a growable slab is about to grow it: first it gives back the
+    /// whole pages of its other free ranges, wherever they lie, if it freed anything since it
+    /// last did (the free range at the end, where it grows, keeps its pages). A hand-out over a
+    /// hole gives back every free page, the end's included ([`Planned::fill_holes`]). So what
+    /// the scope holds when it maps is what its live allocations touch plus the free end it grows
+    /// into, as if every free had given its pages back at once, while a scope that frees and
+    /// allocates within what it holds makes no driver call. None of it waits for the stream: the
+    /// pages go back in stream order.
+    fn punch_freed(&mut self, source: &mut dyn Source) -> Result<()> {
         let (Some(slab), Some(online)) = (self.slab.filter(|slab| slab.growable), &self.online) else {
             return Ok(());
         };
-        self.freed_unpunched += size;
-        if self.freed_unpunched < (slab.size / PUNCH_FRACTION).max(GRANULE) {
+        if self.freed_unpunched == 0 {
             return Ok(());
         }
+        // The free range at the end is where the slab grows: it keeps its pages.
+        let free: Vec<(u64, u64)> = online
+            .by_offset
+            .iter()
+            .filter(|&(&at, &len)| len >= GRANULE && at + len != slab.size)
+            .map(|(&at, &len)| (at, len))
+            .collect();
         self.freed_unpunched = 0;
-        let free: Vec<(u64, u64)> =
-            online.by_offset.iter().filter(|&(_, &len)| len >= GRANULE).map(|(&at, &len)| (at, len)).collect();
+        self.hold_freed(source, false);
         for (at, len) in free {
             let bytes = source.punch_range(slab.base, at, len)?;
             if bytes > 0 {
@@ -1286,6 +1306,18 @@ impl Planned {
         // the pool. A growable slab is not mapped for the whole plan here: the entries map it as
         // the cursor reaches them (below), so a scope holds the pages its plan has reached.
         let need = self.plan.map_or(0, |p| self.plans[p].bytes);
+        // A scope that starts from its plan on pages an earlier scope left mapped: those past
+        // what the plan needs go back first (a bin lent at the boundary may end its slab lower).
+        if self.allocations == 0
+            && let (Some(index), Some(slab)) = (self.plan, self.slab.filter(|slab| slab.growable))
+            && self.slab_live.is_empty()
+            && self.late.is_empty()
+        {
+            let needs = self.slab_bytes(&self.plans[index]);
+            if slab.size > needs.next_multiple_of(GRANULE) {
+                self.shrink_slab(source, needs)?;
+            }
+        }
         if need > 0 && self.slab.is_none_or(|slab| slab.size < need) && !self.growable_slab(source)? {
             let desired = need.max(self.desired_slab());
             self.ensure_slab(source, desired)?;
@@ -1315,8 +1347,8 @@ impl Planned {
                 //
                 // A growable slab has no such cost: the new shape is served best-fit from its
                 // start (nothing lives in it, so there are no holes), pages are mapped at its end
-                // as the scope needs them and the free ones there go back as the scope frees them
-                // (see `release_free_tail`), and the slab ends the scope sized by the new plan.
+                // as the scope needs them, free ones inside go back when it maps more (see
+                // `punch_freed`), and the slab ends the scope sized by the new plan.
                 if slab.growable {
                     self.go_online(slab);
                 } else {
@@ -1655,9 +1687,12 @@ impl Allocator for Planned {
         if let Some(allocation) = self.slab_live.remove(served.slot, ptr) {
             self.events.push(Event::Free(allocation.index));
             if let Some(online) = &mut self.online {
+                // The pages stay mapped: they go back when the scope must map new ones
+                // ([`Planned::punch_freed`]), at its end, or under memory pressure.
                 online.give(ptr - self.slab.expect("a slab allocation has a slab").base, allocation.size);
-                self.release_free_tail(source)?;
-                return self.punch_freed(source, allocation.size);
+                self.freed_unpunched += allocation.size;
+                self.hold_freed(source, true);
+                return Ok(());
             }
             let late = allocation.entry == FOREIGN || self.entries[allocation.entry as usize] == Entry::Late;
             if allocation.entry != FOREIGN {
@@ -1750,19 +1785,26 @@ impl Allocator for Planned {
         }
         self.close_scope();
         self.slab_refused = false;
-        // Holes given back in the scope: the pages from the lowest one on go back too (nothing
-        // lives in the slab now), and the slab grows again below as the plans need.
+        let desired = self.desired_slab();
+        // Holes given back in the scope: those under what the plans need are mapped again, so
+        // that the next scope finds its pages where it left them (a scope that grew punched them
+        // when it mapped more; unmapping everything above the lowest hole instead made every
+        // scope of a new shape map its whole extent again). Past that, or when the device
+        // refuses the pages, the pages from the lowest hole on go back (nothing lives in the slab
+        // now), and the slab grows again below as the plans need.
         if let (Some(slab), Some(lowest)) = (self.slab, self.holes.iter().map(|&(at, _)| at).min()) {
+            let keep = desired.next_multiple_of(GRANULE).min(slab.size);
+            let refilled = lowest < keep && source.fill_range(slab.base, 0, keep).is_ok();
             self.holes.clear();
             self.unmapped = 0;
-            if lowest < slab.size {
-                match source.resize_range(slab.base, lowest) {
+            let end = if refilled { keep } else { lowest };
+            if end < slab.size {
+                match source.resize_range(slab.base, end) {
                     Ok(size) => self.slab = Some(Slab { size, ..slab }),
                     Err(error) => outcome = outcome.and(Err(error)),
                 }
             }
         }
-        let desired = self.desired_slab();
         let mut slab_released = false;
         let mut kept = true;
         if let Some(slab) = self.slab.filter(|slab| slab.growable) {
@@ -1798,6 +1840,10 @@ impl Allocator for Planned {
             // cursor reaches, and a scope of a new shape maps what best fit needs (module docs).
             outcome = outcome.and(self.ensure_slab(source, desired));
         }
+        // Between scopes nothing lives in a growable slab: its mapped pages wait for the next
+        // scope, and go back first if another pool on the device needs memory meanwhile.
+        let idle_pages = self.slab.is_some_and(|slab| slab.growable && slab.size > 0) && self.slab_live.is_empty();
+        self.hold_freed(source, idle_pages);
         outcome
     }
 
@@ -1838,6 +1884,8 @@ impl Allocator for Planned {
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
         // Memory is being freed for a retry: a slab refused before may be had now.
         self.slab_refused = false;
+        self.freed_unpunched = 0;
+        self.hold_freed(source, false);
         let chunks = self.fallback.release_empty(source, 0)?;
         if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
             return Ok(chunks + self.give_back_free_pages(source)?);
@@ -1857,7 +1905,17 @@ impl Allocator for Planned {
         Ok(chunks + slab.size)
     }
 
+    fn give_back_freed(&mut self, source: &mut dyn Source) -> Result<u64> {
+        if !self.holding_freed {
+            return Ok(0);
+        }
+        self.freed_unpunched = 0;
+        self.hold_freed(source, false);
+        self.give_back_free_pages(source)
+    }
+
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
+        self.hold_freed(source, false);
         self.pooled.clear();
         let mut outcome = self.fallback.release_all(source);
         self.online = None;
@@ -2411,6 +2469,16 @@ mod tests {
         (ptrs.iter().map(|served| served.ptr).collect(), planned.slab.unwrap())
     }
 
+    /// Another pool on the device takes `bytes`: first the device asks the pools that keep pages
+    /// of freed memory mapped to give them back, as
+    /// [`FreedPages::before_growth`](crate::device_core::FreedPages::before_growth) does.
+    fn another_pool_takes(planned: &mut Planned, source: &mut FakeSource, bytes: u64) -> CUdeviceptr {
+        if source.holding {
+            planned.give_back_freed(source).unwrap();
+        }
+        source.alloc(bytes).unwrap()
+    }
+
     #[test]
     fn with_ranges_the_first_scope_is_recorded_in_the_range_and_served_from_its_plan() {
         let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
@@ -2419,13 +2487,17 @@ mod tests {
         assert_eq!(first[0], slab.base);
         assert!(slab.growable);
         assert_eq!(source.ranges.len(), 1);
-        assert_eq!((slab.size, source.held()), (0, 0), "its pages went back as it freed them");
+        assert_eq!(
+            (slab.size, source.held(), source.holding),
+            (10 * MIB, 10 * MIB, true),
+            "its pages stay mapped for the next scope, offered to whoever needs memory first"
+        );
         let allocs = source.allocs;
         let (again, slab) = live_scope(&mut planned, &mut source, &[MIB, MIB, 3 * MIB, 4 * MIB]);
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned, stats.deviations), (4, 0, 0), "then served from its plan");
         assert_eq!(source.allocs, allocs);
-        assert_eq!(slab.size, 10 * MIB, "the plan's 9 MiB, mapped as its cursor reached them, rounded up to a page");
+        assert_eq!(slab.size, 10 * MIB, "the plan's 9 MiB, rounded up to a page");
         assert_eq!(source.held(), 10 * MIB, "and kept mapped for the next scope of the plan");
         assert!(again.iter().all(|&p| p >= slab.base && p < slab.base + slab.size));
     }
@@ -2484,9 +2556,11 @@ mod tests {
         let sizes = [MIB, 2 * MIB, 16 * MIB, 16 * MIB];
         live_scope(&mut planned, &mut source, &sizes);
         assert_eq!(planned.plans[0].bytes, 35 * MIB);
-        assert_eq!(source.mapped(), 0, "the recording's pages went back, and the plan is not mapped ahead");
-        // Another phase takes memory at the boundary (the optimizer state after a first step).
-        let state = source.alloc(12 * MIB).unwrap();
+        assert_eq!((source.mapped(), source.holding), (36 * MIB, true), "the recording's pages wait");
+        // Another phase takes memory at the boundary (the optimizer state after a first step):
+        // they go back first, and the plan is not mapped ahead.
+        let state = another_pool_takes(&mut planned, &mut source, 12 * MIB);
+        assert_eq!((source.mapped(), source.holding), (0, false));
         planned.begin_step();
         let mut ptrs = Vec::new();
         let mut mapped = Vec::new();
@@ -2511,7 +2585,7 @@ mod tests {
         // The first scope is the largest (a longer first batch); the next has another shape whose
         // first sizes the first plan's dominate, each buffer smaller.
         live_scope(&mut planned, &mut source, &[MIB, 2 * MIB, 16 * MIB, 16 * MIB]);
-        let state = source.alloc(12 * MIB).unwrap();
+        let state = another_pool_takes(&mut planned, &mut source, 12 * MIB);
         let small = [MIB / 2, MIB, 4 * MIB, 4 * MIB];
         planned.begin_step();
         let ptrs: Vec<_> = small.iter().map(|&size| planned.allocate(&mut source, size).unwrap()).collect();
@@ -2546,39 +2620,54 @@ mod tests {
         assert_eq!(source.allocs, allocs, "nothing taken from the pool: no second slab, no chunk");
         assert!(ptrs[2] >= grown.base && ptrs[2] < grown.base + RANGE_LIMIT, "in the range");
         assert!(grown.size >= 20 * MIB, "the new plan's slab holds the larger entry");
-        // A smaller scope of another shape: served in the range, recorded, and the pages past
-        // its plan go back at the boundary.
+        // A smaller scope of another shape: served in the range and recorded; the range keeps the
+        // larger plan's pages while it is one of the last eight, and gives back those past the
+        // smaller plans at the boundary once it is not.
         let shrinks = source.shrinks;
         let (_, after) = live_scope(&mut planned, &mut source, &[1024, 1024, 4 * MIB]);
-        assert_eq!(after.base, small.base);
+        assert_eq!((after.base, after.size, source.shrinks), (small.base, grown.size, shrinks));
+        for _ in 0..RECENT_SCOPES_IN_RANGE {
+            live_scope(&mut planned, &mut source, &[1024, 1024, 4 * MIB]);
+        }
+        let after = planned.slab.unwrap();
         assert_eq!(source.allocs, allocs);
         assert!(source.shrinks > shrinks, "pages given back");
         assert!(after.size < grown.size && source.mapped() == after.size, "{} mapped", source.mapped());
     }
 
     #[test]
-    fn a_new_shape_gives_back_the_free_end_of_the_range_while_it_runs() {
+    fn a_new_shape_keeps_its_freed_pages_until_the_device_needs_memory() {
         let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
         live_scope(&mut planned, &mut source, &[MIB, MIB, 14 * MIB]);
         live_scope(&mut planned, &mut source, &[MIB, MIB, 14 * MIB]);
         assert_eq!(source.mapped(), 16 * MIB, "the plan, mapped as it served");
         // A new shape (its first size is larger than the plan's): served online from the range.
         planned.begin_step();
-        let ptrs: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
+        let mut ptrs: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
         assert_eq!(source.mapped(), 16 * MIB, "it fits the pages mapped");
-        // Freed from the top (as a backward pass frees activations): once an eighth of the range
-        // is free at its end, its pages go back while the scope goes on, in stream order.
-        let syncs = source.syncs;
-        planned.free(&mut source, ptrs[7], 2 * MIB).unwrap();
-        assert_eq!(source.mapped(), 14 * MIB, "the free page at the end went back");
-        assert_eq!(source.syncs, syncs, "without a wait for the stream");
-        for &ptr in ptrs[..7].iter().rev() {
+        // Freed from the top (as a backward pass frees activations) and taken again: the pages
+        // stay mapped, and no call reaches the driver.
+        let (grows, shrinks, syncs) = (source.grows, source.shrinks, source.syncs);
+        for _ in 0..3 {
+            for &ptr in ptrs.iter().rev() {
+                planned.free(&mut source, ptr, 2 * MIB).unwrap();
+            }
+            assert!(source.holding);
+            let again: Vec<_> = (0..8).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
+            assert!(again.iter().zip(&ptrs).all(|(a, b)| a.ptr == b.ptr), "the same places");
+            ptrs = again;
+        }
+        assert_eq!((source.grows, source.shrinks, source.mapped()), (grows, shrinks, 16 * MIB));
+        for &ptr in ptrs.iter().rev() {
             planned.free(&mut source, ptr, 2 * MIB).unwrap();
         }
-        assert!(source.mapped() <= 2 * MIB, "{} still mapped", source.mapped());
+        // Another pool takes memory: they go back first, in stream order without a wait.
+        let other = another_pool_takes(&mut planned, &mut source, 4 * MIB);
+        assert_eq!((source.mapped(), source.syncs, source.holding), (0, syncs, false));
         planned.reset(&mut source, u64::MAX).unwrap();
         assert_eq!(planned.slab.unwrap().size, 0, "the next scope maps what its plan reaches");
-        assert_eq!(source.allocs, 0, "no chunk");
+        assert_eq!(source.allocs, 1, "no chunk");
+        source.free(other, 4 * MIB).unwrap();
     }
 
     #[test]
@@ -2592,7 +2681,7 @@ mod tests {
         assert_eq!(ptrs[0], first.base, "best fit from the range's start");
         assert_eq!(source.allocs, allocs, "no chunk");
         assert_eq!(planned.plans.len(), 2, "recorded");
-        assert_eq!(second.size, 0, "nothing mapped past what the scope left at its end");
+        assert_eq!(second.size, first.size, "the range keeps the pages of the recent, larger plan");
         planned.release_all(&mut source).unwrap();
         assert_eq!((source.held(), source.ranges.len()), (0, 0), "the range is given back whole");
     }
@@ -2602,7 +2691,7 @@ mod tests {
     }
 
     #[test]
-    fn a_scope_served_online_gives_back_the_free_pages_inside_the_range_as_it_runs() {
+    fn a_scope_served_online_gives_back_the_free_pages_inside_the_range_when_the_device_needs_them() {
         let (mut source, mut planned) = (FakeSource::with_ranges(16 * MIB), planned());
         live_scope(&mut planned, &mut source, &[MIB, MIB, 4 * MIB]);
         // A new shape, served online from the range: 4, 4 and 2 MiB end to end.
@@ -2613,14 +2702,14 @@ mod tests {
         let base = planned.slab.unwrap().base;
         assert_eq!((a.ptr - base, b.ptr - base, c.ptr - base), (0, 4 * MIB, 8 * MIB));
         assert_eq!(source.held(), 10 * MIB);
-        // The stretch freed below live allocations gives its pages back at once (more than a
-        // 256th of the range was freed), in stream order without a wait for the stream.
+        // The stretch freed below live allocations keeps its pages, until another phase takes
+        // memory: then they go back first, in stream order without a wait for the stream.
         let syncs = source.syncs;
         planned.free(&mut source, a, 4 * MIB).unwrap();
-        assert_eq!((source.held(), source.syncs), (6 * MIB, syncs));
-        // Another phase takes the memory; 6 MiB more fit the device only at the range's end.
-        let other = source.alloc(8 * MIB).unwrap();
-        assert_eq!(source.held(), 14 * MIB);
+        assert_eq!((source.held(), source.holding), (10 * MIB, true));
+        let other = another_pool_takes(&mut planned, &mut source, 8 * MIB);
+        assert_eq!((source.held(), source.syncs), (14 * MIB, syncs));
+        // 6 MiB more fit the device only at the range's end.
         assert!(is_out_of_memory(planned.allocate(&mut source, 6 * MIB)));
         assert_eq!(planned.release_unused(&mut source).unwrap(), 0, "the recovery finds no page left to give");
         source.free(other, 8 * MIB).unwrap();
@@ -2669,19 +2758,29 @@ mod tests {
     }
 
     #[test]
-    fn a_scope_served_online_holds_at_most_a_256th_of_the_range_freed_and_mapped() {
+    fn a_scope_served_online_gives_back_what_it_freed_before_it_grows() {
         let (mut source, mut planned) = (FakeSource::with_ranges(1024 * MIB), planned());
         // A first scope, recorded online in the range: 512 MiB in pages.
         planned.begin_step();
-        let ptrs: Vec<_> = (0..256).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
+        let mut ptrs: Vec<_> = (0..256).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
         assert_eq!(source.mapped(), 512 * MIB);
-        // One page freed below live allocations is a 256th of the range: it goes back at once,
-        // in stream order without a wait for the stream.
-        let syncs = source.syncs;
+        // Pages freed below live allocations and taken again make no driver call.
+        let (grows, shrinks, syncs) = (source.grows, source.shrinks, source.syncs);
+        for _ in 0..100 {
+            planned.free(&mut source, ptrs[100], 2 * MIB).unwrap();
+            ptrs[100] = planned.allocate(&mut source, 2 * MIB).unwrap();
+        }
+        assert_eq!((source.grows, source.shrinks, source.mapped()), (grows, shrinks, 512 * MIB));
+        // Two pages freed below, then 6 MiB that fit neither: before the range grows by 6 MiB,
+        // the two freed pages go back, in stream order without a wait for the stream.
         planned.free(&mut source, ptrs[100], 2 * MIB).unwrap();
-        assert_eq!((source.mapped(), source.syncs), (510 * MIB, syncs));
+        planned.free(&mut source, ptrs[50], 2 * MIB).unwrap();
+        let big = planned.allocate(&mut source, 6 * MIB).unwrap();
+        assert_eq!((source.mapped(), source.syncs), (514 * MIB, syncs));
+        assert_eq!(big.ptr - planned.slab.unwrap().base, 512 * MIB, "at the end");
+        planned.free(&mut source, big, 6 * MIB).unwrap();
         for (i, &ptr) in ptrs.iter().enumerate().rev() {
-            if i != 100 {
+            if i != 100 && i != 50 {
                 planned.free(&mut source, ptr, 2 * MIB).unwrap();
             }
         }
@@ -2695,10 +2794,13 @@ mod tests {
         planned.begin_step();
         let ptrs: Vec<_> = (0..4).map(|_| planned.allocate(&mut source, 4 * MIB).unwrap()).collect();
         planned.free(&mut source, ptrs[2], 4 * MIB).unwrap();
-        assert_eq!(source.mapped(), 12 * MIB, "the free stretch inside went back as it was freed");
+        another_pool_takes(&mut planned, &mut source, 2 * MIB);
+        assert_eq!(source.mapped(), 12 * MIB, "the free stretch inside went back when another pool took memory");
         assert_eq!(planned.release_unused(&mut source).unwrap(), 0, "so memory pressure finds nothing more");
-        // The allocation above the hole goes: the hole joins the free end, given back with it.
+        // The allocation above the hole goes: the hole joins the free end, given back with it
+        // when memory is next needed.
         planned.free(&mut source, ptrs[3], 4 * MIB).unwrap();
+        another_pool_takes(&mut planned, &mut source, 2 * MIB);
         assert_eq!(planned.slab.unwrap().size, 8 * MIB);
         assert_eq!((source.mapped(), planned.free_space().unwrap().total_free), (8 * MIB, 0));
         for &ptr in ptrs[..2].iter().rev() {
