@@ -8,7 +8,7 @@
 //! [`steppool_sys::sim_entry_points!`]): initialization, devices, the primary context, streams,
 //! events, memory pools, virtual memory management (`cuMemAddressReserve`, `cuMemCreate`,
 //! `cuMemMap`, `cuMemSetAccess`, ...), `cuMemAlloc*`/`cuMemFree*`, memset, host/device copies,
-//! modules and launches, stream capture and graphs (the model's, unconfirmed on a GPU), with the
+//! modules and launches, stream capture and graphs (the model's, checked on an H200), with the
 //! codes the real driver returns. Device memory is backed by host memory
 //! (unless `STEPPOOL_SIM_HOST_MEMORY=0`; unlike `Driver::simulated`, where it is off by default),
 //! so copies read back what was written and the repository's fill kernels

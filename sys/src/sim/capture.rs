@@ -2,9 +2,12 @@
 //! executable graphs and their launches, graph allocations and the per-device graph memory pool.
 //! See the [module docs](super::super) ("Stream capture and graphs") for the model.
 //!
-//! **Unconfirmed.** The rules here come from `cuda.h` 12.9 and the CUDA programming guide; where
-//! they leave a return code or an accounting detail open, the choice made is written beside it
-//! and marked *(unconfirmed)* until the capture conformance tests have run on a GPU.
+//! **Confirmed in part.** The rules here come from `cuda.h` 12.9 and the CUDA programming guide;
+//! where they leave a return code or an accounting detail open, the choice made is written beside
+//! it. The capture conformance tests (`tests/capture.rs`) ran on an H200 (driver 580.159.04,
+//! 2026-11-27, `benches/results/2026-11-27-h200-calibration.md`): the model was changed where the
+//! driver answered otherwise, and the rules the tests exercise are the driver's. Those they do
+//! not exercise stay marked *(unconfirmed)*.
 //!
 //! This is a child module of `state` so that the hooks in `State`'s entry points can stay one line
 //! each; everything it keeps lives in [`Captures`], one field of `State`.

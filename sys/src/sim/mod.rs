@@ -107,8 +107,8 @@
 //!   `cuMemAlloc`, `cuMemPoolTrimTo`, `cuMemPoolCreate`, `cuMemPoolGetAttribute`,
 //!   `cuDeviceGraphMemTrim`, queries of captured events and frees of memory allocated before the
 //!   capture are the driver's, in all three modes, as are graph allocations keeping their
-//!   addresses across relaunches; rules marked *unconfirmed* have not been seen on a GPU. While a stream captures, its stream-ordered calls are recorded,
-//!   not run: `cuMemAllocAsync`/`cuMemAllocFromPoolAsync` become allocation nodes whose address
+//!   addresses across relaunches; rules marked *unconfirmed* have not been seen on a GPU. While a
+//!   stream captures, its stream-ordered calls are recorded, not run: `cuMemAllocAsync`/`cuMemAllocFromPoolAsync` become allocation nodes whose address
 //!   is reserved at once and fixed for the graph's life (the pool only parameterises the node;
 //!   nothing counts against it), `cuMemFreeAsync` a free node that must name a graph allocation
 //!   (of memory allocated outside the capture it is `CUDA_ERROR_INVALID_VALUE`, and the capture
