@@ -34,9 +34,10 @@ pub(crate) struct DeviceCore {
 
 /// A pool that may keep pages of freed memory mapped ([`FreedPages`]).
 pub(crate) trait GivesBackFreed: Send + Sync {
-    /// Gives back the pages of freed memory it keeps mapped, unless its lock is taken (then it is
-    /// the pool asking, or one another thread is serving).
-    fn give_back_freed(&self);
+    /// Gives back pages of freed memory it keeps mapped, `bytes` of them or all it keeps if
+    /// fewer, unless its lock is taken (then it is the pool asking, or one another thread is
+    /// serving). Returns the bytes given back.
+    fn give_back_freed(&self, bytes: u64) -> u64;
 }
 
 /// Pages of freed memory the device's pools keep mapped, given back only when something on the
@@ -48,8 +49,10 @@ pub(crate) trait GivesBackFreed: Send + Sync {
 /// at the next allocation cost some 50 µs a page on an H200, and made a PyTorch training step
 /// three times slower. Kept mapped, they cost nothing until another pool on the device (the
 /// persistent pool taking the optimizer state, say) or the pool itself must take new memory:
-/// then, first, every pool holding such pages gives them back, so the device holds no more than
-/// if they had gone back at each free.
+/// then, first, the pools holding such pages give back as much as is about to be taken. The
+/// device's reservation does not rise while freed pages could make room, so its peak is what it
+/// would be had every free given its pages back at once; and a pool that asks for little takes
+/// little from the others, which would map it again.
 #[derive(Default)]
 pub(crate) struct FreedPages {
     /// How many pools hold such pages now: growth asks nobody while it is 0.
@@ -80,16 +83,20 @@ impl FreedPages {
         self.holding.load(Ordering::Acquire) > 0
     }
 
-    /// Memory is about to be taken from the device: every pool that holds pages of freed
-    /// memory, and whose lock is free, gives them back first.
-    pub(crate) fn before_growth(&self) {
-        if !self.any() {
+    /// `bytes` of memory are about to be taken from the device: the pools that hold pages of
+    /// freed memory, and whose locks are free, give back as much first.
+    pub(crate) fn before_growth(&self, bytes: u64) {
+        if !self.any() || bytes == 0 {
             return;
         }
         let pools: Vec<_> =
             self.pools.lock().unwrap_or_else(PoisonError::into_inner).iter().filter_map(Weak::upgrade).collect();
+        let mut wanted = bytes;
         for pool in pools {
-            pool.give_back_freed();
+            wanted = wanted.saturating_sub(pool.give_back_freed(wanted));
+            if wanted == 0 {
+                break;
+            }
         }
     }
 }

@@ -673,14 +673,20 @@ fn pool_metrics(pool: &PhasePool, usage: Usage, free_space: Option<crate::report
 }
 
 impl GivesBackFreed for PhasePool {
-    fn give_back_freed(&self) {
-        let Some(mut state) = try_lock_pool(&self.state) else { return };
+    fn give_back_freed(&self, bytes: u64) -> u64 {
+        let Some(mut state) = try_lock_pool(&self.state) else { return 0 };
         let PoolState { allocator, source, .. } = state.deref_mut();
-        match allocator.give_back_freed(source) {
-            Ok(0) => {}
-            Ok(_) => source.record_reserved(),
+        match allocator.give_back_freed(source, bytes) {
+            Ok(0) => 0,
+            Ok(given) => {
+                source.record_reserved();
+                given
+            }
             // The pages stay mapped and counted; the allocation that asked goes on.
-            Err(error) => self.errors.record(error),
+            Err(error) => {
+                self.errors.record(error);
+                0
+            }
         }
     }
 }

@@ -511,7 +511,7 @@ impl Source for DeviceSource {
         if !self.after_capture.is_empty() {
             self.free_after_capture()?;
         }
-        self.stream.device.freed.before_growth();
+        self.stream.device.freed.before_growth(bytes);
         self.poll_retirements(Look::Query, |_| false)?;
         if let Backing::Synchronous(_) = self.backing {
             self.stream.device.make_current()?;
@@ -602,7 +602,7 @@ impl Source for DeviceSource {
         let target = bytes.div_ceil(granule) as usize;
         let mapped = range.pages.len();
         if target > mapped {
-            self.stream.device.freed.before_growth();
+            self.stream.device.freed.before_growth((target - mapped) as u64 * granule);
             self.poll_retirements(Look::Query, |_| false)?;
             let pages: Vec<usize> = (mapped..target).collect();
             self.map_holes(base, &pages, granule)?;
@@ -661,7 +661,8 @@ impl Source for DeviceSource {
         if !range.pages.get(from..to).is_some_and(|pages| pages.iter().any(Option::is_none)) {
             return Ok(0);
         }
-        self.stream.device.freed.before_growth();
+        let holes = range.pages[from..to].iter().filter(|page| page.is_none()).count() as u64;
+        self.stream.device.freed.before_growth(holes * granule);
         self.poll_retirements(Look::Query, |_| false)?;
         let range = &self.ranges[&base];
         let holes: Vec<usize> = (from..to).filter(|&page| range.pages[page].is_none()).collect();

@@ -277,8 +277,8 @@ impl Allocator for Auto {
         self.inner.release_unused(source)
     }
 
-    fn give_back_freed(&mut self, source: &mut dyn Source) -> Result<u64> {
-        self.inner.give_back_freed(source)
+    fn give_back_freed(&mut self, source: &mut dyn Source, bytes: u64) -> Result<u64> {
+        self.inner.give_back_freed(source, bytes)
     }
 
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {

@@ -100,9 +100,10 @@ pub(crate) trait Allocator: Send + fmt::Debug {
         Ok(0)
     }
 
-    /// Another pool on the device (or this one) is about to take new memory: give back the pages
-    /// of freed memory kept mapped ([`Source::hold_freed`]). Returns the bytes given back.
-    fn give_back_freed(&mut self, _source: &mut dyn Source) -> Result<u64> {
+    /// Another pool on the device is about to take `bytes` of new memory: give back that much of
+    /// the pages of freed memory kept mapped ([`Source::hold_freed`]), or all of them if fewer.
+    /// Returns the bytes given back.
+    fn give_back_freed(&mut self, _source: &mut dyn Source, _bytes: u64) -> Result<u64> {
         Ok(0)
     }
 
