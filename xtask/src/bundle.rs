@@ -74,6 +74,8 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
     // a check of the bundle before device time is spent on it.
     let stand_in = executables(&root, &["build", "--release", "-p", "steppool-libcuda-sim"], "cdylib")?;
     copy_all(&stand_in, &dir.join("tests"))?;
+    // And beside the examples: `cudarc_trainer` looks for it next to itself.
+    copy_all(&stand_in, &dir.join("examples"))?;
     let examples = executables(&root, &["build", "--release", "-p", "steppool-examples", "--examples"], "example")?;
     copy_all(&examples, &dir.join("examples"))?;
     let torch = executables(&root, &["build", "--release", "-p", "steppool-torch", "--lib"], "cdylib")?;
