@@ -78,15 +78,10 @@ impl FreedPages {
         }
     }
 
-    /// Whether some pool holds such pages.
-    pub(crate) fn any(&self) -> bool {
-        self.holding.load(Ordering::Acquire) > 0
-    }
-
     /// `bytes` of memory are about to be taken from the device: the pools that hold pages of
     /// freed memory, and whose locks are free, give back as much first.
     pub(crate) fn before_growth(&self, bytes: u64) {
-        if !self.any() || bytes == 0 {
+        if self.holding.load(Ordering::Acquire) == 0 || bytes == 0 {
             return;
         }
         let pools: Vec<_> =

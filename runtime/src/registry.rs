@@ -170,7 +170,7 @@ impl Registry {
         let peers = stream.device.peers();
         let pool = Arc::new(PhasePool::new(entry, stream.clone(), &peers, sinks())?);
         created(&pool)?;
-        let gives_back: Weak<dyn GivesBackFreed> = Arc::downgrade(&pool) as Weak<PhasePool>;
+        let gives_back = Arc::downgrade(&pool) as Weak<dyn GivesBackFreed>;
         stream.device.freed.register(gives_back);
         let mut pools = write(&self.pools);
         pools.retain(|pool| pool.strong_count() > 0);
