@@ -2,22 +2,24 @@
 //! frees, event records and waits, synchronizations, queries, trims and attribute changes on
 //! several streams and pools.
 //!
-//! The model keeps its own stream clocks, live allocations, freed ranges and segments, and after
-//! every call checks that:
-//! - no two live allocations overlap, and the device's live allocations are the model's;
-//! - every pool counter (used, reserved, and their high-water marks) equals the model's, and
-//!   `cuMemGetInfo` agrees with the sum of reservations, which never exceeds capacity;
+//! The model keeps its own stream clocks, live allocations, freed ranges and mapped units, and
+//! after every call checks that:
+//! - no two live allocations overlap, each lies inside one of its pool's address ranges, and the
+//!   device's live allocations are the model's;
+//! - every unit an allocation overlaps is mapped, every pool counter (used, reserved, and their
+//!   high-water marks) and the mapped units equal the model's, and `cuMemGetInfo` agrees with the
+//!   sum of reservations, which never exceeds capacity;
 //! - memory freed on one stream is handed to another only once stream order allows it: the
 //!   other stream is ordered after the free (an event or the legacy stream), the host observed
 //!   the free complete, or the device was full and the pool allows internal dependencies;
-//! - a pool grows only when no idle segment could hold the request, and fails only when the
-//!   device is full even after its idle segments are released;
-//! - idle memory goes back exactly as the release threshold and trim rules say.
+//! - a pool fails, or takes an internal dependency, only when the device cannot map the units a
+//!   request needs even after every idle unit on it is released;
+//! - idle units go back exactly as the release threshold and trim rules say.
 //!
 //! Where the placement itself is a free choice (which fitting piece), the model accepts the
 //! device's choice and checks it against these rules.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 use steppool_sys::{
@@ -28,6 +30,8 @@ use steppool_sys::{
 
 const MIB: u64 = 1 << 20;
 const GRANULE: u64 = 2 * MIB;
+/// Smaller than the driver's 32 MiB, so that allocations cross units and a few fill the device.
+const UNIT: u64 = 4 * MIB;
 const CAPACITY: u64 = 32 * MIB;
 const ALIGNMENT: u64 = 512;
 const POOLS: usize = 2;
@@ -119,8 +123,8 @@ struct ModelPool {
     threshold: u64,
     follow_events: bool,
     internal: bool,
-    /// Segment base to size.
-    segments: BTreeMap<u64, u64>,
+    /// Bases of the mapped units.
+    units: BTreeSet<u64>,
     /// Ranges whose latest event was a free, with that free's stream and position.
     freed: Vec<Freed>,
 }
@@ -135,7 +139,7 @@ impl Default for ModelPool {
             threshold: 0,
             follow_events: true,
             internal: true,
-            segments: BTreeMap::new(),
+            units: BTreeSet::new(),
             freed: Vec::new(),
         }
     }
@@ -201,36 +205,29 @@ impl Model {
         }
     }
 
-    fn is_idle(&self, pool: usize, base: u64, size: u64) -> bool {
-        let inside = |start: u64| start >= base && start < base + size;
+    /// Whether the unit at `base` holds nothing live and only frees observed complete.
+    fn is_idle(&self, pool: usize, base: u64) -> bool {
+        let overlaps = |start: u64, len: u64| start < base + UNIT && base < start + len;
         let p = &self.pools[pool];
-        !self.live.iter().any(|(&addr, &(owner, _))| owner == pool && inside(addr))
-            && p.freed.iter().filter(|f| inside(f.start)).all(|f| get(&self.completed, f.stream) >= f.position)
-    }
-
-    fn idle_segments(&self, pool: usize) -> Vec<(u64, u64)> {
-        let mut idle: Vec<(u64, u64)> = self.pools[pool]
-            .segments
-            .iter()
-            .filter(|&(&base, &size)| self.is_idle(pool, base, size))
-            .map(|(&base, &size)| (size, base))
-            .collect();
-        idle.sort_unstable_by(|a, b| b.cmp(a));
-        idle
+        !self.live.iter().any(|(&addr, &(owner, size))| owner == pool && overlaps(addr, size))
+            && p.freed.iter().filter(|f| overlaps(f.start, f.len)).all(|f| get(&self.completed, f.stream) >= f.position)
     }
 
     fn release(&mut self, pool: usize, base: u64) {
         let p = &mut self.pools[pool];
-        let size = p.segments.remove(&base).unwrap();
-        p.reserved -= size;
-        p.freed.retain(|f| !(f.start >= base && f.start < base + size));
+        p.units.remove(&base);
+        p.reserved -= UNIT;
     }
 
+    /// Idle units go, highest address first, while at least `keep` bytes remain.
     fn trim(&mut self, pool: usize, keep: u64) {
-        for (size, base) in self.idle_segments(pool) {
-            if self.pools[pool].reserved - size >= keep {
-                self.release(pool, base);
+        let idle: Vec<u64> =
+            self.pools[pool].units.iter().rev().copied().filter(|&base| self.is_idle(pool, base)).collect();
+        for base in idle {
+            if self.pools[pool].reserved < keep + UNIT {
+                break;
             }
+            self.release(pool, base);
         }
     }
 
@@ -238,16 +235,33 @@ impl Model {
         self.pools.iter().map(|p| p.reserved).sum()
     }
 
-    /// The device's release before it fails a reservation: every idle segment goes.
+    /// The device's release before it fails to map: every idle unit goes.
     fn release_idle_everywhere(&mut self) {
         for pool in 0..POOLS {
             self.trim(pool, 0);
         }
     }
 
-    fn segment_of(&self, pool: usize, addr: u64) -> Option<(u64, u64)> {
-        let (&base, &size) = self.pools[pool].segments.range(..=addr).next_back()?;
-        (addr < base + size).then_some((base, size))
+    /// Records a free. Adjacent frees of one stream that are both still outstanding become one
+    /// range that waits for the later free, as the device merges them.
+    fn free(&mut self, pool: usize, mut freed: Freed) {
+        loop {
+            let completed = &self.completed;
+            let neighbour = self.pools[pool].freed.iter().position(|f| {
+                f.stream == freed.stream
+                    && get(completed, f.stream) < f.position
+                    && (f.start + f.len == freed.start || freed.start + freed.len == f.start)
+            });
+            let Some(index) = neighbour else { break };
+            let f = self.pools[pool].freed.swap_remove(index);
+            freed = Freed {
+                start: f.start.min(freed.start),
+                len: f.len + freed.len,
+                position: f.position.max(freed.position),
+                ..freed
+            };
+        }
+        self.pools[pool].freed.push(freed);
     }
 
     /// Removes `[start, start + len)` from the freed ranges of `pool`.
@@ -281,7 +295,8 @@ struct Harness {
 
 impl Harness {
     fn new() -> Self {
-        let driver = Driver::simulated(SimConfig { granule: GRANULE, ..SimConfig::with_capacity(CAPACITY) }).unwrap();
+        let config = SimConfig { granule: GRANULE, pool_unit: Some(UNIT), ..SimConfig::with_capacity(CAPACITY) };
+        let driver = Driver::simulated(config).unwrap();
         let ctx = driver.primary_context_retain(0).unwrap();
         // SAFETY: `ctx` was just retained from this driver.
         unsafe { driver.context_set_current(ctx) }.unwrap();
@@ -322,7 +337,7 @@ impl Harness {
                 let position = m.commit(stream, clock);
                 m.live.remove(&ptr);
                 m.pools[pool].used -= size;
-                m.pools[pool].freed.push(Freed { start: ptr, len: size, stream, position });
+                m.free(pool, Freed { start: ptr, len: size, stream, position });
                 m.freed_pointers.push(ptr);
             }
             Op::FreeAgain { pick, stream } => {
@@ -405,20 +420,19 @@ impl Harness {
         // SAFETY: pool and stream belong to this driver.
         let result =
             unsafe { self.driver.mem_alloc_from_pool_async(bytes as usize, self.pools[pool], self.streams[stream]) };
+        let ranges = self.layout(pool).ranges;
         let m = &mut self.model;
         let size = bytes.next_multiple_of(ALIGNMENT);
-        let segment = size.next_multiple_of(GRANULE);
+        // The most units a request can need: its size in units, plus one where it straddles.
+        let most = size.next_multiple_of(UNIT) + UNIT;
         let knowledge = m.op_clock(stream);
-        let idle_fit = m.idle_segments(pool).iter().any(|&(idle, _)| idle >= size);
         let ptr: CUdeviceptr = match result {
             Ok(ptr) => ptr,
             Err(error) => {
                 prop_assert_eq!(error.code(), Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY), "{}", error);
-                prop_assert!(!idle_fit, "out of memory while an idle segment could hold {} bytes", size);
-                if m.device_reserved() + segment > CAPACITY {
-                    m.release_idle_everywhere();
-                }
-                prop_assert!(m.device_reserved() + segment > CAPACITY, "out of memory with room to grow");
+                // Mapping failed, so the device released every idle unit first.
+                m.release_idle_everywhere();
+                prop_assert!(m.device_reserved() + most > CAPACITY, "out of memory with room for {} bytes", most);
                 return Ok(());
             }
         };
@@ -426,61 +440,60 @@ impl Harness {
         if let Some((&other, &(_, other_size))) = m.live.range(..ptr + size).next_back() {
             prop_assert!(other + other_size <= ptr, "{:#x}+{} overlaps live {:#x}+{}", ptr, size, other, other_size);
         }
+        let range = ranges.iter().copied().find(|&(base, len)| base <= ptr && ptr + size <= base + len);
+        let Some((range_base, _)) = range else {
+            return Err(TestCaseError::fail(format!("{ptr:#x}+{size} lies in none of the ranges {ranges:x?}")));
+        };
+        let first = range_base + (ptr - range_base) / UNIT * UNIT;
+        let touched: Vec<u64> = (first..ptr + size).step_by(UNIT as usize).collect();
 
         let mut clock = knowledge.clone();
-        // An idle segment too small for the request cannot have served it: the address is a new
-        // segment placed where the device's release before growing freed that one.
-        let reused = m.segment_of(pool, ptr).filter(|&(base, len)| !(len < size && m.is_idle(pool, base, len)));
-        match reused {
-            None => {
-                // A new segment: growth must have been needed and must fit.
-                prop_assert!(!idle_fit, "grew although an idle segment could hold {} bytes", size);
-                if m.device_reserved() + segment > CAPACITY {
-                    m.release_idle_everywhere();
-                }
-                prop_assert!(m.device_reserved() + segment <= CAPACITY, "reserved past capacity");
-                for p in &m.pools {
-                    for (&base, &len) in &p.segments {
-                        prop_assert!(ptr + segment <= base || base + len <= ptr, "segments overlap");
-                    }
-                }
-                let p = &mut m.pools[pool];
-                p.segments.insert(ptr, segment);
-                p.reserved += segment;
-                p.reserved_high = p.reserved_high.max(p.reserved);
-            }
-            Some((base, len)) => {
-                prop_assert!(ptr + size <= base + len, "allocation crosses its segment's end");
-                // Reuse: every free it covers must be ordered before it, or come from one
-                // stream whose work this stream now waits for (an internal dependency).
-                let follow = m.pools[pool].follow_events;
-                let unordered: Vec<Freed> = m.pools[pool]
-                    .freed
-                    .iter()
-                    .copied()
-                    .filter(|f| f.start < ptr + size && ptr < f.start + f.len)
-                    .filter(|f| {
-                        f.stream != stream
-                            && get(&m.completed, f.stream) < f.position
-                            && !(follow && get(&knowledge, f.stream) >= f.position)
-                    })
-                    .collect();
-                if let Some(first) = unordered.first() {
-                    prop_assert!(m.pools[pool].internal, "reused an unordered free without internal dependencies");
-                    prop_assert!(unordered.iter().all(|f| f.stream == first.stream), "frees of several streams");
-                    if m.device_reserved() + segment > CAPACITY {
-                        m.release_idle_everywhere();
-                    }
-                    prop_assert!(
-                        m.device_reserved() + segment > CAPACITY,
-                        "an internal dependency with room to grow: {} reserved, {} more needed",
-                        m.device_reserved(),
-                        segment
-                    );
-                    join(&mut clock, &m.frontier(first.stream));
-                }
-            }
+        // Reuse: every free the allocation covers must be ordered before it, or come from one
+        // stream whose work this stream now waits for (an internal dependency).
+        let follow = m.pools[pool].follow_events;
+        let unordered: Vec<Freed> = m.pools[pool]
+            .freed
+            .iter()
+            .copied()
+            .filter(|f| f.start < ptr + size && ptr < f.start + f.len)
+            .filter(|f| {
+                f.stream != stream
+                    && get(&m.completed, f.stream) < f.position
+                    && !(follow && get(&knowledge, f.stream) >= f.position)
+            })
+            .collect();
+        let new = |m: &Model| touched.iter().filter(|base| !m.pools[pool].units.contains(base)).count() as u64 * UNIT;
+        // Reserved bytes shrink during an allocation only where the device released idle units
+        // before mapping: for the piece it placed in, or for a first choice it could not map. The
+        // model cannot know that first choice, so it takes the release as observed and checks that
+        // the request's units might not have fit.
+        let reserved_now = CAPACITY - self.driver.mem_get_info().unwrap().0;
+        let released = reserved_now < m.device_reserved() + new(m);
+        if released && unordered.is_empty() {
+            prop_assert!(m.device_reserved() + most > CAPACITY, "released idle units with room for {} bytes", most);
+            m.release_idle_everywhere();
         }
+        if let Some(first) = unordered.first() {
+            prop_assert!(m.pools[pool].internal, "reused an unordered free without internal dependencies");
+            prop_assert!(unordered.iter().all(|f| f.stream == first.stream), "frees of several streams");
+            // Its first choice could not be mapped, so the device released every idle unit.
+            m.release_idle_everywhere();
+            prop_assert!(
+                m.device_reserved() + most > CAPACITY,
+                "an internal dependency with room to grow: {} reserved, at most {} more needed",
+                m.device_reserved(),
+                most
+            );
+            join(&mut clock, &m.frontier(first.stream));
+        } else if m.device_reserved() + new(m) > CAPACITY {
+            m.release_idle_everywhere();
+        }
+        let grow = new(m);
+        prop_assert!(m.device_reserved() + grow <= CAPACITY, "mapped past capacity");
+        let p = &mut m.pools[pool];
+        p.units.extend(touched.iter().copied());
+        p.reserved += grow;
+        p.reserved_high = p.reserved_high.max(p.reserved);
         m.carve(pool, ptr, size);
         m.commit(stream, clock);
         m.live.insert(ptr, (pool, size));
@@ -506,8 +519,14 @@ impl Harness {
             let model_live: Vec<(u64, u64)> =
                 self.model.live.iter().filter(|(_, (owner, _))| *owner == pool).map(|(&a, &(_, s))| (a, s)).collect();
             prop_assert_eq!(&layout.allocations, &model_live, "pool {} live allocations", pool);
-            let model_segments: Vec<(u64, u64)> = p.segments.iter().map(|(&b, &s)| (b, s)).collect();
-            prop_assert_eq!(&layout.segments, &model_segments, "pool {} segments", pool);
+            let mut model_mapped: Vec<(u64, u64)> = Vec::new();
+            for &base in &p.units {
+                match model_mapped.last_mut() {
+                    Some((start, size)) if *start + *size == base => *size += UNIT,
+                    _ => model_mapped.push((base, UNIT)),
+                }
+            }
+            prop_assert_eq!(&layout.mapped, &model_mapped, "pool {} mapped units", pool);
             reserved += counters.reserved;
         }
         prop_assert!(reserved <= CAPACITY);

@@ -61,6 +61,11 @@ enum Command {
         /// Arena slab size; default: an eighth of each phase's peak live bytes, 2 MiB to 256 MiB.
         #[arg(long, value_name = "SIZE", value_parser = size)]
         arena_slab: Option<u64>,
+        /// Grow the simulated device's stream-ordered pools in units of this size, placing
+        /// allocations across unit boundaries, as an H200's driver does with 32MiB (default:
+        /// a segment per growth, each request rounded to the 2 MiB granule).
+        #[arg(long, value_name = "SIZE", value_parser = size)]
+        pool_unit: Option<u64>,
         /// Skip the bisection for the smallest capacity.
         #[arg(long)]
         no_bisect: bool,
@@ -182,7 +187,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 write(&path, serde_json::to_string_pretty(&inspection)? + "\n")?;
             }
         }
-        Command::Replay { trace, capacity, strategy, arena_slab, no_bisect, json, svg, plan } => {
+        Command::Replay { trace, capacity, strategy, arena_slab, pool_unit, no_bisect, json, svg, plan } => {
             refuse_sidecar(&trace, json.as_deref())?;
             let plans = plan.as_deref().map(read_plans).transpose()?;
             if let Some(slab) = arena_slab
@@ -209,6 +214,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             });
             let mut options = ReplayOptions::new(capacity);
             options.arena_slab = arena_slab;
+            options.pool_unit = pool_unit;
             options.bisect = !no_bisect;
             options.plans = plans.map(std::sync::Arc::new);
             let progress = Progress::new(analysis.ops.len() as u64);

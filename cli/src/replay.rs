@@ -254,12 +254,25 @@ pub struct ReplayOptions {
     /// layout) nor the bisection (it needs devices of any size) is made. The PyTorch models are
     /// models either way.
     pub driver: Option<Driver>,
+    /// The unit in which the simulated devices' stream-ordered pools grow
+    /// ([`SimConfig::pool_unit`]); `None` for the simulated device's default, segments of each
+    /// request rounded to the granule. [`DEFAULT_POOL_UNIT`](steppool::sys::sim::DEFAULT_POOL_UNIT),
+    /// 32 MiB, is what an H200's driver was measured to use.
+    pub pool_unit: Option<u64>,
 }
 
 impl ReplayOptions {
     /// A replay on devices of `capacity` bytes, with bisection and a 1000-point timeline.
     pub fn new(capacity: u64) -> Self {
-        Self { capacity, arena_slab: None, bisect: true, timeline_points: 1000, plans: None, driver: None }
+        Self {
+            capacity,
+            arena_slab: None,
+            bisect: true,
+            timeline_points: 1000,
+            plans: None,
+            driver: None,
+            pool_unit: None,
+        }
     }
 }
 
@@ -655,10 +668,12 @@ fn run_steppool(
     // Virtual memory management as a GPU has it (the simulated device's default, named here so
     // that replay figures never depend on it): planned slabs, persistent chunks and arenas grow
     // in place.
+    let defaults = SimConfig::with_capacity(capacity);
     let config = SimConfig {
         capacities: vec![capacity; device_count],
         vmm_supported: true,
-        ..SimConfig::with_capacity(capacity)
+        pool_unit: options.pool_unit.or(defaults.pool_unit),
+        ..defaults
     };
     config.validate().map_err(|e| ReplayError::Invalid(format!("capacity {capacity} bytes: {e}")))?;
     let at = |event: usize, source: Error| ReplayError::Runtime {
@@ -886,11 +901,11 @@ fn steppool_snapshot(
             let pool = pools.len();
             pools.insert(handle, pool);
             let Some(layout) = sim.pool_layout(handle) else { continue };
-            ranges.extend(layout.segments.iter().map(|&(base, size)| Range {
+            ranges.extend(layout.mapped.iter().map(|&(base, size)| Range {
                 device: layout.device as u32,
                 base,
                 size,
-                granule,
+                granule: layout.unit,
                 pool,
             }));
         }

@@ -1,13 +1,17 @@
-//! What the simulated device looks like: how many devices, their capacity, the reservation
-//! granule, and the driver it pretends to be.
+//! What the simulated device looks like: how many devices, their capacity, the granule and the
+//! pools' unit of reservation, and the driver it pretends to be.
 
 use super::faults::{FaultPlan, FaultPlanError};
 use crate::bytes::{Bytes, ParseBytesError, parse_bytes};
 
 /// The capacity of the default simulated device: an 80 GiB H100/A100.
 pub const DEFAULT_CAPACITY: u64 = 80 << 30;
-/// The default size in which pools reserve device memory.
+/// The default granularity of physical memory: of `cuMemAlloc`'s reservations and of virtual
+/// memory management (`cuMemGetAllocationGranularity`).
 pub const DEFAULT_GRANULE: u64 = 2 << 20;
+/// The default unit in which stream-ordered pools map device memory: 32 MiB, as measured on an
+/// H200 (driver 580.159.04; `benches/results/2026-11-27-h200-calibration.md`).
+pub const DEFAULT_POOL_UNIT: u64 = 32 << 20;
 /// The driver version the simulated device reports by default (CUDA 12.9).
 pub const DEFAULT_DRIVER_VERSION: i32 = 12090;
 /// The largest capacity one simulated device may have: its slice of the simulated address space.
@@ -17,16 +21,23 @@ pub const MAX_DEVICES: usize = 64;
 
 /// Configuration of a simulated driver and its devices.
 ///
-/// [`SimConfig::default`] is one 80 GiB device with 2 MiB granules that supports memory pools and
-/// virtual memory management; [`SimConfig::from_env`] reads `STEPPOOL_SIM_DEVICES`,
-/// `STEPPOOL_SIM_GRANULE`, `STEPPOOL_SIM_VMM`, `STEPPOOL_SIM_HOST_MEMORY` and
-/// `STEPPOOL_SIM_FAULTS` over that.
+/// [`SimConfig::default`] is one 80 GiB device with 2 MiB granules and 32 MiB pool units that
+/// supports memory pools and virtual memory management; [`SimConfig::from_env`] reads
+/// `STEPPOOL_SIM_DEVICES`, `STEPPOOL_SIM_GRANULE`, `STEPPOOL_SIM_POOL_UNIT`, `STEPPOOL_SIM_VMM`,
+/// `STEPPOOL_SIM_HOST_MEMORY` and `STEPPOOL_SIM_FAULTS` over that.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
     /// Capacity in bytes of each device, by ordinal.
     pub capacities: Vec<u64>,
-    /// Size in which pools reserve device memory; a multiple of 512 bytes.
+    /// Granularity of physical memory: the unit of `cuMemAlloc`'s reservations and of virtual
+    /// memory management; a multiple of 512 bytes.
     pub granule: u64,
+    /// How stream-ordered pools (`cuMemPoolCreate`, the device's default pool) reserve device
+    /// memory. `None` (the default): each growth reserves a segment of the request rounded up
+    /// to the granule, and allocations never span two segments. `Some(unit)`: a pool is one
+    /// address range grown in units of `unit` bytes (a multiple of 512), with allocations placed
+    /// across unit boundaries, as an H200's driver answered with 32 MiB ([`DEFAULT_POOL_UNIT`]).
+    pub pool_unit: Option<u64>,
     /// The version `cuDriverGetVersion` reports, as `1000 * major + 10 * minor`.
     pub driver_version: i32,
     /// What `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` reports; without it the pool calls
@@ -61,6 +72,7 @@ impl Default for SimConfig {
         Self {
             capacities: vec![DEFAULT_CAPACITY],
             granule: DEFAULT_GRANULE,
+            pool_unit: None,
             driver_version: DEFAULT_DRIVER_VERSION,
             memory_pools_supported: true,
             peer_access: true,
@@ -124,6 +136,12 @@ pub enum SimConfigError {
         /// The granule asked for.
         granule: u64,
     },
+    /// The pool unit is zero or not a multiple of 512 bytes.
+    #[error("a pool unit of {unit} bytes is not a positive multiple of 512 bytes")]
+    PoolUnit {
+        /// The unit asked for.
+        unit: u64,
+    },
 }
 
 impl SimConfig {
@@ -133,7 +151,8 @@ impl SimConfig {
     }
 
     /// The defaults, overridden by `STEPPOOL_SIM_DEVICES` (for example `2x80GiB`),
-    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`), `STEPPOOL_SIM_VMM` (`0` for a device without
+    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`), `STEPPOOL_SIM_POOL_UNIT` (for example `32MiB`,
+    /// the driver's pool as an H200 answered), `STEPPOOL_SIM_VMM` (`0` for a device without
     /// virtual memory management, `1` by default), `STEPPOOL_SIM_HOST_MEMORY` (`1` or `0`) and
     /// `STEPPOOL_SIM_FAULTS` where they are set.
     pub fn from_env() -> Result<Self, SimConfigError> {
@@ -149,6 +168,12 @@ impl SimConfig {
         if let Some(value) = lookup("STEPPOOL_SIM_GRANULE") {
             config.granule = parse_bytes(&value)
                 .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_GRANULE", source })?;
+        }
+        if let Some(value) = lookup("STEPPOOL_SIM_POOL_UNIT") {
+            config.pool_unit = Some(
+                parse_bytes(&value)
+                    .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_POOL_UNIT", source })?,
+            );
         }
         let switch = |variable: &'static str| match lookup(variable) {
             Some(value) if !value.trim().is_empty() => {
@@ -185,11 +210,16 @@ impl SimConfig {
         if self.granule == 0 || !self.granule.is_multiple_of(512) {
             return Err(SimConfigError::Granule { granule: self.granule });
         }
+        if let Some(unit) = self.pool_unit
+            && (unit == 0 || !unit.is_multiple_of(512))
+        {
+            return Err(SimConfigError::PoolUnit { unit });
+        }
         Ok(())
     }
 
-    /// A one-line description, such as `2 × 80 GiB, 2 MiB granules` (with
-    /// `, no virtual memory management` where it is off).
+    /// A one-line description, such as `2 × 80 GiB, 2 MiB granules` (with `, 32 MiB pool units`
+    /// where pools grow in units and `, no virtual memory management` where it is off).
     pub fn describe(&self) -> String {
         let mut groups: Vec<(usize, u64)> = Vec::new();
         for &capacity in &self.capacities {
@@ -202,7 +232,8 @@ impl SimConfig {
             groups.iter().map(|(count, capacity)| format!("{count} × {}", Bytes(*capacity))).collect();
         let backed = if self.host_memory { ", host-backed" } else { "" };
         let vmm = if self.vmm_supported { "" } else { ", no virtual memory management" };
-        format!("{}, {} granules{backed}{vmm}", devices.join(" + "), Bytes(self.granule))
+        let units = self.pool_unit.map(|unit| format!(", {} pool units", Bytes(unit))).unwrap_or_default();
+        format!("{}, {} granules{units}{backed}{vmm}", devices.join(" + "), Bytes(self.granule))
     }
 }
 
@@ -261,6 +292,11 @@ mod tests {
         config.granule = 1000;
         let error = config.validate().unwrap_err();
         assert!(error.to_string().contains("1000 bytes"), "{error}");
+        config.granule = DEFAULT_GRANULE;
+        config.pool_unit = Some(0);
+        let error = config.validate().unwrap_err();
+        assert_eq!(error, SimConfigError::PoolUnit { unit: 0 });
+        assert!(error.to_string().contains("pool unit of 0 bytes"), "{error}");
     }
 
     #[test]
@@ -292,7 +328,8 @@ mod tests {
     fn describes_itself() {
         let config = SimConfig { capacities: vec![80 << 30, 80 << 30, 16 << 30], ..SimConfig::default() };
         assert_eq!(config.describe(), "2 × 80 GiB + 1 × 16 GiB, 2 MiB granules");
-        let config = SimConfig { vmm_supported: false, ..SimConfig::with_capacity(1 << 30) };
-        assert_eq!(config.describe(), "1 × 1 GiB, 2 MiB granules, no virtual memory management");
+        let config =
+            SimConfig { vmm_supported: false, pool_unit: Some(DEFAULT_POOL_UNIT), ..SimConfig::with_capacity(1 << 30) };
+        assert_eq!(config.describe(), "1 × 1 GiB, 2 MiB granules, 32 MiB pool units, no virtual memory management");
     }
 }

@@ -51,24 +51,29 @@
 //! **Calibration** (`benches/results/2026-11-27-h200-calibration.md`: an H200, driver
 //! 580.159.04, CUDA 13.0). Where steppool places allocations in pages it maps itself (the
 //! planned strategy's growable slabs), the driver's peaks equal this model's on all 23 traces
-//! replayed. Where the driver places them, they do not: its pool reserves in units of 32 MiB (a
-//! one-byte request reserved 32 MiB, 33 MiB reserved 64) and places allocations across the units'
-//! boundaries, as in one range that grows, so its peak was 0.61 to 1.26 times this model's for
-//! one pool (lower on variable shapes, higher on the small traces), 0.64 to 2.0 for phase pools,
-//! and 0.98 to 1.20 for the arena's slabs. Figures of `default-pool`, `phase-pools` and `arena`
-//! on this device are this model's, not the driver's.
+//! replayed. Where the driver places them, the default model below is not the driver's: its pool
+//! reserves in units of 32 MiB (a one-byte request reserved 32 MiB, 33 MiB reserved 64) and
+//! places allocations across the units' boundaries, as in one range that grows, so its peak was
+//! 0.61 to 1.26 times the default model's for one pool, 0.64 to 2.0 for phase pools, and 0.98 to
+//! 1.20 for the arena's slabs. [`SimConfig::pool_unit`] set to [`DEFAULT_POOL_UNIT`]
+//! (`STEPPOOL_SIM_POOL_UNIT=32MiB`, `steppool replay --pool-unit 32MiB`) models the pool as the
+//! H200 answered; the tests in `tests.rs` replay that probe.
 //!
-//! - **Reservations.** A pool reserves device memory in *segments*. When no free piece fits an
-//!   allocation, the pool reserves a new segment of the request rounded up to the granule
-//!   (`STEPPOOL_SIM_GRANULE`, default 2 MiB). A device refuses a segment that would take its
-//!   pools' reservations past its capacity; before it reports out-of-memory it first releases
-//!   every idle segment of every pool on the device, as the driver may release pool memory "to
-//!   enable an unrelated memory allocation request in the same process to succeed".
+//! - **Reservations.** By default a pool reserves device memory in *segments*: when no free
+//!   piece fits an allocation, it reserves a new segment of the request rounded up to the granule
+//!   (`STEPPOOL_SIM_GRANULE`, default 2 MiB), at an address of its own. With a pool unit, a pool
+//!   is one address range (a second only for a request that fits in no free piece of the first)
+//!   and maps memory into it in units of that size, aligned to the range's base: an allocation
+//!   maps the units it overlaps that are not mapped yet, and a unit goes back only when nothing in
+//!   it is live. A device refuses memory that would take its pools' reservations past its
+//!   capacity; before it reports out-of-memory it first releases every idle segment or unit of
+//!   every pool on the device, as the driver may release pool memory "to enable an unrelated
+//!   memory allocation request in the same process to succeed".
 //! - **Placement.** Allocations are rounded up to 512 bytes, which is also their alignment, and
 //!   placed best-fit: the smallest free piece that is large enough, the lowest address on ties,
-//!   at the start of that piece. Freed neighbours merge; pieces never span two segments. A
-//!   request of zero bytes succeeds with a null pointer and places nothing (as the driver
-//!   answered on an H200).
+//!   at the start of that piece, preferring a piece in memory already reserved. Freed neighbours
+//!   merge; pieces never span two segments, and span units freely. A request of zero bytes
+//!   succeeds with a null pointer and places nothing (as the driver answered on an H200).
 //! - **Stream order.** Every stream-ordered call moves its stream one position forward; events
 //!   carry the position (and everything it was ordered after) at which they were recorded. Memory
 //!   freed on stream A is reusable at once on A; on another stream B once B is ordered after the
@@ -83,14 +88,16 @@
 //!   orders with every blocking stream of its context, both ways; the per-thread default stream
 //!   is one blocking stream per thread.
 //! - **Giving memory back.** At a synchronization, each pool on the synchronized device whose
-//!   reservation exceeds its release threshold (default 0) releases idle segments, largest first,
-//!   while at least the threshold remains. `cuMemPoolTrimTo(pool, keep)` does the same with
-//!   `keep`. A segment is idle when nothing in it is allocated and every free in it has been
-//!   observed complete; frees not yet observed count as outstanding, as the driver documents.
+//!   reservation exceeds its release threshold (default 0) releases idle segments or units,
+//!   largest first, then highest address, while at least the threshold remains.
+//!   `cuMemPoolTrimTo(pool, keep)` does the same with `keep`. A segment or unit is idle when
+//!   nothing in it is allocated and every free in it has been observed complete; frees not yet
+//!   observed count as outstanding, as the driver documents.
 //! - **Counters.** `USED_MEM_*` count allocated bytes after rounding to 512; `RESERVED_MEM_*`
-//!   count segments; `cuMemGetInfo` reports capacity minus everything reserved on the device.
-//! - **`cuMemAlloc`.** Synchronous allocations come from a hidden per-device pool with the same
-//!   placement; `cuMemFree` returns empty segments to the device at once. Releasing the last
+//!   count segments or mapped units; `cuMemGetInfo` reports capacity minus everything reserved
+//!   on the device.
+//! - **`cuMemAlloc`.** Synchronous allocations come from a hidden per-device pool of segments,
+//!   whatever the pool unit; `cuMemFree` returns empty segments to the device at once. Releasing the last
 //!   retain of the primary context resets it: its streams, events, modules and `cuMemAlloc`
 //!   allocations are destroyed; pool allocations, which no context owns, stay.
 //! - **Kernels.** Launches are checked against an H100's limits (block 1024 × 1024 × 64 and 1024
@@ -161,11 +168,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 pub use config::{
-    DEFAULT_CAPACITY, DEFAULT_DRIVER_VERSION, DEFAULT_GRANULE, MAX_CAPACITY, MAX_DEVICES, SimConfig, SimConfigError,
+    DEFAULT_CAPACITY, DEFAULT_DRIVER_VERSION, DEFAULT_GRANULE, DEFAULT_POOL_UNIT, MAX_CAPACITY, MAX_DEVICES, SimConfig,
+    SimConfigError,
 };
 use faults::Faults;
 use space::Readiness;
-use state::{INVALID_VALUE, Launch, NOT_SUPPORTED, R, SUCCESS, State};
+use state::{INVALID_VALUE, Launch, Mapping, NOT_SUPPORTED, R, SUCCESS, State};
 
 use crate::bindings::*;
 use crate::{CU_STREAM_LEGACY, Width, pool_attribute_width as attribute_width};
@@ -237,15 +245,21 @@ pub struct Sim {
 pub struct PoolLayout {
     /// The device ordinal the pool lives on.
     pub device: usize,
-    /// Bytes reserved: the sum of the segment sizes.
+    /// Bytes reserved: the mapped units.
     pub reserved: u64,
     /// Bytes allocated, after rounding to 512.
     pub used: u64,
-    /// Segments as `(base, size)`, by address.
-    pub segments: Vec<(u64, u64)>,
+    /// The unit in which the pool maps memory: [`SimConfig::pool_unit`] where set, otherwise
+    /// the granule, to which each segment is rounded.
+    pub unit: u64,
+    /// The address ranges the pool places allocations in, as `(base, size)`, by address; units
+    /// are aligned to their range's base.
+    pub ranges: Vec<(u64, u64)>,
+    /// Mapped memory as `(base, size)` runs of adjacent units, by address.
+    pub mapped: Vec<(u64, u64)>,
     /// Live allocations as `(address, size after rounding)`, by address.
     pub allocations: Vec<(u64, u64)>,
-    /// Free pieces, by address.
+    /// Free pieces of mapped memory, by address (an allocation may span units, so a piece may too).
     pub free: Vec<FreePiece>,
 }
 
@@ -260,7 +274,7 @@ pub struct MappedRange {
     pub size: u64,
 }
 
-/// A free range inside a pool's segment.
+/// A free range inside a pool's mapped memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FreePiece {
     /// Start address.
@@ -278,7 +292,7 @@ impl PoolLayout {
         self.free.iter().map(|p| p.len).max().unwrap_or(0)
     }
 
-    /// All free bytes inside the pool's segments.
+    /// All free bytes inside the pool's mapped memory.
     pub fn total_free(&self) -> u64 {
         self.free.iter().map(|p| p.len).sum()
     }
@@ -387,7 +401,7 @@ impl Sim {
         !(SINCE_11_2.contains(&symbol) || (version < 11000 && SINCE_11_0.contains(&symbol)))
     }
 
-    /// The layout of `pool`: its segments, live allocations and free pieces. `None` for a handle
+    /// The layout of `pool`: its mapped memory, live allocations and free pieces. `None` for a handle
     /// that is not a pool of this driver.
     pub fn pool_layout(&self, pool: CUmemoryPool) -> Option<PoolLayout> {
         let state = self.lock();
@@ -395,17 +409,38 @@ impl Sim {
         let pool = &state.pools[&id];
         let allocations =
             state.allocations.iter().filter(|(_, a)| a.pool == id).map(|(&addr, a)| (addr, a.size)).collect();
+        let mut mapped: Vec<(u64, u64)> = Vec::new();
+        for &base in pool.units.keys() {
+            match mapped.last_mut() {
+                // Segments stay apart, as each is its own range; units of one range join.
+                Some((start, size)) if *start + *size == base && matches!(pool.mapping, Mapping::Units(_)) => {
+                    *size += pool.units[&base].size
+                }
+                _ => mapped.push((base, pool.units[&base].size)),
+            }
+        }
+        // Free pieces cover the pool's whole address ranges; keep their mapped parts.
+        let mut free = Vec::new();
+        for (addr, piece) in pool.free.pieces() {
+            let end = addr + piece.len;
+            let first = mapped.partition_point(|&(base, size)| base + size <= addr);
+            for &(base, size) in mapped[first..].iter().take_while(|&&(base, _)| base < end) {
+                let (from, to) = (addr.max(base), end.min(base + size));
+                free.push(FreePiece { addr: from, len: to - from, ready: piece.readiness == Readiness::Ready });
+            }
+        }
         Some(PoolLayout {
             device: pool.device,
             reserved: pool.reserved,
             used: pool.used,
-            segments: pool.segments.iter().map(|(&base, s)| (base, s.size)).collect(),
+            unit: match pool.mapping {
+                Mapping::Segments { granule } => granule,
+                Mapping::Units(unit) => unit,
+            },
+            ranges: pool.extents.iter().map(|(&base, &len)| (base, len)).collect(),
+            mapped,
             allocations,
-            free: pool
-                .free
-                .pieces()
-                .map(|(addr, piece)| FreePiece { addr, len: piece.len, ready: piece.readiness == Readiness::Ready })
-                .collect(),
+            free,
         })
     }
 

@@ -1,9 +1,10 @@
 //! Free space inside a simulated pool, and the simulated virtual address space.
 //!
-//! A pool's free space is a set of pieces, each inside one segment and each with a readiness:
-//! `Ready` (any stream may reuse it) or `Pending` (freed on a stream at a position the host has
-//! not yet observed complete). Adjacent pieces of one segment merge when both are ready, or both
-//! are pending on the same stream (the merged piece waits for the later free). Lookups are
+//! A pool's free space is a set of pieces, each inside one of the pool's address ranges (its
+//! *segment*, named by the range's base) and each with a readiness: `Ready` (any stream may reuse
+//! it) or `Pending` (freed on a stream at a position the host has not yet observed complete).
+//! Adjacent pieces of one range merge when both are ready, or both are pending on the same stream
+//! (the merged piece waits for the later free), whether or not memory is mapped behind them. Lookups are
 //! best-fit: the smallest piece that is large enough and that the allocating stream may reuse,
 //! the lowest address on ties.
 
@@ -35,7 +36,7 @@ impl Readiness {
     }
 }
 
-/// A free piece: `len` bytes inside the segment starting at `segment`.
+/// A free piece: `len` bytes inside the address range starting at `segment`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Piece {
     pub(crate) len: u64,
@@ -146,15 +147,28 @@ impl FreeSpace {
         knowledge: &Clock,
         follow_events: bool,
     ) -> Option<u64> {
-        let mut best = self.ready.range((len, 0)..).next().copied();
+        self.best_fit_where(len, stream, knowledge, follow_events, |_| true)
+    }
+
+    /// [`FreeSpace::best_fit`] among the pieces whose start `accept` accepts.
+    pub(crate) fn best_fit_where(
+        &self,
+        len: u64,
+        stream: Option<StreamId>,
+        knowledge: &Clock,
+        follow_events: bool,
+        accept: impl Fn(u64) -> bool,
+    ) -> Option<u64> {
+        let mut best = self.ready.range((len, 0)..).copied().find(|&(_, addr)| accept(addr));
         for (&other, set) in &self.pending {
             let candidate = if Some(other) == stream {
-                set.range((len, 0)..).next().copied()
+                set.range((len, 0)..).copied().find(|&(_, addr)| accept(addr))
             } else if follow_events && knowledge.get(other) > 0 {
                 let known = knowledge.get(other);
-                set.range((len, 0)..).copied().find(|(_, addr)| {
-                    matches!(self.by_addr[addr].readiness,
+                set.range((len, 0)..).copied().find(|&(_, addr)| {
+                    matches!(self.by_addr[&addr].readiness,
                         Readiness::Pending { position, .. } if position <= known)
+                        && accept(addr)
                 })
             } else {
                 None
@@ -178,14 +192,20 @@ impl FreeSpace {
             .map(|(_, addr, other)| (addr, other))
     }
 
-    /// Whether the segment `[base, base + size)` is one ready piece: nothing live, nothing pending.
-    pub(crate) fn is_idle(&self, base: u64, size: u64) -> bool {
-        matches!(self.by_addr.get(&base), Some(p) if p.len == size && p.readiness == Readiness::Ready)
+    /// Removes the free piece that starts at `addr`.
+    pub(crate) fn remove(&mut self, addr: u64) {
+        self.unindex(addr);
     }
 
-    /// Removes the idle segment starting at `base` from the free space.
-    pub(crate) fn remove_idle(&mut self, base: u64) {
-        self.unindex(base);
+    /// The free piece that starts at `addr`.
+    pub(crate) fn piece(&self, addr: u64) -> Option<&Piece> {
+        self.by_addr.get(&addr)
+    }
+
+    /// Whether `[addr, addr + len)` lies inside one ready piece: nothing live, nothing pending.
+    pub(crate) fn covers_ready(&self, addr: u64, len: u64) -> bool {
+        matches!(self.by_addr.range(..=addr).next_back(),
+            Some((&start, p)) if start + p.len >= addr + len && p.readiness == Readiness::Ready)
     }
 }
 
@@ -244,7 +264,9 @@ mod tests {
         space.insert(SEG + 1024, 512, SEG, Readiness::Ready);
         space.insert(SEG + 512, 512, SEG, Readiness::Ready);
         assert_eq!(space.pieces().count(), 1);
-        assert!(space.is_idle(SEG, 1536));
+        assert!(space.covers_ready(SEG, 1536));
+        assert!(space.covers_ready(SEG + 512, 1024));
+        assert!(!space.covers_ready(SEG + 512, 1536), "past the piece's end");
 
         space.insert(SEG + 4096, 512, SEG, pending(1, 3));
         space.insert(SEG + 4608, 512, SEG, pending(1, 5));
@@ -254,7 +276,7 @@ mod tests {
     }
 
     #[test]
-    fn pieces_of_different_segments_never_merge() {
+    fn pieces_of_different_ranges_never_merge() {
         let mut space = FreeSpace::default();
         space.insert(SEG, 512, SEG, Readiness::Ready);
         space.insert(SEG + 512, 512, SEG + 512, Readiness::Ready);
@@ -278,8 +300,9 @@ mod tests {
 
         let mut completed = Clock::default();
         completed.advance(1, 2);
+        assert!(!space.covers_ready(SEG, 4096), "pending");
         space.promote(&completed);
-        assert!(space.is_idle(SEG, 4096));
+        assert!(space.covers_ready(SEG, 4096));
     }
 
     #[test]

@@ -133,11 +133,10 @@ struct Function {
     module: u32,
 }
 
-/// Where a checked device range lives: its segment's base and the offset in that segment.
+/// A checked device range inside one live pool or graph allocation.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Range {
-    segment: u64,
-    offset: u64,
+    addr: u64,
     len: usize,
     /// Host memory may stand behind it (graph allocations never have any).
     host: bool,
@@ -156,7 +155,8 @@ pub(crate) struct Allocation {
     pub(crate) pool: u32,
     /// Bytes held: the request rounded up to [`ALIGNMENT`].
     pub(crate) size: u64,
-    pub(crate) segment: u64,
+    /// The base of the pool's address range that holds it.
+    pub(crate) extent: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,14 +165,32 @@ pub(crate) enum PoolKind {
     Default,
     /// Made by `cuMemPoolCreate`.
     Created,
-    /// Backs `cuMemAlloc`: frees are immediate and empty segments go back at once.
+    /// Backs `cuMemAlloc`: frees are immediate and idle units go back at once.
     Raw,
 }
 
-/// A reservation of device memory: one contiguous address range.
+/// Largest address range a pool reserves at once; an allocation that fits in none of its ranges
+/// gets a range of its own size. Keeps a device's slice of the address space for about a
+/// thousand pools however large the device.
+const EXTENT_MAX: u64 = 64 << 30;
+
+/// How a pool maps device memory into its address ranges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mapping {
+    /// Each growth maps one segment, the request rounded up to `granule`, in an address range of
+    /// its own; allocations never span two segments (the simulated device's default model).
+    Segments { granule: u64 },
+    /// Ranges grow in units of this many bytes, aligned to the range's base, and allocations are
+    /// placed across unit boundaries (the driver's pool as an H200 answered, with 32 MiB).
+    Units(u64),
+}
+
+/// A unit of device memory mapped into a pool's address range.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Segment {
+pub(crate) struct Unit {
+    /// Its size in bytes.
     pub(crate) size: u64,
+    /// Live allocations that overlap it.
     pub(crate) live: u32,
 }
 
@@ -190,14 +208,20 @@ pub(crate) struct Pool {
     pub(crate) used_high: u64,
     pub(crate) reserved: u64,
     pub(crate) reserved_high: u64,
-    pub(crate) segments: BTreeMap<u64, Segment>,
+    /// How the pool maps device memory into its ranges.
+    pub(crate) mapping: Mapping,
+    /// Address ranges reserved for the pool, as base → length.
+    pub(crate) extents: BTreeMap<u64, u64>,
+    /// Units mapped, by base address; each lies inside one extent, aligned to its base.
+    pub(crate) units: BTreeMap<u64, Unit>,
+    /// Free addresses of the extents, mapped or not.
     pub(crate) free: FreeSpace,
     /// Access granted to other devices.
     access: BTreeMap<usize, CUmemAccess_flags>,
 }
 
 impl Pool {
-    fn new(device: usize, kind: PoolKind, max_size: u64) -> Self {
+    fn new(device: usize, kind: PoolKind, max_size: u64, mapping: Mapping) -> Self {
         Self {
             device,
             kind,
@@ -211,19 +235,42 @@ impl Pool {
             used_high: 0,
             reserved: 0,
             reserved_high: 0,
-            segments: BTreeMap::new(),
+            mapping,
+            extents: BTreeMap::new(),
+            units: BTreeMap::new(),
             free: FreeSpace::default(),
             access: BTreeMap::new(),
         }
     }
 
-    /// Idle segments in release order: largest first, then highest address.
-    fn idle_segments(&self) -> Vec<(u64, u64)> {
+    /// The bases of the units that `[addr, addr + len)` of the extent at `extent` overlaps.
+    fn units_of(&self, extent: u64, addr: u64, len: u64) -> Vec<u64> {
+        match self.mapping {
+            Mapping::Segments { .. } => vec![extent],
+            Mapping::Units(unit) => {
+                let first = extent + (addr - extent) / unit * unit;
+                let end = extent + (addr + len - extent).div_ceil(unit) * unit;
+                (first..end).step_by(unit as usize).collect()
+            }
+        }
+    }
+
+    /// The size of each unit of the extent at `extent` once mapped.
+    fn unit_size(&self, extent: u64) -> u64 {
+        match self.mapping {
+            Mapping::Segments { .. } => self.extents[&extent],
+            Mapping::Units(unit) => unit,
+        }
+    }
+
+    /// Idle units in release order, largest first, then highest address: nothing allocated in
+    /// them and every free in them observed complete.
+    fn idle_units(&self) -> Vec<(u64, u64)> {
         let mut idle: Vec<(u64, u64)> = self
-            .segments
+            .units
             .iter()
-            .filter(|&(&base, segment)| self.free.is_idle(base, segment.size))
-            .map(|(&base, segment)| (segment.size, base))
+            .filter(|&(&base, unit)| unit.live == 0 && self.free.covers_ready(base, unit.size))
+            .map(|(&base, unit)| (unit.size, base))
             .collect();
         idle.sort_unstable_by(|a, b| b.cmp(a));
         idle
@@ -259,7 +306,7 @@ pub(crate) struct State {
     modules: BTreeMap<u32, Module>,
     functions: BTreeMap<u32, Function>,
     pub(crate) allocations: BTreeMap<u64, Allocation>,
-    /// The host memory behind the segments, when the configuration asks for it.
+    /// The host memory behind the pools' units, when the configuration asks for it.
     host: Option<HostMemory>,
     /// Positions the host has observed complete.
     completed: Clock,
@@ -315,9 +362,12 @@ impl State {
         let instance_base = ((id % 0xFF) + 1) << 52;
         for (device, &capacity) in state.config.capacities.clone().iter().enumerate() {
             let default_pool = state.next();
-            state.pools.insert(default_pool, Pool::new(device, PoolKind::Default, 0));
+            state.pools.insert(default_pool, Pool::new(device, PoolKind::Default, 0, state.pool_mapping()));
             let raw_pool = state.next();
-            state.pools.insert(raw_pool, Pool::new(device, PoolKind::Raw, 0));
+            state.pools.insert(
+                raw_pool,
+                Pool::new(device, PoolKind::Raw, 0, Mapping::Segments { granule: state.config.granule }),
+            );
             let base = instance_base + device as u64 * DEVICE_SPAN;
             state.devices.push(Device {
                 capacity,
@@ -519,61 +569,109 @@ impl State {
 
     // ----- reservations ---------------------------------------------------------------------------
 
-    /// Reserves a new segment for at least `size` bytes in pool `id`, or `None` when the pool's
-    /// maximum size or the device's capacity does not allow it.
-    fn grow(&mut self, id: u32, size: u64) -> Option<u64> {
-        let segment = size.checked_next_multiple_of(self.config.granule)?;
+    /// How the configuration says stream-ordered pools map memory.
+    fn pool_mapping(&self) -> Mapping {
+        match self.config.pool_unit {
+            Some(unit) => Mapping::Units(unit),
+            None => Mapping::Segments { granule: self.config.granule },
+        }
+    }
+
+    /// Reserves a new address range for pool `id` that holds at least `size` bytes, and returns
+    /// its base (a free piece now), or `None` when the device's address space has no room.
+    fn new_extent(&mut self, id: u32, size: u64) -> Option<u64> {
         let pool = &self.pools[&id];
-        if pool.max_size != 0 && pool.reserved + segment > pool.max_size {
-            return None;
-        }
-        let device = pool.device;
-        if self.devices[device].reserved + segment > self.devices[device].capacity {
-            self.release_idle_on_device(device);
-            if self.devices[device].reserved + segment > self.devices[device].capacity {
-                return None;
+        let len = match pool.mapping {
+            Mapping::Segments { granule } => size.checked_next_multiple_of(granule)?,
+            Mapping::Units(unit) => {
+                let capacity = self.devices[pool.device].capacity;
+                size.max(capacity.min(EXTENT_MAX)).checked_next_multiple_of(unit)?
             }
-        }
-        let base = self.devices[device].space.reserve(segment)?;
-        if let Some(host) = &mut self.host
-            && !host.reserve(base, segment)
-        {
-            self.devices[device].space.release(base, segment);
-            return None;
-        }
-        self.devices[device].reserved += segment;
+        };
+        let base = self.devices[pool.device].space.reserve(len)?;
         let pool = self.pools.get_mut(&id).expect("pool");
-        pool.segments.insert(base, Segment { size: segment, live: 0 });
-        pool.reserved += segment;
-        pool.reserved_high = pool.reserved_high.max(pool.reserved);
-        pool.free.insert(base, segment, base, Readiness::Ready);
+        pool.extents.insert(base, len);
+        pool.free.insert(base, len, base, Readiness::Ready);
         Some(base)
     }
 
-    fn release_segment(&mut self, id: u32, base: u64) {
+    /// Gives the address range at `base` of pool `id` back to the device; nothing in it is
+    /// mapped, and it is one free piece.
+    fn drop_extent(&mut self, id: u32, base: u64) {
         let pool = self.pools.get_mut(&id).expect("pool");
-        pool.free.remove_idle(base);
-        let segment = pool.segments.remove(&base).expect("segment");
-        pool.reserved -= segment.size;
-        let device = &mut self.devices[pool.device];
-        device.reserved -= segment.size;
-        device.space.release(base, segment.size);
+        let len = pool.extents.remove(&base).expect("extent");
+        pool.free.remove(base);
+        self.devices[pool.device].space.release(base, len);
+    }
+
+    /// Maps every unit of pool `id` that `[addr, addr + size)` of the extent at `extent` overlaps
+    /// and that is not mapped yet; `false` (and nothing mapped) when the pool's maximum size or
+    /// the device's capacity does not allow it, once every idle unit on the device is released.
+    fn map_units(&mut self, id: u32, extent: u64, addr: u64, size: u64) -> bool {
+        let missing = |state: &Self| -> Vec<u64> {
+            let pool = &state.pools[&id];
+            pool.units_of(extent, addr, size).into_iter().filter(|base| !pool.units.contains_key(base)).collect()
+        };
+        let (device, unit, max_size) = {
+            let pool = &self.pools[&id];
+            (pool.device, pool.unit_size(extent), pool.max_size)
+        };
+        let mut new = missing(self);
+        let bytes = |new: &Vec<u64>| new.len() as u64 * unit;
+        if max_size != 0 && self.pools[&id].reserved + bytes(&new) > max_size {
+            return false;
+        }
+        if self.devices[device].reserved + bytes(&new) > self.devices[device].capacity {
+            self.release_idle_on_device(device);
+            new = missing(self);
+            if self.devices[device].reserved + bytes(&new) > self.devices[device].capacity {
+                return false;
+            }
+        }
+        for (index, &base) in new.iter().enumerate() {
+            if let Some(host) = &mut self.host
+                && !host.reserve(base, unit)
+            {
+                for &mapped in &new[..index] {
+                    host.release(mapped);
+                }
+                return false;
+            }
+        }
+        self.devices[device].reserved += bytes(&new);
+        let pool = self.pools.get_mut(&id).expect("pool");
+        pool.units.extend(new.iter().map(|&base| (base, Unit { size: unit, live: 0 })));
+        pool.reserved += bytes(&new);
+        pool.reserved_high = pool.reserved_high.max(pool.reserved);
+        true
+    }
+
+    /// Unmaps the idle unit at `base` of pool `id`. Its addresses stay the pool's, free, where
+    /// ranges grow in units; a segment's range goes back with it.
+    fn release_unit(&mut self, id: u32, base: u64) {
+        let pool = self.pools.get_mut(&id).expect("pool");
+        let unit = pool.units.remove(&base).expect("mapped unit");
+        pool.reserved -= unit.size;
+        self.devices[pool.device].reserved -= unit.size;
         if let Some(host) = &mut self.host {
             host.release(base);
         }
+        if matches!(self.pools[&id].mapping, Mapping::Segments { .. }) {
+            self.drop_extent(id, base);
+        }
     }
 
-    /// Releases idle segments of pool `id`, largest first, while at least `keep` bytes remain.
+    /// Releases idle units of pool `id`, largest first, while at least `keep` bytes remain.
     fn trim(&mut self, id: u32, keep: u64) {
-        for (size, base) in self.pools[&id].idle_segments() {
-            if self.pools[&id].reserved - size >= keep {
-                self.release_segment(id, base);
+        for (size, base) in self.pools[&id].idle_units() {
+            if self.pools[&id].reserved >= keep + size {
+                self.release_unit(id, base);
             }
         }
     }
 
-    /// The driver's implicit release before it reports out-of-memory: every idle segment of
-    /// every pool on the device goes back, whatever the release thresholds.
+    /// The driver's implicit release before it reports out-of-memory: every idle unit of every
+    /// pool on the device goes back, whatever the release thresholds.
     fn release_idle_on_device(&mut self, device: usize) {
         let pools: Vec<u32> = self.pools.iter().filter(|(_, p)| p.device == device).map(|(&id, _)| id).collect();
         for id in pools {
@@ -582,17 +680,20 @@ impl State {
     }
 
     /// Pools destroyed while they still had outstanding allocations go away once those are
-    /// freed and the frees observed.
+    /// freed and the frees observed, and their address ranges with them.
     fn reclaim_destroyed_pools(&mut self) {
         let done: Vec<u32> = self
             .pools
             .iter()
-            .filter(|(_, p)| p.destroyed && p.used == 0 && p.idle_segments().len() == p.segments.len())
+            .filter(|(_, p)| p.destroyed && p.used == 0 && p.idle_units().len() == p.units.len())
             .map(|(&id, _)| id)
             .collect();
         for id in done {
             self.trim(id, 0);
-            self.pools.remove(&id);
+            let pool = self.pools.remove(&id).expect("pool");
+            for (base, len) in pool.extents {
+                self.devices[pool.device].space.release(base, len);
+            }
         }
     }
 
@@ -600,9 +701,12 @@ impl State {
 
     /// Places `bytes` in pool `id` for `stream` (`None` for a synchronous allocation).
     ///
-    /// In order: the best-fit free piece the stream may reuse; a new segment; and, if the device
-    /// is full and the pool allows internal dependencies, a piece freed on another stream, after
-    /// making the allocating stream wait for all work enqueued so far on that stream.
+    /// In order: the best-fit free piece the stream may reuse that lies in mapped memory; the
+    /// best-fit free piece the stream may reuse anywhere in the pool's address ranges (a new range
+    /// if none is large enough), mapping the units it lies in that are not mapped yet; and, if
+    /// those cannot be mapped and the pool allows internal dependencies, a piece freed on another
+    /// stream, after making the allocating stream wait for all work enqueued so far on that
+    /// stream.
     fn place(&mut self, id: u32, bytes: u64, stream: Option<StreamId>) -> R<u64> {
         if bytes == 0 {
             return Err(INVALID_VALUE);
@@ -611,18 +715,39 @@ impl State {
         let knowledge = stream.map(|s| self.op_clock(s)).unwrap_or_default();
         let pool = &self.pools[&id];
         let (follow, internal) = (pool.follow_event_dependencies, pool.allow_internal_dependencies);
-        let mut wait_for = None;
-        let addr = match pool.free.best_fit(size, stream, &knowledge, follow) {
-            Some(addr) => addr,
-            None => match self.grow(id, size) {
-                Some(addr) => addr,
+        let extent_of = |state: &Self, addr: u64| state.pools[&id].free.piece(addr).expect("free piece").segment;
+        let mapped = |addr: u64| {
+            pool.units_of(extent_of(self, addr), addr, size).iter().all(|base| pool.units.contains_key(base))
+        };
+        let mut fresh = None;
+        let found = match pool.free.best_fit_where(size, stream, &knowledge, follow, mapped) {
+            Some(addr) => Some(addr),
+            None => match pool.free.best_fit(size, stream, &knowledge, follow) {
+                Some(addr) => Some(addr),
                 None => {
-                    let elsewhere = if internal { self.pools[&id].free.best_fit_elsewhere(size, stream) } else { None };
-                    let (addr, other) = elsewhere.filter(|_| stream.is_some()).ok_or(OUT_OF_MEMORY)?;
-                    wait_for = Some(other);
-                    addr
+                    fresh = self.new_extent(id, size);
+                    fresh
                 }
             },
+        };
+        let mut wait_for = None;
+        let addr = match found.filter(|&addr| self.map_units(id, extent_of(self, addr), addr, size)) {
+            Some(addr) => addr,
+            None => {
+                // A segment's range is reserved only with its memory.
+                if let Some(base) = fresh
+                    && matches!(self.pools[&id].mapping, Mapping::Segments { .. })
+                {
+                    self.drop_extent(id, base);
+                }
+                let elsewhere = if internal { self.pools[&id].free.best_fit_elsewhere(size, stream) } else { None };
+                let (addr, other) = elsewhere.filter(|_| stream.is_some()).ok_or(OUT_OF_MEMORY)?;
+                if !self.map_units(id, extent_of(self, addr), addr, size) {
+                    return Err(OUT_OF_MEMORY);
+                }
+                wait_for = Some(other);
+                addr
+            }
         };
         if let Some(s) = stream {
             let mut clock = knowledge;
@@ -632,11 +757,13 @@ impl State {
             self.commit(s, clock);
         }
         let pool = self.pools.get_mut(&id).expect("pool");
-        let piece = pool.free.take(addr, size);
-        pool.segments.get_mut(&piece.segment).expect("segment").live += 1;
+        let extent = pool.free.take(addr, size).segment;
+        for base in pool.units_of(extent, addr, size) {
+            pool.units.get_mut(&base).expect("mapped unit").live += 1;
+        }
         pool.used += size;
         pool.used_high = pool.used_high.max(pool.used);
-        self.allocations.insert(addr, Allocation { pool: id, size, segment: piece.segment });
+        self.allocations.insert(addr, Allocation { pool: id, size, extent });
         Ok(addr)
     }
 
@@ -645,8 +772,10 @@ impl State {
         let allocation = self.allocations.remove(&ptr).expect("live allocation");
         let pool = self.pools.get_mut(&allocation.pool).expect("pool of a live allocation");
         pool.used -= allocation.size;
-        pool.segments.get_mut(&allocation.segment).expect("segment").live -= 1;
-        pool.free.insert(ptr, allocation.size, allocation.segment, readiness);
+        for base in pool.units_of(allocation.extent, ptr, allocation.size) {
+            pool.units.get_mut(&base).expect("mapped unit").live -= 1;
+        }
+        pool.free.insert(ptr, allocation.size, allocation.extent, readiness);
         allocation.pool
     }
 
@@ -1017,7 +1146,7 @@ impl State {
     }
 
     /// `cuMemFree`: frees any allocation at once; the driver "assumes that all accesses to the
-    /// allocation are complete". Empty raw segments go back to the device immediately.
+    /// allocation are complete". Idle raw units go back to the device immediately.
     pub(crate) fn mem_free(&mut self, ptr: CUdeviceptr) -> R<()> {
         self.current()?;
         self.capture_forbids_unsafe_call()?;
@@ -1053,17 +1182,17 @@ impl State {
     /// anywhere is accepted, as the driver accepts zero-length copies).
     fn live_range(&self, ptr: CUdeviceptr, len: usize) -> Option<Range> {
         if len == 0 {
-            return Some(Range { segment: 0, offset: 0, len: 0, host: true });
+            return Some(Range { addr: ptr, len: 0, host: true });
         }
-        if let Some(start) = self.graph_range(ptr, len) {
-            return Some(Range { segment: start, offset: ptr - start, len, host: false });
+        if self.graph_range(ptr, len).is_some() {
+            return Some(Range { addr: ptr, len, host: false });
         }
         let (&start, allocation) = self.allocations.range(..=ptr).next_back()?;
         let end = ptr.checked_add(len as u64)?;
         if end > start + allocation.size {
             return None;
         }
-        Some(Range { segment: allocation.segment, offset: ptr - allocation.segment, len, host: true })
+        Some(Range { addr: ptr, len, host: true })
     }
 
     /// The range `[ptr, ptr + len)` when it lies inside one live allocation, or in memory mapped
@@ -1075,12 +1204,17 @@ impl State {
         }
     }
 
+    /// The host memory behind a checked pool range, on a host-backed device.
+    fn pool_host(&mut self, range: Range) -> Option<&mut HostMemory> {
+        self.host.as_mut().filter(|_| range.host)
+    }
+
     /// Fills a checked span with `value`, on a host-backed device.
     fn span_fill(&mut self, span: Span, value: u8) {
         match span {
             Span::Pool(range) => {
-                if let Some(bytes) = self.host_bytes(range) {
-                    bytes.fill(value);
+                if let Some(host) = self.pool_host(range) {
+                    host.for_each_part(range.addr, range.len, |_, bytes| bytes.fill(value));
                 }
             }
             Span::Mapped(pieces) => self.vmm.fill(&pieces, value),
@@ -1091,8 +1225,10 @@ impl State {
     fn span_write(&mut self, span: Span, src: &[u8]) {
         match span {
             Span::Pool(range) => {
-                if let Some(bytes) = self.host_bytes(range) {
-                    bytes.copy_from_slice(src);
+                if let Some(host) = self.pool_host(range) {
+                    host.for_each_part(range.addr, range.len, |at, bytes| {
+                        bytes.copy_from_slice(&src[at..at + bytes.len()]);
+                    });
                 }
             }
             Span::Mapped(pieces) => self.vmm.write(&pieces, src),
@@ -1103,24 +1239,14 @@ impl State {
     fn span_read(&mut self, span: Span, dst: &mut [u8]) {
         match span {
             Span::Pool(range) => {
-                if let Some(bytes) = self.host_bytes(range) {
-                    dst.copy_from_slice(bytes);
+                if let Some(host) = self.pool_host(range) {
+                    host.for_each_part(range.addr, range.len, |at, bytes| {
+                        dst[at..at + bytes.len()].copy_from_slice(bytes);
+                    });
                 }
             }
             Span::Mapped(pieces) => self.vmm.read(&pieces, dst),
         }
-    }
-
-    /// The host bytes behind a checked range, on a host-backed device.
-    fn host_bytes(&mut self, range: Range) -> Option<&mut [u8]> {
-        if !range.host {
-            return None;
-        }
-        let host = self.host.as_mut()?;
-        if range.len == 0 {
-            return Some(&mut []);
-        }
-        Some(host.bytes_mut(range.segment, range.offset, range.len))
     }
 
     /// Whether device memory is backed by host memory.
@@ -1281,7 +1407,7 @@ impl State {
             return Err(NOT_SUPPORTED);
         }
         let id = self.next();
-        self.pools.insert(id, Pool::new(device, PoolKind::Created, props.maxSize as u64));
+        self.pools.insert(id, Pool::new(device, PoolKind::Created, props.maxSize as u64, self.pool_mapping()));
         Ok(self.handle(Kind::Pool, id) as CUmemoryPool)
     }
 

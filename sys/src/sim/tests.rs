@@ -81,10 +81,121 @@ fn one_byte_reserves_one_granule_and_uses_512_bytes() {
 }
 
 #[test]
-fn granule_is_configurable() {
+fn pool_unit_and_granule_are_configurable() {
     let f = Fixture::new(SimConfig { granule: 64 << 10, ..SimConfig::with_capacity(1 << 30) });
     f.alloc(1, f.stream);
-    assert_eq!(f.layout().reserved, 64 << 10);
+    assert_eq!(f.layout().reserved, 64 << 10, "segments of one granule");
+    let f =
+        Fixture::new(SimConfig { pool_unit: Some(64 << 10), granule: 128 << 10, ..SimConfig::with_capacity(1 << 30) });
+    f.alloc(1, f.stream);
+    assert_eq!(f.layout().reserved, 64 << 10, "pools map in units");
+    f.driver.mem_alloc(1).unwrap();
+    let (free, total) = f.driver.mem_get_info().unwrap();
+    assert_eq!(total - free, (64 << 10) + (128 << 10), "cuMemAlloc reserves in granules");
+}
+
+// ----- the driver's pool, as an H200 answered (benches/results/2026-11-27-h200-pool-probe.jsonl) ---
+
+/// A device whose pools grow in 32 MiB units.
+fn driver_config(capacity: u64) -> SimConfig {
+    SimConfig { pool_unit: Some(DEFAULT_POOL_UNIT), ..SimConfig::with_capacity(capacity) }
+}
+
+/// A fixture with the driver's 32 MiB pool unit and its release threshold raised, as PyTorch's
+/// `cudaMallocAsync` backend configures the pool the probe ran through.
+fn driver_units() -> Fixture {
+    let f = Fixture::new(driver_config(8 << 30));
+    f.keep_everything();
+    f
+}
+
+#[test]
+fn one_request_in_an_empty_pool_reserves_its_size_in_32_mib_units() {
+    let f = driver_units();
+    for (bytes, reserved) in [
+        (1, 32),
+        (512, 32),
+        (MIB, 32),
+        (2 * MIB + 1, 32),
+        (32 * MIB, 32),
+        (33 * MIB, 64),
+        (64 * MIB + 1, 96),
+        (100 * MIB, 128),
+        (1024 * MIB, 1024),
+    ] {
+        let ptr = f.alloc(bytes, f.stream);
+        assert_eq!(f.layout().reserved, reserved * MIB, "{bytes} bytes");
+        f.free(ptr, f.stream);
+        f.sync(f.stream);
+        // SAFETY: the pool comes from this fixture's driver.
+        unsafe { f.driver.mem_pool_trim_to(f.pool, 0) }.unwrap();
+        assert_eq!(f.layout().reserved, 0);
+    }
+}
+
+#[test]
+fn allocations_cross_the_units_of_one_growing_range() {
+    let f = driver_units();
+    let mut previous = None;
+    for index in 1..=48u64 {
+        let ptr = f.alloc(5 * MIB, f.stream);
+        assert_eq!(f.layout().reserved, (5 * index).next_multiple_of(32) * MIB, "{index} × 5 MiB");
+        if let Some(previous) = previous {
+            assert_eq!(ptr, previous + 5 * MIB, "end to end, across unit boundaries");
+        }
+        previous = Some(ptr);
+    }
+    let f = driver_units();
+    let reserved: Vec<u64> = (0..6)
+        .map(|_| {
+            f.alloc(24 * MIB, f.stream);
+            f.layout().reserved / MIB
+        })
+        .collect();
+    assert_eq!(reserved, [32, 64, 96, 96, 128, 160], "six of 24 MiB, as the H200 answered");
+}
+
+#[test]
+fn freed_neighbours_merge_across_units_and_holes_are_fitted_before_growing() {
+    let f = driver_units();
+    let a = f.alloc(20 * MIB, f.stream);
+    let b = f.alloc(20 * MIB, f.stream);
+    assert_eq!(f.layout().reserved, 64 * MIB);
+    f.free(a, f.stream);
+    f.free(b, f.stream);
+    assert_eq!(f.alloc(40 * MIB, f.stream), a, "one free piece across the unit boundary");
+    assert_eq!(f.layout().reserved, 64 * MIB);
+
+    let f = driver_units();
+    let ptrs: Vec<_> = (0..8).map(|_| f.alloc(8 * MIB, f.stream)).collect();
+    assert_eq!(f.layout().reserved, 64 * MIB);
+    for &ptr in ptrs.iter().step_by(2) {
+        f.free(ptr, f.stream);
+    }
+    let c = f.alloc(4 * MIB, f.stream);
+    assert_eq!(c, ptrs[0], "a hole that fits, lowest first");
+    f.alloc(16 * MIB, f.stream);
+    assert_eq!(f.layout().reserved, 96 * MIB, "no hole holds 16 MiB: the range grows");
+}
+
+#[test]
+fn a_unit_goes_back_only_when_nothing_in_it_is_live() {
+    let f = Fixture::new(driver_config(1 << 30));
+    let a = f.alloc(20 * MIB, f.stream);
+    let b = f.alloc(20 * MIB, f.stream);
+    let c = f.alloc(30 * MIB, f.stream);
+    assert_eq!(f.layout().reserved, 96 * MIB);
+    f.free(a, f.stream);
+    f.free(c, f.stream);
+    f.sync(f.stream);
+    let layout = f.layout();
+    assert_eq!(layout.reserved, 64 * MIB, "the third unit, idle, went back; b spans the first two");
+    assert_eq!(layout.mapped, vec![(a, 64 * MIB)]);
+    assert_eq!(layout.total_free(), 44 * MIB, "free bytes of mapped memory only: 0..20 and 40..64");
+    f.free(b, f.stream);
+    f.sync(f.stream);
+    assert_eq!(f.layout().reserved, 0);
+    assert_eq!(f.alloc(MIB, f.stream), a, "the range's addresses stay the pool's");
 }
 
 #[test]
@@ -797,7 +908,7 @@ fn host_backed_memory_keeps_what_memset_and_copies_write() {
         let past = sim.cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), a + 4090, 18, f.stream);
         assert_eq!(past, CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    // A segment released and reserved again starts zeroed: freed memory keeps no old bytes.
+    // A unit released and mapped again starts zeroed: freed memory keeps no old bytes.
     f.free(a, f.stream);
     f.free(b, f.stream);
     f.driver.context_synchronize().unwrap();
@@ -809,6 +920,27 @@ fn host_backed_memory_keeps_what_memset_and_copies_write() {
         assert_eq!(sim.cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), c, 8, f.stream), CUresult::CUDA_SUCCESS);
     }
     assert_eq!(out, [0; 8]);
+}
+
+#[test]
+fn host_backed_allocations_that_span_units_keep_their_bytes() {
+    let f =
+        Fixture::new(SimConfig { host_memory: true, pool_unit: Some(64 << 10), ..SimConfig::with_capacity(1 << 30) });
+    let sim = f.driver.sim().unwrap();
+    let a = f.alloc(40 << 10, f.stream);
+    let b = f.alloc(100 << 10, f.stream);
+    assert_eq!(f.layout().mapped, vec![(a, 192 << 10)], "b spans three units");
+    let data: Vec<u8> = (0..100 << 10).map(|i: usize| (i % 251) as u8).collect();
+    let mut back = vec![0u8; data.len()];
+    // SAFETY: pointers and stream come from this driver; `data` and `back` live through each call.
+    unsafe {
+        assert_eq!(sim.cuMemcpyHtoDAsync_v2(b, data.as_ptr().cast(), data.len(), f.stream), CUresult::CUDA_SUCCESS);
+        assert_eq!(sim.cuMemsetD8Async(b + 1000, 9, 30 << 10, f.stream), CUresult::CUDA_SUCCESS);
+        assert_eq!(sim.cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), b, back.len()), CUresult::CUDA_SUCCESS);
+    }
+    let mut expected = data.clone();
+    expected[1000..1000 + (30 << 10)].fill(9);
+    assert!(back == expected, "bytes across the unit boundaries read back as written");
 }
 
 #[test]
