@@ -716,8 +716,11 @@ impl State {
         let pool = &self.pools[&id];
         let (follow, internal) = (pool.follow_event_dependencies, pool.allow_internal_dependencies);
         let extent_of = |state: &Self, addr: u64| state.pools[&id].free.piece(addr).expect("free piece").segment;
+        // Every segment is mapped whole: only ranges of units need the check, on each candidate.
+        let segments = matches!(pool.mapping, Mapping::Segments { .. });
         let mapped = |addr: u64| {
-            pool.units_of(extent_of(self, addr), addr, size).iter().all(|base| pool.units.contains_key(base))
+            segments
+                || pool.units_of(extent_of(self, addr), addr, size).iter().all(|base| pool.units.contains_key(base))
         };
         let mut fresh = None;
         let found = match pool.free.best_fit_where(size, stream, &knowledge, follow, mapped) {
