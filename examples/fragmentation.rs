@@ -9,11 +9,13 @@
 //!     [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]
 //! ```
 //!
-//! Each step allocates 64 MiB of activations and frees them, then keeps a 40 MiB tensor for good
-//! (a buffer of per-step statistics, say). In one pool the kept tensor lands in the hole the
-//! activations left (the best fit), the next step's activations no longer fit beside it, and the
-//! pool takes a new segment: every step strands 24 MiB. With phases the kept tensors have a pool
-//! of their own and the activations reuse theirs. The files get the run's name before their
+//! Each step allocates activations, 64 MiB and 4 MiB more every step (a curriculum that lengthens
+//! the sequences), and while they are live keeps a 40 MiB tensor for good (statistics computed
+//! from them, say); then it frees the activations. In one pool the kept tensor lands above the
+//! activations, the next step's activations, larger, no longer fit the hole they left, and the
+//! pool grows past them: every step strands its activations' hole, whether the pool grows in
+//! segments or, as the driver's does, in 32 MiB units of one range. With phases the kept tensors
+//! have a pool of their own and the activations reuse theirs. The files get the run's name before their
 //! extension (`--svg t.svg` writes `t-plain.svg` and `t-phases.svg`). It runs on a simulated
 //! device of `--capacity`, whose placement is steppool's documented model.
 
@@ -29,8 +31,9 @@ const USAGE: &str = "usage: fragmentation [--capacity SIZE] [--steps N] [--jsonl
      [--snapshot FILE] [--svg FILE] [--trace FILE]";
 
 const MIB: u64 = 1 << 20;
-const ACTIVATIONS: u64 = 64 * MIB;
-const KEPT: u64 = 40 * MIB;
+const ACTIVATIONS: u64 = 32 * MIB;
+const GROWTH: u64 = 2 * MIB;
+const KEPT: u64 = 48 * MIB;
 
 #[derive(Default)]
 struct Options {
@@ -91,16 +94,14 @@ fn run(options: &Options, phases: bool) -> Result<(), Box<dyn std::error::Error>
     let mut failure = None;
     for _ in 0..options.steps {
         let step = runtime.begin_step()?;
-        let result = if phases {
-            step.alloc(Phase::ACTIVATIONS, ACTIVATIONS, &stream)
-                .map(drop)
-                .and_then(|()| runtime.alloc(Phase::OPTIMIZER_STATE, KEPT, &stream))
+        let bytes = ACTIVATIONS + step.index() * GROWTH;
+        let (activations, kept_phase) = if phases {
+            (step.alloc(Phase::ACTIVATIONS, bytes, &stream), Phase::OPTIMIZER_STATE)
         } else {
-            runtime
-                .alloc(one_pool, ACTIVATIONS, &stream)
-                .map(drop)
-                .and_then(|()| runtime.alloc(one_pool, KEPT, &stream))
+            (runtime.alloc(one_pool, bytes, &stream), one_pool)
         };
+        // The kept tensor is made while the activations are live; they go after it.
+        let result = activations.and_then(|_activations| runtime.alloc(kept_phase, KEPT, &stream));
         let index = step.index();
         match result {
             Ok(buffer) => kept.push(buffer),
@@ -178,9 +179,10 @@ fn main() -> ExitCode {
         }
     };
     println!(
-        "a simulated device of {}; each step: {} of activations, then {} kept for good\n",
+        "a simulated device of {}; each step: activations of {} and {} more every step, and {} kept for good\n",
         Bytes(options.capacity),
         Bytes(ACTIVATIONS),
+        Bytes(GROWTH),
         Bytes(KEPT)
     );
     for phases in [false, true] {

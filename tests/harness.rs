@@ -66,12 +66,26 @@ pub fn simulated_runtime(capacity: u64) -> steppool::Runtime {
         .expect("building a simulated runtime")
 }
 
+/// A runtime on a simulated device of `capacity` bytes in the segment model
+/// ([`SimConfig::pool_unit`](steppool_sys::sim::SimConfig::pool_unit) `None`), whatever
+/// `STEPPOOL_DEVICE` says: a pool reserves a segment of each request rounded to 2 MiB, for worked
+/// examples whose figures are read in granules rather than the driver's 32 MiB units.
+pub fn segment_runtime(capacity: u64) -> steppool::Runtime {
+    let config =
+        steppool_sys::sim::SimConfig { pool_unit: None, ..steppool_sys::sim::SimConfig::with_capacity(capacity) };
+    steppool::Runtime::builder().simulated(config).build().expect("building a simulated runtime")
+}
+
 /// A runtime on a simulated device of `capacity` bytes without virtual memory management, whatever
 /// `STEPPOOL_DEVICE` says: slabs, chunks and arenas are pool allocations, the fallback of devices
-/// and drivers without it, for tests that read that layout.
+/// and drivers without it, for tests that read that layout. Its pools are the segment model's, as
+/// for [`segment_runtime`].
 pub fn pool_slab_runtime(capacity: u64) -> steppool::Runtime {
-    let config =
-        steppool_sys::sim::SimConfig { vmm_supported: false, ..steppool_sys::sim::SimConfig::with_capacity(capacity) };
+    let config = steppool_sys::sim::SimConfig {
+        vmm_supported: false,
+        pool_unit: None,
+        ..steppool_sys::sim::SimConfig::with_capacity(capacity)
+    };
     steppool::Runtime::builder().simulated(config).build().expect("building a simulated runtime")
 }
 

@@ -271,7 +271,7 @@ fn auto_selection_falls_back_to_the_simulated_device_and_says_so_once() {
             ("STEPPOOL_SIM_DEVICES", "2x16GiB"),
         ]);
         assert!(ok, "{stderr}");
-        assert!(stdout.contains("simulated device (2 × 16 GiB, 2 MiB granules)"), "{stdout}");
+        assert!(stdout.contains("simulated device (2 × 16 GiB, 2 MiB granules, 32 MiB pool units)"), "{stdout}");
         assert!(stdout.contains("devices: 2"), "{stdout}");
         assert_eq!(stderr.matches("using the simulated device").count(), 1, "{stderr}");
         assert!(stderr.contains(reason), "{variant}: the reason is given: {stderr}");

@@ -217,7 +217,8 @@ fn auto_takes_the_arena_for_a_step_freed_in_stack_order() {
 
 #[test]
 fn auto_keeps_one_pool_where_nothing_is_gained() {
-    // One allocation a step: every strategy holds one granule; the tie goes to the simplest.
-    let (strategy, _) = chosen(|s, phase, stream| drop(s.alloc(phase, MIB, stream).unwrap()));
+    // One allocation a step of one 32 MiB pool unit: every strategy holds 32 MiB; the tie goes to
+    // the simplest.
+    let (strategy, _) = chosen(|s, phase, stream| drop(s.alloc(phase, 32 * MIB, stream).unwrap()));
     assert_eq!(strategy, Strategy::Direct);
 }

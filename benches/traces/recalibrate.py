@@ -1,5 +1,6 @@
-"""Replays the traces of the committed H200 calibration on the simulated device, with its default
-pool model and with 32 MiB pool units, beside the driver's figures (benches/results/2026-11-27-sim-pool-units.md).
+"""Replays the traces of the committed H200 calibration on the simulated device, with its
+pool model before calibration (segments, the committed simulated figures) and with 32 MiB pool units
+(the default since), beside the driver's figures (benches/results/2026-11-27-sim-pool-units.md).
 
     cargo build --release -p steppool-cli && python3 benches/traces/recalibrate.py
 """

@@ -6,8 +6,9 @@
 //!
 //! ```text
 //! steppool inspect TRACE [--json FILE]
-//! steppool replay TRACE [--capacity SIZE] [--strategy NAME|all] [--arena-slab SIZE] [--no-bisect]
-//!                       [--json FILE] [--svg FILE] [--plan PLAN]
+//! steppool replay TRACE [--capacity SIZE] [--strategy NAME|all] [--arena-slab SIZE]
+//!                       [--pool-unit SIZE|segments] [--no-bisect] [--json FILE] [--svg FILE]
+//!                       [--plan PLAN]
 //! steppool plan TRACE -o PLAN [--capacity SIZE]
 //! steppool convert TRACE OUTPUT.jsonl
 //! steppool synth PATTERN OUTPUT.jsonl [--scale X] [--steps N] [--seed N] [--no-micro-steps]
@@ -36,7 +37,10 @@
 //! let options = replay::ReplayOptions::new(1 << 30);
 //! let results = replay::replay(&trace, &analysis, &replay::select("all")?, &options, &replay::Silent)?;
 //! assert!(results.iter().all(|r| r.run.completed()));
-//! assert_eq!(results[0].min_capacity_bytes, Some(4 << 20));
+//! // One plain pool maps a 32 MiB unit, as the driver does; the plan maps 2 MiB pages.
+//! assert_eq!(results[0].run.strategy, "default-pool");
+//! assert_eq!(results[0].min_capacity_bytes, Some(32 << 20));
+//! assert_eq!(replay::recommended(&results), Some("planned"));
 //! # Ok(()) }
 //! ```
 

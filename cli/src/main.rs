@@ -61,11 +61,11 @@ enum Command {
         /// Arena slab size; default: an eighth of each phase's peak live bytes, 2 MiB to 256 MiB.
         #[arg(long, value_name = "SIZE", value_parser = size)]
         arena_slab: Option<u64>,
-        /// Grow the simulated device's stream-ordered pools in units of this size, placing
-        /// allocations across unit boundaries, as an H200's driver does with 32MiB (default:
-        /// a segment per growth, each request rounded to the 2 MiB granule).
-        #[arg(long, value_name = "SIZE", value_parser = size)]
-        pool_unit: Option<u64>,
+        /// The unit in which the simulated device's stream-ordered pools grow, allocations placed
+        /// across unit boundaries (default: 32MiB, as an H200's driver does); `segments` for the
+        /// uncalibrated model, a segment per growth of each request rounded to the 2 MiB granule.
+        #[arg(long, value_name = "SIZE|segments", value_parser = pool_unit)]
+        pool_unit: Option<PoolUnit>,
         /// Skip the bisection for the smallest capacity.
         #[arg(long)]
         no_bisect: bool,
@@ -143,6 +143,14 @@ fn size(text: &str) -> Result<u64, String> {
     parse_bytes(text).map_err(|e| e.to_string())
 }
 
+/// `--pool-unit`: a size, or `None` for the segment model.
+#[derive(Clone, Copy, Debug)]
+struct PoolUnit(Option<u64>);
+
+fn pool_unit(text: &str) -> Result<PoolUnit, String> {
+    steppool_sys::sim::parse_pool_unit(text).map(PoolUnit).map_err(|e| e.to_string())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -214,14 +222,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             });
             let mut options = ReplayOptions::new(capacity);
             options.arena_slab = arena_slab;
-            options.pool_unit = pool_unit;
+            if let Some(PoolUnit(unit)) = pool_unit {
+                options.pool_unit = unit;
+            }
             options.bisect = !no_bisect;
             options.plans = plans.map(std::sync::Arc::new);
             let progress = Progress::new(analysis.ops.len() as u64);
             let results = replay::replay(&trace, &analysis, &strategies, &options, &progress)?;
             progress.bar.finish_and_clear();
             let limit = steppool_cli::limit::limit(&analysis)?;
-            let mut text = report::replay_table(&inspection, capacity, &results, &limit);
+            let mut text = report::replay_table(&inspection, capacity, options.pool_unit, &results, &limit);
             text.push('\n');
             for def in &strategies {
                 text += &format!("{:<17} {}\n", def.name(), def.summary());

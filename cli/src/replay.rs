@@ -255,9 +255,10 @@ pub struct ReplayOptions {
     /// models either way.
     pub driver: Option<Driver>,
     /// The unit in which the simulated devices' stream-ordered pools grow
-    /// ([`SimConfig::pool_unit`]); `None` for the simulated device's default, segments of each
-    /// request rounded to the granule. [`DEFAULT_POOL_UNIT`](steppool::sys::sim::DEFAULT_POOL_UNIT),
-    /// 32 MiB, is what an H200's driver was measured to use.
+    /// ([`SimConfig::pool_unit`]): by default
+    /// [`DEFAULT_POOL_UNIT`](steppool::sys::sim::DEFAULT_POOL_UNIT), 32 MiB, what an H200's
+    /// driver was measured to use; `None` for the segment model, a segment of each request
+    /// rounded to the granule.
     pub pool_unit: Option<u64>,
 }
 
@@ -271,7 +272,7 @@ impl ReplayOptions {
             timeline_points: 1000,
             plans: None,
             driver: None,
-            pool_unit: None,
+            pool_unit: SimConfig::default().pool_unit,
         }
     }
 }
@@ -672,7 +673,7 @@ fn run_steppool(
     let config = SimConfig {
         capacities: vec![capacity; device_count],
         vmm_supported: true,
-        pool_unit: options.pool_unit.or(defaults.pool_unit),
+        pool_unit: options.pool_unit,
         ..defaults
     };
     config.validate().map_err(|e| ReplayError::Invalid(format!("capacity {capacity} bytes: {e}")))?;

@@ -439,8 +439,15 @@ fn signed(bytes: i64) -> String {
     format!("{sign}{}", Bytes(bytes.unsigned_abs()))
 }
 
-/// The replay tables: the results, then the breakdown of each completed run.
-pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyResult], limit: &Limit) -> String {
+/// The replay tables: the results, then the breakdown of each completed run; `pool_unit` is the
+/// simulated device's ([`ReplayOptions::pool_unit`](crate::replay::ReplayOptions::pool_unit)).
+pub fn replay_table(
+    inspection: &Inspection,
+    capacity: u64,
+    pool_unit: Option<u64>,
+    results: &[StrategyResult],
+    limit: &Limit,
+) -> String {
     let mut out = String::new();
     let w = &mut out;
     let micro =
@@ -452,11 +459,12 @@ pub fn replay_table(inspection: &Inspection, capacity: u64, results: &[StrategyR
     );
     let _ = writeln!(
         w,
-        "peak live: {} ({} bytes); simulated device of {} per trace device, {} granules",
+        "peak live: {} ({} bytes); simulated device of {} per trace device, {} granules, {}",
         Bytes(inspection.peak_live_bytes),
         inspection.peak_live_bytes,
         Bytes(capacity),
-        Bytes(DEFAULT_GRANULE)
+        Bytes(DEFAULT_GRANULE),
+        pool_unit.map_or_else(|| "pools in segments".to_owned(), |unit| format!("{} pool units", Bytes(unit)))
     );
     let per_step = limit.per_step_bytes.map_or_else(String::new, |b| format!("; per-step limit {}", Bytes(b)));
     let _ = writeln!(

@@ -42,11 +42,19 @@ fn trace(script: &str) -> Trace {
     trace
 }
 
+/// `strategy` replayed on `script` in the simulated device's segment model, whose 2 MiB
+/// granules keep the worked examples small.
 fn run(script: &str, strategy: &str) -> StrategyResult {
+    run_with(script, strategy, None)
+}
+
+/// `strategy` replayed on `script`, pools growing in `pool_unit` ([`ReplayOptions::pool_unit`]).
+fn run_with(script: &str, strategy: &str, pool_unit: Option<u64>) -> StrategyResult {
     let trace = trace(script);
     let analysis = analyse(&trace).unwrap();
     let mut options = ReplayOptions::new(1 << 30);
     options.bisect = false;
+    options.pool_unit = pool_unit;
     let mut results = replay(&trace, &analysis, &select(strategy).unwrap(), &options, &Silent).unwrap();
     let result = results.remove(0);
     assert!(result.run.completed(), "{strategy}: {:?}", result.run.failure);
@@ -106,6 +114,24 @@ fn memory_idle_in_another_pool_is_segregation() {
     let one = run(script, "default-pool");
     assert_eq!(one.run.peak_reserved_bytes, 4 * MIB);
     assert_eq!(one.breakdown.unwrap(), Breakdown::default());
+}
+
+#[test]
+fn pools_of_32_mib_units_leave_a_tail_and_span_their_boundaries() {
+    // The simulated device's default, as an H200's driver answered: 20 and 20 MiB fill the
+    // first unit and part of the second; the first is freed, too small a hole for 30 MiB, which
+    // lands after the second, across the boundary into a third unit: at the peak, 50 MiB live,
+    // the 20 MiB hole, and 26 MiB of the third unit unused.
+    let unit = ReplayOptions::new(1 << 30).pool_unit;
+    assert_eq!(unit, Some(32 * MIB));
+    let result = run_with("+1:20M +2:20M -1 +3:30M", "default-pool", unit);
+    assert_eq!(result.run.peak_reserved_bytes, 96 * MIB);
+    assert_eq!(
+        result.breakdown.unwrap(),
+        Breakdown { granule_tail_bytes: 26 * MIB, hole_bytes: 20 * MIB, ..Breakdown::default() }
+    );
+    // In the segment model the same trace reserves a segment per growth: 20 + 20 + 30 MiB.
+    assert_eq!(run("+1:20M +2:20M -1 +3:30M", "default-pool").run.peak_reserved_bytes, 70 * MIB);
 }
 
 #[test]

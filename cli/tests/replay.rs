@@ -22,8 +22,9 @@ fn log(rows: &[(&str, u64, u64)]) -> steppool_trace::Trace {
 
 #[test]
 fn reservations_are_whole_granules_and_the_smallest_device_is_exact() {
-    // 3 MiB, then 1 MiB placed in the 4 MiB segment's free tail, then 2 MiB, which does not fit
-    // the tail and takes a 2 MiB segment of its own: 6 MiB reserved at the peak ...
+    // In the segment model: 3 MiB, then 1 MiB placed in the 4 MiB segment's free tail, then
+    // 2 MiB, which does not fit the tail and takes a 2 MiB segment of its own: 6 MiB reserved
+    // at the peak ...
     let trace = log(&[
         ("allocate", 0x1000_0000, 3 * MIB),
         ("allocate", 0x2000_0000, MIB),
@@ -34,8 +35,8 @@ fn reservations_are_whole_granules_and_the_smallest_device_is_exact() {
     ]);
     let analysis = analyse(&trace).unwrap();
     assert_eq!(analysis.peak_live_bytes, 5 * MIB);
-    let results =
-        replay(&trace, &analysis, &select("default-pool").unwrap(), &ReplayOptions::new(1 << 30), &Silent).unwrap();
+    let segments = ReplayOptions { pool_unit: None, ..ReplayOptions::new(1 << 30) };
+    let results = replay(&trace, &analysis, &select("default-pool").unwrap(), &segments, &Silent).unwrap();
     let result = &results[0];
     assert!(result.run.completed());
     // ... of which 5 MiB are live.
@@ -48,6 +49,17 @@ fn reservations_are_whole_granules_and_the_smallest_device_is_exact() {
     let breakdown = result.breakdown.unwrap();
     assert_eq!(breakdown, Breakdown { granule_tail_bytes: MIB, ..Breakdown::default() });
     assert_eq!(result.run.steady_peak_reserved_bytes, None, "no steps, no steady peak");
+    // As the driver reserves (the default model): one 32 MiB unit, on a device no smaller. The
+    // freed 1 MiB, still pending in stream order, stays a piece of its own, so the 2 MiB goes
+    // after it: a 1 MiB hole, and the unit's last 26 MiB unused.
+    let results =
+        replay(&trace, &analysis, &select("default-pool").unwrap(), &ReplayOptions::new(1 << 30), &Silent).unwrap();
+    assert_eq!(results[0].run.peak_reserved_bytes, 32 * MIB);
+    assert_eq!(results[0].min_capacity_bytes, Some(32 * MIB));
+    assert_eq!(
+        results[0].breakdown.unwrap(),
+        Breakdown { granule_tail_bytes: 26 * MIB, hole_bytes: MIB, ..Breakdown::default() }
+    );
 }
 
 #[test]
@@ -92,9 +104,11 @@ fn a_pytorch_model_is_compared_but_never_recommended() {
     assert_eq!(json["results"][0]["kind"], "torch-model");
     assert_eq!(json["recommended"], serde_json::Value::Null);
     assert_eq!(json["limit_bytes"], 8192);
-    // With the strategies beside it, the least steppool peak is recommended.
+    // With the strategies beside it, the least steppool peak is recommended: the plan's 2 MiB
+    // page, not the plain pool's 32 MiB unit.
     let results = replay(&trace, &analysis, &select("all").unwrap(), &options, &Silent).unwrap();
-    assert_eq!(recommended(&results), Some("default-pool"));
+    assert_eq!(results[0].run.peak_reserved_bytes, 32 * MIB);
+    assert_eq!(recommended(&results), Some("planned"));
 }
 
 /// Under memory pressure the recommended strategy gives back what its live allocations do not

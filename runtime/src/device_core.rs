@@ -27,6 +27,11 @@ pub(crate) struct DeviceCore {
     /// The granularity of physical memory mapped into reserved address ranges, where the device
     /// has virtual memory management (slabs that grow in place); `None` elsewhere.
     pub(crate) vmm_granularity: Option<u64>,
+    /// The unit in which the device's CUDA pools reserve memory, which the driver does not
+    /// publish: on a GPU the 32 MiB an H200's driver was measured to use
+    /// ([`DEFAULT_POOL_UNIT`](steppool_sys::sim::DEFAULT_POOL_UNIT)); on the simulated device its
+    /// configured unit, or its granule in the segment model.
+    pub(crate) pool_unit: u64,
     /// Pools that keep the pages of memory freed in a step mapped, and give them back when the
     /// device needs more.
     pub(crate) freed: FreedPages,
@@ -128,6 +133,10 @@ impl DeviceCore {
             .then(|| driver.mem_allocation_granularity(device, false).ok())
             .flatten()
             .filter(|&granularity| granularity > 0);
+        let pool_unit = match driver.sim() {
+            Some(sim) => sim.config().pool_unit.unwrap_or(sim.config().granule),
+            None => steppool_sys::sim::DEFAULT_POOL_UNIT,
+        };
         let ctx = ContextHandle::from_raw(driver.primary_context_retain(device)?);
         let core = Self {
             driver: driver.clone(),
@@ -139,6 +148,7 @@ impl DeviceCore {
             pools_supported,
             peers: Mutex::new(Vec::new()),
             vmm_granularity,
+            pool_unit,
             freed: FreedPages::default(),
         };
         core.make_current()?;

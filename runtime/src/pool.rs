@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock, PoisonError};
 use steppool_sys::handle::PoolHandle;
 use steppool_sys::{CUdevice, CUdeviceptr, CUmemoryPool};
 
-use crate::device_core::GivesBackFreed;
+use crate::device_core::{DeviceCore, GivesBackFreed};
 use crate::error::{Error, ErrorSink, Result};
 use crate::phase::{ALIGNMENT, MAX_PHASES, Phase, PhaseEntry, PhaseSpec, Scope, TrimPolicy};
 use crate::report::{PoolId, PoolStats};
@@ -55,8 +55,18 @@ struct Counters {
 }
 
 /// The reservation granule assumed where the device reports no allocation granularity: the
-/// granule of CUDA pool segments on current GPUs, and the simulated device's default.
+/// granularity of physical memory on current GPUs, and the simulated device's default.
 const DEFAULT_GRANULE: u64 = 2 << 20;
+
+/// The unit in which a pool's memory is reserved: the CUDA pool's unit where all of it is the
+/// CUDA pool's (`pool_only`), otherwise the pages mapped into its ranges.
+fn granule(device: &DeviceCore, pool_only: bool) -> u64 {
+    if pool_only && device.pools_supported {
+        device.pool_unit
+    } else {
+        device.vmm_granularity.unwrap_or(DEFAULT_GRANULE)
+    }
+}
 
 /// One allocation call in this many is timed.
 const TIMING_SAMPLE: u64 = 64;
@@ -646,7 +656,7 @@ impl PoolGuard<'_> {
             reserved: reservation.reserved,
             peak_reserved: reservation.peak_reserved,
             peak_served: c.peak_served,
-            granule: pool.stream.device.vmm_granularity.unwrap_or(DEFAULT_GRANULE),
+            granule: granule(&pool.stream.device, reservation.pool_only),
             breakdown: crate::report::Breakdown::default(),
             allocations: c.allocations,
             frees: c.frees,

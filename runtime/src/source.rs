@@ -156,6 +156,9 @@ pub(crate) struct Reservation {
     /// The most allocated from the CUDA pool since the step began, rounded as the pool rounds
     /// (0 without a CUDA pool).
     pub(crate) peak_used: u64,
+    /// Whether all of it came from the CUDA pool (or `cuMemAlloc`) since the step began: no pages
+    /// were mapped into ranges of the source's own.
+    pub(crate) pool_only: bool,
 }
 
 /// Where a [`DeviceSource`] gets its memory.
@@ -313,12 +316,14 @@ impl DeviceSource {
                     // peak from above.
                     peak_reserved: counters.reserved_high + self.mapped_high,
                     peak_used: counters.used_high,
+                    pool_only: self.mapped_high == 0,
                 })
             }
             Backing::Synchronous(fallback) => Ok(Reservation {
                 reserved: fallback.reserved + self.mapped,
                 peak_reserved: fallback.reserved_high + self.mapped_high,
                 peak_used: 0,
+                pool_only: self.mapped_high == 0,
             }),
         }
     }
@@ -1365,7 +1370,8 @@ mod tests {
         assert_eq!(mapped(&driver), 4 * PAGE, "nothing happens behind the source's back");
         let ptr = source.alloc(PAGE).unwrap();
         assert_eq!(mapped(&driver), 0);
-        assert_eq!(source.reservation().unwrap().reserved, PAGE, "the pool's allocation only");
+        let unit = steppool_sys::sim::DEFAULT_POOL_UNIT;
+        assert_eq!(source.reservation().unwrap().reserved, unit, "the pool's unit only");
         assert_eq!(self::waits(&driver), waits);
         source.free(ptr, PAGE).unwrap();
         source.destroy().unwrap();

@@ -361,20 +361,22 @@ mod tests {
     fn a_scope_freed_in_stack_order_ties_the_arena_and_the_plan_and_takes_the_arena() {
         // Eight 3 MiB activations kept while scratch of 1 to 8 MiB comes and goes, each freed
         // before the next allocation: the pool's best fit puts each scratch above the
-        // activations; the arena's bump, through a range that grows in place as on a GPU, moves
-        // back over each freed scratch; both it and the plan need the peak of live bytes
-        // (24 + 8 MiB), and the tie goes to the simpler arena.
+        // activations, which stretch across its first 32 MiB unit into a second; the arena's
+        // bump, through a range that grows in place as on a GPU, moves back over each freed
+        // scratch; both it and the plan need the peak of live bytes (24 + 8 MiB), and the tie
+        // goes to the simpler arena.
         let sizes: Vec<(u64, bool)> = (0..8).flat_map(|l| [(3 * MIB, true), ((1 + l) * MIB, false)]).collect();
         let (peaks, chosen) = tried(&sizes);
-        assert_eq!(peaks, [54 * MIB, 32 * MIB, 32 * MIB]);
+        assert_eq!(peaks, [64 * MIB, 32 * MIB, 32 * MIB]);
         assert_eq!(chosen, "arena");
     }
 
     #[test]
     fn a_scope_freed_out_of_stack_order_is_planned() {
         // Buffers of 1 to 16 MiB, each freed after the next one is made (a sliding window of
-        // two): the arena's bump never moves back and runs to their sum; the pool's freed
-        // segments are each too small for the next buffer; the plan reuses them.
+        // two): the arena's bump never moves back and runs to their sum; the pool's best fit
+        // leaves a hole each buffer is too large for and climbs into a second 32 MiB unit; the
+        // plan reuses the holes.
         let mut events = vec![Recorded::Alloc(MIB)];
         for index in 1..16u32 {
             events.push(Recorded::Alloc(u64::from(index + 1) * MIB));
@@ -382,26 +384,27 @@ mod tests {
         }
         events.push(Recorded::Free(15));
         let (peaks, chosen) = tried_events(&events);
-        assert_eq!(peaks, [144 * MIB, 136 * MIB, 32 * MIB], "the plan at the largest pair, 15 + 16 MiB");
+        assert_eq!(peaks, [64 * MIB, 136 * MIB, 32 * MIB], "the plan at the largest pair, 15 + 16 MiB");
         assert_eq!(chosen, "planned");
     }
 
     #[test]
     fn an_arena_beats_one_pool_when_a_survivor_splits_a_freed_segment() {
         // 300 MiB freed, 1 MiB kept, 300 MiB again: the pool's best fit puts the survivor in the
-        // first segment's free space, so the second 300 MiB takes a segment of its own; the
-        // arena's bump moves back over the freed 300 MiB, and the second lands after the
-        // survivor, as the plan places it: a tie, which the arena takes.
+        // first 300 MiB's free space, so the second 300 MiB, too large for what is left of it,
+        // goes above it (19 units of 32 MiB at the peak); the arena's bump moves back over
+        // the freed 300 MiB, and the second lands after the survivor, as the plan places it: a
+        // tie, which the arena takes.
         let (peaks, chosen) = tried(&[(300 * MIB, false), (MIB, true), (300 * MIB, false)]);
-        assert_eq!(peaks, [600 * MIB, 302 * MIB, 302 * MIB]);
+        assert_eq!(peaks, [608 * MIB, 302 * MIB, 302 * MIB]);
         assert_eq!(chosen, "arena");
     }
 
     #[test]
     fn a_tie_goes_to_the_simplest() {
-        // One allocation: every strategy holds one 2 MiB granule.
-        let (peaks, chosen) = tried(&[(MIB, false)]);
-        assert_eq!(peaks, [2 * MIB; 3]);
+        // One allocation of one pool unit: every strategy holds 32 MiB.
+        let (peaks, chosen) = tried(&[(32 * MIB, false)]);
+        assert_eq!(peaks, [32 * MIB; 3]);
         assert_eq!(chosen, "direct");
     }
 }

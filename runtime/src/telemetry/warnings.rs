@@ -14,10 +14,12 @@ pub use crate::warning::{Warning, WarningKind, WarningRule};
 /// Fragmentation of a phase on a device above `threshold` for `steps` consecutive steps.
 ///
 /// The ratio judged is the step's peak reservation against the largest peak of live bytes of the
-/// last `window` steps, `1 - max(peak_used) / peak_reserved`: memory a pool keeps for the next
-/// long step of a variable-length workload is not waste while such steps keep coming, but a
-/// reservation that outgrows every recent need is. With steps of one shape this is the step's
-/// own fragmentation ratio.
+/// last `window` steps, rounded up to the phase's reservation granule (a pool's 32 MiB unit on
+/// the driver, or the 2 MiB pages of a range), `1 - max(peak_used) / peak_reserved`: memory a
+/// pool keeps for the next long step of a variable-length workload is not waste while such steps
+/// keep coming, but a reservation that outgrows every recent need is; and the unused end of the
+/// last unit is the unit's price, not fragmentation. With steps of one shape this is the step's
+/// own fragmentation ratio, less that tail.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FragmentationRule {
     /// The ratio above which a step counts (default 0.25: a quarter of the peak reservation
@@ -50,8 +52,10 @@ pub struct ReservedCreepRule {
 /// A device's headroom below the largest recent step demand: the next step like it will not fit.
 ///
 /// A step's demand is how far live bytes rose above what outlives the step (the sum over pools of
-/// `peak_used - used` at the step end). What the pools already reserve without live data serves
-/// it first; the shortfall must come from the device's free memory, with a margin for the
+/// `peak_used - used` at the step end), plus what outlived it that the step before did not hold
+/// (a pool's growth of live bytes over the step, from its second step on: a loop that keeps a
+/// tensor every step will want as much again). What the pools already reserve without live
+/// data serves it first; the shortfall must come from the device's free memory, with a margin for the
 /// fragmentation that new segments bring. The rule fires when free memory is below the shortfall
 /// times `1 + margin`: a loop whose pools keep what it needs stays silent however full the
 /// device is.
@@ -136,6 +140,8 @@ struct PhaseStep {
     peak_used: u64,
     peak_reserved: u64,
     reserved: u64,
+    /// The largest reservation granule of its pools.
+    granule: u64,
 }
 
 /// The rules' memory between steps.
@@ -149,6 +155,8 @@ pub(crate) struct WarningState {
     recent: HashMap<(usize, String), VecDeque<PhaseStep>>,
     /// Recent step demands per device.
     demands: HashMap<usize, VecDeque<u64>>,
+    /// Live bytes per pool (device, stream, phase) at the last step's end.
+    used_before: HashMap<(usize, u32, String), u64>,
     /// Recent largest requests per pool (device, stream, phase).
     requests: HashMap<(usize, u32, String), VecDeque<u64>>,
     /// Episodes in progress: (rule, device, phase).
@@ -190,6 +198,7 @@ impl WarningState {
             entry.peak_used += pool.peak_used;
             entry.peak_reserved += pool.peak_reserved;
             entry.reserved += pool.reserved;
+            entry.granule = entry.granule.max(pool.granule);
             let index = match devices.iter().position(|d| d.0 == pool.pool.device) {
                 Some(index) => index,
                 None => {
@@ -198,7 +207,13 @@ impl WarningState {
                 }
             };
             devices[index].1 += pool.reserved.saturating_sub(pool.used);
-            devices[index].2 += pool.peak_used.saturating_sub(pool.used);
+            // What the step's live bytes rose above its end, and what the pool's live bytes grew
+            // by over the step (nothing the first time the pool is seen: its first step builds
+            // what the loop keeps).
+            let before =
+                self.used_before.insert((pool.pool.device, pool.pool.stream, pool.phase_name.clone()), pool.used);
+            let grew = before.map_or(0, |before| pool.used.saturating_sub(before));
+            devices[index].2 += pool.peak_used.saturating_sub(pool.used) + grew;
         }
 
         let mut fired = Vec::new();
@@ -239,9 +254,11 @@ impl WarningState {
                     peaks.pop_front();
                 }
                 let needed = peaks.iter().copied().max().unwrap_or(0);
-                let ratio = crate::report::fragmentation_ratio(needed, now.peak_reserved);
+                // The last unit's unused end is what a unit costs, not fragmentation.
+                let in_units = needed.next_multiple_of(now.granule.max(1)).min(now.peak_reserved.max(needed));
+                let ratio = crate::report::fragmentation_ratio(in_units, now.peak_reserved);
                 let total = memory(*device).map_or(0, |(_, total)| total);
-                let waste = now.peak_reserved.saturating_sub(needed);
+                let waste = now.peak_reserved.saturating_sub(in_units);
                 let count = self.above.entry((*device, phase.clone())).or_default();
                 *count = if ratio > rule.threshold && waste as f64 >= rule.min_waste * total as f64 {
                     *count + 1

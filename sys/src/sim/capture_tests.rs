@@ -284,7 +284,8 @@ fn a_destroyed_executable_leaves_its_unfreed_allocations_live_and_counted() {
 
 #[test]
 fn a_launch_the_device_cannot_hold_is_out_of_memory_and_changes_nothing() {
-    let f = Fixture::with(SimConfig::with_capacity(8 * MIB));
+    // The segment model, for a device of a few granules.
+    let f = Fixture::with(SimConfig { pool_unit: None, ..SimConfig::with_capacity(8 * MIB) });
     let held = f.alloc(6 * MIB, f.other).unwrap();
     let (graph, _) = f.capture(&[4 * MIB], true);
     let exec = f.instantiate(graph, 0).unwrap();

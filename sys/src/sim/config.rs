@@ -33,10 +33,12 @@ pub struct SimConfig {
     /// memory management; a multiple of 512 bytes.
     pub granule: u64,
     /// How stream-ordered pools (`cuMemPoolCreate`, the device's default pool) reserve device
-    /// memory. `None` (the default): each growth reserves a segment of the request rounded up
-    /// to the granule, and allocations never span two segments. `Some(unit)`: a pool is one
-    /// address range grown in units of `unit` bytes (a multiple of 512), with allocations placed
-    /// across unit boundaries, as an H200's driver answered with 32 MiB ([`DEFAULT_POOL_UNIT`]).
+    /// memory. `Some(unit)` (the default, [`DEFAULT_POOL_UNIT`], as an H200's driver answered): a
+    /// pool is one address range grown in units of `unit` bytes (a multiple of 512), with
+    /// allocations placed across unit boundaries. `None`, the segment model (the simulated
+    /// device's model before it was calibrated, kept for comparison and for small worked
+    /// examples): each growth reserves a segment of the request rounded up to the granule, and
+    /// allocations never span two segments.
     pub pool_unit: Option<u64>,
     /// The version `cuDriverGetVersion` reports, as `1000 * major + 10 * minor`.
     pub driver_version: i32,
@@ -72,7 +74,7 @@ impl Default for SimConfig {
         Self {
             capacities: vec![DEFAULT_CAPACITY],
             granule: DEFAULT_GRANULE,
-            pool_unit: None,
+            pool_unit: Some(DEFAULT_POOL_UNIT),
             driver_version: DEFAULT_DRIVER_VERSION,
             memory_pools_supported: true,
             peer_access: true,
@@ -151,8 +153,8 @@ impl SimConfig {
     }
 
     /// The defaults, overridden by `STEPPOOL_SIM_DEVICES` (for example `2x80GiB`),
-    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`), `STEPPOOL_SIM_POOL_UNIT` (for example `32MiB`,
-    /// the driver's pool as an H200 answered), `STEPPOOL_SIM_VMM` (`0` for a device without
+    /// `STEPPOOL_SIM_GRANULE` (for example `2MiB`), `STEPPOOL_SIM_POOL_UNIT` (a size such as
+    /// `32MiB`, or `segments`; see [`parse_pool_unit`]), `STEPPOOL_SIM_VMM` (`0` for a device without
     /// virtual memory management, `1` by default), `STEPPOOL_SIM_HOST_MEMORY` (`1` or `0`) and
     /// `STEPPOOL_SIM_FAULTS` where they are set.
     pub fn from_env() -> Result<Self, SimConfigError> {
@@ -170,10 +172,8 @@ impl SimConfig {
                 .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_GRANULE", source })?;
         }
         if let Some(value) = lookup("STEPPOOL_SIM_POOL_UNIT") {
-            config.pool_unit = Some(
-                parse_bytes(&value)
-                    .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_POOL_UNIT", source })?,
-            );
+            config.pool_unit = parse_pool_unit(&value)
+                .map_err(|source| SimConfigError::Size { variable: "STEPPOOL_SIM_POOL_UNIT", source })?;
         }
         let switch = |variable: &'static str| match lookup(variable) {
             Some(value) if !value.trim().is_empty() => {
@@ -235,6 +235,12 @@ impl SimConfig {
         let units = self.pool_unit.map(|unit| format!(", {} pool units", Bytes(unit))).unwrap_or_default();
         format!("{}, {} granules{units}{backed}{vmm}", devices.join(" + "), Bytes(self.granule))
     }
+}
+
+/// Reads how pools reserve memory ([`SimConfig::pool_unit`]): `segments` (any case) for the
+/// segment model, otherwise a size such as `32MiB` for the unit.
+pub fn parse_pool_unit(value: &str) -> Result<Option<u64>, ParseBytesError> {
+    if value.trim().eq_ignore_ascii_case("segments") { Ok(None) } else { parse_bytes(value).map(Some) }
 }
 
 /// Reads an on/off switch: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no`, any case.
@@ -318,6 +324,20 @@ mod tests {
     }
 
     #[test]
+    fn pools_grow_in_32_mib_units_unless_told_otherwise() {
+        let with = |unit: Option<&str>| {
+            SimConfig::from_variables(|variable| {
+                (variable == "STEPPOOL_SIM_POOL_UNIT").then_some(unit).flatten().map(str::to_owned)
+            })
+        };
+        assert_eq!(with(None).unwrap().pool_unit, Some(32 << 20), "as an H200's driver answered");
+        assert_eq!(with(Some("4MiB")).unwrap().pool_unit, Some(4 << 20));
+        assert_eq!(with(Some(" Segments ")).unwrap().pool_unit, None);
+        assert!(matches!(with(Some("lots")), Err(SimConfigError::Size { variable: "STEPPOOL_SIM_POOL_UNIT", .. })));
+        assert_eq!(with(Some("1000")), Err(SimConfigError::PoolUnit { unit: 1000 }));
+    }
+
+    #[test]
     fn switches() {
         assert_eq!(parse_switch(" On "), Some(true));
         assert_eq!(parse_switch("0"), Some(false));
@@ -326,10 +346,10 @@ mod tests {
 
     #[test]
     fn describes_itself() {
-        let config = SimConfig { capacities: vec![80 << 30, 80 << 30, 16 << 30], ..SimConfig::default() };
-        assert_eq!(config.describe(), "2 × 80 GiB + 1 × 16 GiB, 2 MiB granules");
         let config =
-            SimConfig { vmm_supported: false, pool_unit: Some(DEFAULT_POOL_UNIT), ..SimConfig::with_capacity(1 << 30) };
+            SimConfig { capacities: vec![80 << 30, 80 << 30, 16 << 30], pool_unit: None, ..SimConfig::default() };
+        assert_eq!(config.describe(), "2 × 80 GiB + 1 × 16 GiB, 2 MiB granules");
+        let config = SimConfig { vmm_supported: false, ..SimConfig::with_capacity(1 << 30) };
         assert_eq!(config.describe(), "1 × 1 GiB, 2 MiB granules, 32 MiB pool units, no virtual memory management");
     }
 }

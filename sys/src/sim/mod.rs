@@ -35,7 +35,7 @@
 //! (`STEPPOOL_SIM_HOST_MEMORY=1`): pointers are addresses in a simulated address space, never
 //! dereferenced. Without it, memset and copies into the device are checked and ordered without
 //! effect, and copies back to the host return `CUDA_ERROR_NOT_SUPPORTED`. With it, every reserved
-//! segment has a zeroed host block behind it (`memory.rs`), and memset, the `cuMemcpy*` entry
+//! unit or segment has a zeroed host block behind it (`memory.rs`), and memset, the `cuMemcpy*` entry
 //! points and the repository's fill kernels ([`crate::kernels`]) write it. Other kernels are
 //! checked and ordered but do not run.
 //!
@@ -49,26 +49,30 @@
 //! that its numbers can be read for what they are and calibrated against real GPU runs.
 //!
 //! **Calibration** (`benches/results/2026-11-27-h200-calibration.md`: an H200, driver
-//! 580.159.04, CUDA 13.0). Where steppool places allocations in pages it maps itself (the
-//! planned strategy's growable slabs), the driver's peaks equal this model's on all 23 traces
-//! replayed. Where the driver places them, the default model below is not the driver's: its pool
-//! reserves in units of 32 MiB (a one-byte request reserved 32 MiB, 33 MiB reserved 64) and
-//! places allocations across the units' boundaries, as in one range that grows, so its peak was
-//! 0.61 to 1.26 times the default model's for one pool, 0.64 to 2.0 for phase pools, and 0.98 to
-//! 1.20 for the arena's slabs. [`SimConfig::pool_unit`] set to [`DEFAULT_POOL_UNIT`]
-//! (`STEPPOOL_SIM_POOL_UNIT=32MiB`, `steppool replay --pool-unit 32MiB`) models the pool as the
-//! H200 answered; the tests in `tests.rs` replay that probe.
+//! 580.159.04, CUDA 13.0). The driver's pool reserves in units of 32 MiB (a one-byte request
+//! reserved 32 MiB, 33 MiB reserved 64) and places allocations across the units' boundaries, as
+//! in one range that grows; that is this model's default ([`DEFAULT_POOL_UNIT`]), and the tests
+//! in `tests.rs` replay the probe that showed it. Replaying 23 traces at the H200's capacity, the
+//! driver's peaks equal this model's for the arena on all 23, for the planned strategy (which
+//! maps its own pages) on all 23, for phase pools on 13 (0.80 to 1.12 times it on the rest) and
+//! for one pool on 10 (0.80 to 1.29 times it; `benches/results/2026-11-27-sim-pool-units.md`).
+//! The model before calibration, a segment per growth ([`SimConfig::pool_unit`] `None`,
+//! `STEPPOOL_SIM_POOL_UNIT=segments`, `steppool replay --pool-unit segments`), was 0.61 to 1.26
+//! times the driver's for one pool and 0.64 to 2.0 for phase pools; it stays for comparison
+//! and for worked examples in granules.
 //!
-//! - **Reservations.** By default a pool reserves device memory in *segments*: when no free
-//!   piece fits an allocation, it reserves a new segment of the request rounded up to the granule
-//!   (`STEPPOOL_SIM_GRANULE`, default 2 MiB), at an address of its own. With a pool unit, a pool
-//!   is one address range (a second only for a request that fits in no free piece of the first)
-//!   and maps memory into it in units of that size, aligned to the range's base: an allocation
-//!   maps the units it overlaps that are not mapped yet, and a unit goes back only when nothing in
-//!   it is live. A device refuses memory that would take its pools' reservations past its
-//!   capacity; before it reports out-of-memory it first releases every idle segment or unit of
-//!   every pool on the device, as the driver may release pool memory "to enable an unrelated
-//!   memory allocation request in the same process to succeed".
+//! - **Reservations.** A pool is one address range (a second only for a request that fits in no
+//!   free piece of the first) and maps memory into it in units of [`SimConfig::pool_unit`],
+//!   aligned to the range's base: an allocation maps the units it overlaps that are not mapped
+//!   yet, and a unit goes back only when nothing in it is live. A unit is mapped whole or not at
+//!   all, so a device with less free memory than a unit cannot grow a pool (how the driver
+//!   behaves that close to a full device was not measured). In the segment model a pool
+//!   instead reserves, when no free piece fits an allocation, a new segment of the request
+//!   rounded up to the granule (`STEPPOOL_SIM_GRANULE`, default 2 MiB), at an address of its
+//!   own. A device refuses memory that would take its pools' reservations past its capacity;
+//!   before it reports out-of-memory it first releases every idle segment or unit of every pool
+//!   on the device, as the driver may release pool memory "to enable an unrelated memory
+//!   allocation request in the same process to succeed".
 //! - **Placement.** Allocations are rounded up to 512 bytes, which is also their alignment, and
 //!   placed best-fit: the smallest free piece that is large enough, the lowest address on ties,
 //!   at the start of that piece, preferring a piece in memory already reserved. Freed neighbours
@@ -169,7 +173,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 pub use config::{
     DEFAULT_CAPACITY, DEFAULT_DRIVER_VERSION, DEFAULT_GRANULE, DEFAULT_POOL_UNIT, MAX_CAPACITY, MAX_DEVICES, SimConfig,
-    SimConfigError,
+    SimConfigError, parse_pool_unit,
 };
 use faults::Faults;
 use space::Readiness;

@@ -35,8 +35,11 @@ impl Fixture {
         Self { driver, stream, other, pool }
     }
 
+    /// A device of `capacity` bytes in the segment model, whose figures in 2 MiB granules keep
+    /// the tests of rules common to both models (stream order, thresholds, attributes, running
+    /// out) small; the unit model's own tests follow the probe below.
     fn with_capacity(capacity: u64) -> Self {
-        Self::new(SimConfig::with_capacity(capacity))
+        Self::new(SimConfig { pool_unit: None, ..SimConfig::with_capacity(capacity) })
     }
 
     fn alloc(&self, bytes: u64, stream: CUstream) -> CUdeviceptr {
@@ -82,7 +85,7 @@ fn one_byte_reserves_one_granule_and_uses_512_bytes() {
 
 #[test]
 fn pool_unit_and_granule_are_configurable() {
-    let f = Fixture::new(SimConfig { granule: 64 << 10, ..SimConfig::with_capacity(1 << 30) });
+    let f = Fixture::new(SimConfig { granule: 64 << 10, pool_unit: None, ..SimConfig::with_capacity(1 << 30) });
     f.alloc(1, f.stream);
     assert_eq!(f.layout().reserved, 64 << 10, "segments of one granule");
     let f =
@@ -96,9 +99,11 @@ fn pool_unit_and_granule_are_configurable() {
 
 // ----- the driver's pool, as an H200 answered (benches/results/2026-11-27-h200-pool-probe.jsonl) ---
 
-/// A device whose pools grow in 32 MiB units.
+/// A device whose pools grow in 32 MiB units, the default.
 fn driver_config(capacity: u64) -> SimConfig {
-    SimConfig { pool_unit: Some(DEFAULT_POOL_UNIT), ..SimConfig::with_capacity(capacity) }
+    let config = SimConfig::with_capacity(capacity);
+    assert_eq!(config.pool_unit, Some(DEFAULT_POOL_UNIT));
+    config
 }
 
 /// A fixture with the driver's 32 MiB pool unit and its release threshold raised, as PyTorch's

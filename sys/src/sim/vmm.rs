@@ -495,7 +495,8 @@ mod tests {
 
     #[test]
     fn physical_memory_shares_the_capacity_with_pools() {
-        let driver = current(SimConfig::with_capacity(8 * MIB));
+        // The segment model, for a device of a few granules.
+        let driver = current(SimConfig { pool_unit: None, ..SimConfig::with_capacity(8 * MIB) });
         let stream = driver.stream_create(CUstream_flags::CU_STREAM_NON_BLOCKING).unwrap();
         let pool = driver.mem_pool_create(&PoolProps::device(0).build()).unwrap();
         // SAFETY: handles come from this driver; the pool's allocation is freed and not used again.
