@@ -54,15 +54,20 @@ pub struct Calibration {
     pub driver_version: String,
     /// Device 0's memory, the capacity of the simulated devices.
     pub capacity: u64,
+    /// The unit in which the simulated devices' pools grow
+    /// ([`ReplayOptions::pool_unit`]); `None` for the segment model.
+    pub pool_unit: Option<u64>,
     /// One row per trace and strategy, in trace order, then strategy order.
     pub rows: Vec<Row>,
 }
 
 /// Replays each `(name, trace, analysis)` under every steppool strategy on `driver` and on
-/// simulated devices of its device 0's memory.
+/// simulated devices of its device 0's memory whose pools grow in `pool_unit`
+/// ([`ReplayOptions::pool_unit`]: the default model's 32 MiB, or `None` for the segment model).
 pub fn calibrate(
     traces: &[(String, &Trace, &Analysis)],
     driver: &Driver,
+    pool_unit: Option<u64>,
     observer: &dyn Observer,
 ) -> Result<Calibration> {
     let driver_error = |what: &str, error: steppool_sys::DriverError| ReplayError::Invalid(format!("{what}: {error}"));
@@ -70,7 +75,7 @@ pub fn calibrate(
     let capacity = driver.device_total_memory(device).map_err(|e| driver_error("device 0's memory", e))?;
     let name = driver.device_name(device).map_err(|e| driver_error("device 0's name", e))?;
     let version = driver.driver_version().map_err(|e| driver_error("the driver's version", e))?;
-    let simulated = ReplayOptions::new(capacity);
+    let simulated = ReplayOptions { pool_unit, ..ReplayOptions::new(capacity) };
     let mut real = ReplayOptions::new(capacity);
     real.driver = Some(driver.clone());
     let mut rows = Vec::new();
@@ -85,15 +90,17 @@ pub fn calibrate(
             });
         }
     }
-    Ok(Calibration { device: name, driver_version: version.to_string(), capacity, rows })
+    Ok(Calibration { device: name, driver_version: version.to_string(), capacity, pool_unit, rows })
 }
 
 impl Calibration {
     /// The rows as a Markdown table, with the device and driver above it.
     pub fn markdown(&self) -> String {
+        let pools =
+            self.pool_unit.map_or_else(|| "pools in segments".to_owned(), |unit| format!("{} pool units", Bytes(unit)));
         let mut text = format!(
             "Device 0: {}, {} ({} driver). Peak reserved of each replay, whole run; the simulated device \
-             has the same memory.\n\n",
+             has the same memory, {pools}.\n\n",
             self.device,
             Bytes(self.capacity),
             self.driver_version
@@ -138,6 +145,7 @@ impl Calibration {
             "device": self.device,
             "driver_version": self.driver_version,
             "capacity_bytes": self.capacity,
+            "simulated_pool_unit_bytes": self.pool_unit,
             "rows": self.rows.iter().map(|row| json!({
                 "trace": row.trace,
                 "strategy": row.strategy,

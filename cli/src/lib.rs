@@ -12,7 +12,7 @@
 //! steppool plan TRACE -o PLAN [--capacity SIZE]
 //! steppool convert TRACE OUTPUT.jsonl
 //! steppool synth PATTERN OUTPUT.jsonl [--scale X] [--steps N] [--seed N] [--no-micro-steps]
-//! steppool calibrate TRACE... [--markdown FILE] [--json FILE]
+//! steppool calibrate TRACE... [--pool-unit SIZE|segments] [--markdown FILE] [--json FILE]
 //! ```
 //!
 //! The pipeline is [`read::read_trace`] (format by content, steps from the trace, a sidecar, or

@@ -129,6 +129,10 @@ enum Command {
         /// Also write the figures as JSON to this file.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// The unit in which the simulated device's pools grow, as for `replay` (default: 32MiB;
+        /// `segments` for the uncalibrated model).
+        #[arg(long, value_name = "SIZE|segments", value_parser = pool_unit)]
+        pool_unit: Option<PoolUnit>,
     },
     /// Write the trace in steppool's own format (JSON lines), with its step boundaries.
     Convert {
@@ -306,7 +310,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             write(&output, text)?;
             eprintln!("wrote {} ({} events)", output.display(), trace.events.len());
         }
-        Command::Calibrate { traces, markdown, json } => {
+        Command::Calibrate { traces, markdown, json, pool_unit } => {
+            let pool_unit = pool_unit.map_or(steppool_sys::sim::SimConfig::default().pool_unit, |PoolUnit(unit)| unit);
             let driver = steppool_sys::Driver::from_env_or(steppool_sys::Selection::Cuda)?;
             let mut read_traces = Vec::with_capacity(traces.len());
             for path in &traces {
@@ -318,7 +323,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let ops = read_traces.iter().map(|(_, _, a)| a.ops.len() as u64).sum::<u64>();
             let progress = Progress::new(ops * 2 * STRATEGIES.len() as u64);
             let borrowed: Vec<_> = read_traces.iter().map(|(n, t, a)| (n.clone(), t, a)).collect();
-            let calibration = steppool_cli::calibrate::calibrate(&borrowed, &driver, &progress)?;
+            let calibration = steppool_cli::calibrate::calibrate(&borrowed, &driver, pool_unit, &progress)?;
             progress.bar.finish_and_clear();
             let text = calibration.markdown();
             out(&text)?;

@@ -58,7 +58,8 @@ fn calibration_on_a_simulated_driver_finds_the_model_exact() {
     let trace = vit();
     let analysis = analyse(&trace).unwrap();
     let driver = Driver::simulated(SimConfig::with_capacity(2 * GIB)).unwrap();
-    let calibration = calibrate(&[("vit".to_owned(), &trace, &analysis)], &driver, &Silent).unwrap();
+    let unit = SimConfig::default().pool_unit;
+    let calibration = calibrate(&[("vit".to_owned(), &trace, &analysis)], &driver, unit, &Silent).unwrap();
     assert_eq!(calibration.capacity, 2 * GIB);
     let strategies: Vec<_> = calibration.rows.iter().map(|row| row.strategy).collect();
     assert_eq!(strategies, ["default-pool", "phase-pools", "arena", "planned"]);
@@ -68,7 +69,17 @@ fn calibration_on_a_simulated_driver_finds_the_model_exact() {
     }
     let table = calibration.markdown();
     assert!(table.contains("| vit | planned |"), "{table}");
+    assert!(table.contains("32 MiB pool units"), "{table}");
     let json = calibration.json();
     assert_eq!(json["rows"].as_array().unwrap().len(), 4);
     assert_eq!(json["rows"][3]["driver"]["peak_reserved_bytes"], json["rows"][3]["simulated"]["peak_reserved_bytes"]);
+    assert_eq!(json["simulated_pool_unit_bytes"], 32 << 20);
+    // The segment model against a driver of 32 MiB units: one pool is off, the planned strategy,
+    // which maps its own pages, is not.
+    let segments = calibrate(&[("vit".to_owned(), &trace, &analysis)], &driver, None, &Silent).unwrap();
+    let ratio = |strategy: &str| segments.rows.iter().find(|row| row.strategy == strategy).unwrap().ratio().unwrap();
+    assert!(ratio("default-pool") < 0.95, "{}", ratio("default-pool"));
+    assert_eq!(ratio("planned"), 1.0);
+    assert!(segments.markdown().contains("pools in segments"));
+    assert_eq!(segments.json()["simulated_pool_unit_bytes"], serde_json::Value::Null);
 }
