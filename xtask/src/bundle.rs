@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! DIR/run.sh            runs it all: ./run.sh [--smoke] [--out DIR]
-//! DIR/bin/              device-probe, steppool-bench-report, steppool (the CLI: `calibrate`)
+//! DIR/bin/              device-probe, pool-probe, steppool-bench-report, steppool (the CLI: `calibrate`)
 //! DIR/tests/            the device tests: conformance, runtime, cudarc, capture (the same bodies CI runs on
 //!                       the simulated device), and the libcuda stand-in the cudarc tests load without a GPU
 //! DIR/benches/          the criterion benchmarks
@@ -85,7 +85,11 @@ pub(crate) fn run(dir: &Path) -> Result<()> {
     copy(&root.join("examples/torch_gpt.py"), &dir.join("examples/torch_gpt.py"))?;
     copy(&root.join("benches/traces/record.py"), &dir.join("traces/record.py"))?;
     let mut bins = executables(&root, &["build", "--release", "-p", "steppool-benches", "--bins"], "bin")?;
-    bins.extend(executables(&root, &["build", "--release", "-p", "steppool-tests", "--bin", "device-probe"], "bin")?);
+    bins.extend(executables(
+        &root,
+        &["build", "--release", "-p", "steppool-tests", "--bin", "device-probe", "--bin", "pool-probe"],
+        "bin",
+    )?);
     bins.extend(executables(&root, &["build", "--release", "-p", "steppool-cli", "--bin", "steppool"], "bin")?);
     copy_all(&bins, &dir.join("bin"))?;
 
@@ -278,6 +282,10 @@ step() { printf '\n== %s\n' "$*"; }
 step "device"
 "$here/bin/device-probe" 2>&1 | tee "$work/device.log" || status=1
 nvidia-smi 2>/dev/null | tee -a "$work/device.log" || true
+
+step "the driver's pool: units, growth, and less free memory than a unit (pool-probe)"
+"$here/bin/pool-probe" "$out/pool-probe.jsonl" > "$work/pool-probe.log" 2>&1 || status=1
+tail -n 3 "$work/pool-probe.log"
 
 step "device tests"
 for test in "$here"/tests/*; do
