@@ -496,6 +496,37 @@ fn low_headroom_is_silent_with_room_to_spare() {
 }
 
 #[test]
+fn low_headroom_counts_what_a_loop_keeps_every_step() {
+    // Each step keeps 96 MiB for good in a persistent pool and frees nothing: no step's live bytes
+    // rise above its end, yet each wants 96 MiB more from a 1 GiB device. The first step builds
+    // what the loop keeps and is not a demand; from the second on it is, and the rule fires when
+    // the device's free memory falls under 96 MiB × 1.1.
+    let runtime = simulated_runtime(1 << 30);
+    runtime.telemetry().set_warning_rules(WarningRules {
+        low_headroom: Some(LowHeadroomRule { window: 4, margin: 0.1 }),
+        ..WarningRules::none()
+    });
+    let stream = runtime.device(0).unwrap().create_stream().unwrap();
+    let (mut kept, mut fired) = (Vec::new(), Vec::new());
+    for index in 0..10u64 {
+        let step = runtime.begin_step().unwrap();
+        kept.push(runtime.alloc(Phase::OPTIMIZER_STATE, 96 * MIB, &stream).unwrap());
+        let report = step.end().unwrap();
+        if let Some(warning) = report.warnings.first() {
+            fired.push((index, warning.kind.clone()));
+        }
+    }
+    // After step 9, 960 MiB are kept (30 units of 32 MiB) and 64 MiB are free: short of 105.6.
+    assert_eq!(fired.len(), 1, "{fired:?}");
+    match &fired[0] {
+        (9, WarningKind::LowHeadroom { demand, device_free, .. }) => {
+            assert_eq!((*demand, *device_free), (96 * MIB, 64 * MIB));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
 fn default_rules_stay_silent_on_a_loop_that_fills_the_device() {
     // 2 GiB of weights and 5.5 GiB of activations per step on an 8 GiB device: full, and fine.
     let runtime = simulated_runtime(8 << 30);

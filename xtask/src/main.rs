@@ -35,7 +35,8 @@ commands:
   loom                the boundary protocol model-checked: steppool built with --cfg loom in target/loom,
                       every interleaving of runtime/tests/loom_boundary.rs
   test [ARGS]         cargo test --workspace ARGS, then the Python package's tests (pytest, in a venv
-                      under target/ with the package installed by pip install ./runtime/torch)";
+                      under target/ with the package installed by pip install ./runtime/torch), then the
+                      repository's traces against the replay targets (benches/traces/targets.py)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -3,7 +3,9 @@
 //! (`python-venv/`, made once), pytest from PyPI, the package installed from `runtime/torch` the
 //! way a user installs it (`pip install ./runtime/torch`, here with cargo's dev profile unless
 //! `SETUPTOOLS_RUST_CARGO_PROFILE` says otherwise, so it reuses the build the Rust tests made),
-//! and pytest over `runtime/torch/python/tests` on the simulated device.
+//! and pytest over `runtime/torch/python/tests` on the simulated device. Last, the repository's
+//! real traces (`cli/tests/data/`, `cli/tests/data/recorded/`) against the replay targets
+//! (`benches/traces/targets.py`, with the debug build of `steppool`): each must keep meeting them.
 
 use std::path::Path;
 use std::process::Command;
@@ -52,7 +54,36 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
             .env("STEPPOOL_DEVICE", "sim"),
         "the Python package's tests",
     )
-    .with_context(|| format!("pytest over {}", display(&tests)))
+    .with_context(|| format!("pytest over {}", display(&tests)))?;
+    targets(&root)
+}
+
+/// The repository's real traces replayed against the replay targets, with the debug build.
+fn targets(root: &Path) -> Result<()> {
+    status(
+        Command::new(cargo()).current_dir(root).args(["build", "--quiet", "-p", "steppool-cli", "--bin", "steppool"]),
+        "building steppool",
+    )?;
+    let mut traces = Vec::new();
+    for (dir, extensions) in [("cli/tests/data", &["csv"][..]), ("cli/tests/data/recorded", &["csv", "jsonl"][..])] {
+        let entries = std::fs::read_dir(root.join(dir)).with_context(|| format!("reading {dir}"))?;
+        for entry in entries {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| extensions.iter().any(|x| e == *x)) {
+                traces.push(path);
+            }
+        }
+    }
+    traces.sort();
+    status(
+        Command::new(python())
+            .current_dir(root)
+            .arg("benches/traces/targets.py")
+            .arg("--steppool")
+            .arg(target_dir().join("debug/steppool"))
+            .args(&traces),
+        "the repository's traces against the replay targets (benches/traces/targets.py)",
+    )
 }
 
 fn profile() -> String {
