@@ -336,6 +336,15 @@ impl Timeline {
     }
 }
 
+/// One step's peaks in a [`Run`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepPeak {
+    /// The highest sum over devices of reserved bytes during the step.
+    pub peak_reserved_bytes: u64,
+    /// The highest sum of live bytes during the step.
+    pub peak_live_bytes: u64,
+}
+
 /// One replay at one capacity.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Run {
@@ -359,6 +368,10 @@ pub struct Run {
     /// The index in [`Analysis::ops`] of the peak moment's allocation (see
     /// [`breakdown`](crate::breakdown)); `None` when nothing was allocated.
     pub peak_op: Option<usize>,
+    /// Per step, from its beginning to the next one's (or the run's end), the highest sums of
+    /// reserved and of live bytes: which step sets the peak. What runs before the first step (a
+    /// program's setup) belongs to none.
+    pub step_peaks: Vec<StepPeak>,
     /// Live and reserved bytes over the run.
     pub timeline: Timeline,
     /// What the planned strategy's plans served over the run, summed over its steps' reports
@@ -611,6 +624,8 @@ struct Peaks {
     /// Steps begun so far; the steady stretch starts with the second.
     steps: u32,
     steady: Option<(u64, u64)>,
+    /// Each step's peaks, the current one last.
+    per_step: Vec<StepPeak>,
 }
 
 impl Peaks {
@@ -630,9 +645,14 @@ impl Peaks {
             *r = (*r).max(reserved);
             *l = (*l).max(live);
         }
+        if let Some(step) = self.per_step.last_mut() {
+            step.peak_reserved_bytes = step.peak_reserved_bytes.max(reserved);
+            step.peak_live_bytes = step.peak_live_bytes.max(live);
+        }
     }
 
     fn step_begun(&mut self, reserved: u64, live: u64) {
+        self.per_step.push(StepPeak { peak_reserved_bytes: reserved, peak_live_bytes: live });
         self.steps += 1;
         if self.steps == 2 {
             self.steady = Some((reserved, live));
@@ -869,6 +889,7 @@ fn run_steppool(
         steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
         steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
         peak_op: peaks.op,
+        step_peaks: peaks.per_step,
         timeline,
         plans,
     };
@@ -1028,6 +1049,7 @@ fn run_torch(
         steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
         steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
         peak_op: peaks.op,
+        step_peaks: peaks.per_step,
         timeline,
         plans: None,
     };

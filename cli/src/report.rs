@@ -307,6 +307,9 @@ pub struct ResultJson {
     pub steady_overhead: Option<f64>,
     /// Peak reserved − the offline limit (`limit_bytes`).
     pub limit_distance_bytes: i64,
+    /// Per step, its peaks of reserved and live bytes (up to the failure, if one happened): which
+    /// step sets the run's peak.
+    pub steps: Vec<StepPeakJson>,
     /// Where peak reserved − peak live goes (see the breakdown's definitions); null for a run
     /// that did not complete.
     pub breakdown: Option<Breakdown>,
@@ -320,6 +323,15 @@ pub struct ResultJson {
     /// What the planned strategy's plans served over the run (up to the failure, if one
     /// happened); null for strategies without plans.
     pub plans: Option<PlansJson>,
+}
+
+/// One step's peaks in `steppool replay --json`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct StepPeakJson {
+    /// The highest reserved bytes during the step.
+    pub peak_reserved_bytes: u64,
+    /// The highest live bytes during the step.
+    pub peak_live_bytes: u64,
 }
 
 /// The planned strategy's plans over a run in `steppool replay --json`: the runtime's
@@ -407,6 +419,15 @@ pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyRe
                 steady_peak_reserved_bytes: r.run.steady_peak_reserved_bytes,
                 steady_overhead: r.steady_overhead(),
                 limit_distance_bytes: r.run.peak_reserved_bytes as i64 - limit.bytes as i64,
+                steps: r
+                    .run
+                    .step_peaks
+                    .iter()
+                    .map(|s| StepPeakJson {
+                        peak_reserved_bytes: s.peak_reserved_bytes,
+                        peak_live_bytes: s.peak_live_bytes,
+                    })
+                    .collect(),
                 breakdown: r.breakdown,
                 completed: r.run.completed(),
                 min_capacity_bytes: r.min_capacity_bytes,

@@ -163,6 +163,10 @@ fn the_steady_peak_starts_with_the_second_step() {
     assert_eq!(result.run.steady_peak_reserved_bytes, Some(10 * MIB));
     assert_eq!(result.run.steady_peak_live_bytes, Some(4 * MIB));
     assert_eq!(result.steady_overhead(), Some(2.5));
+    // Step by step: the first step sets the peak of live bytes, and its reservation stays.
+    let steps: Vec<(u64, u64)> =
+        result.run.step_peaks.iter().map(|s| (s.peak_reserved_bytes / MIB, s.peak_live_bytes / MIB)).collect();
+    assert_eq!(steps, [(10, 9), (10, 3), (10, 4)]);
     // One step is not a steady state.
     let single = run("[ +1:2M -1 ]", "default-pool");
     assert_eq!((single.run.steady_peak_reserved_bytes, single.steady_overhead()), (None, None));

@@ -260,6 +260,13 @@ fn the_binary_prints_the_table_and_writes_json_and_svg() {
             assert!((overhead - reserved as f64 / peak as f64).abs() < 1e-9);
             let fragmentation = result["fragmentation_ratio"].as_f64().unwrap();
             assert!((fragmentation - (1.0 - peak as f64 / reserved as f64)).abs() < 1e-9);
+            // One entry per step; the steps hold the run's peaks, but what came before the first.
+            let steps = result["steps"].as_array().unwrap();
+            assert_eq!(steps.len() as u64, document["steps"].as_u64().unwrap(), "{result}");
+            let most = |key: &str| steps.iter().map(|s| s[key].as_u64().unwrap()).max().unwrap();
+            assert!(most("peak_reserved_bytes") <= reserved && most("peak_live_bytes") <= peak, "{result}");
+            let steady = result["steady_peak_reserved_bytes"].as_u64().unwrap();
+            assert_eq!(steps[1..].iter().map(|s| s["peak_reserved_bytes"].as_u64().unwrap()).max().unwrap(), steady);
             // The table prints the same peak as the JSON.
             let shown = steppool_sys::bytes::Bytes(reserved).to_string();
             assert!(stdout.contains(&shown), "{shown} not in {stdout}");
