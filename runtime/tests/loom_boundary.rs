@@ -64,8 +64,11 @@ impl Seen {
     }
 }
 
+/// A runtime on a simulated device of `capacity` bytes in the segment model: the models fill
+/// devices of a few 2 MiB granules, smaller than one of the driver's 32 MiB pool units.
 fn runtime(capacity: u64) -> Arc<Runtime> {
-    Arc::new(Runtime::builder().simulated(SimConfig::with_capacity(capacity)).build().unwrap())
+    let config = SimConfig { pool_unit: None, ..SimConfig::with_capacity(capacity) };
+    Arc::new(Runtime::builder().simulated(config).build().unwrap())
 }
 
 /// The live allocations of `phase`'s CUDA pool on `stream`, as the simulated device holds them.
