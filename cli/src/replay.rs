@@ -372,6 +372,9 @@ pub struct Run {
     /// reserved and of live bytes: which step sets the peak. What runs before the first step (a
     /// program's setup) belongs to none.
     pub step_peaks: Vec<StepPeak>,
+    /// The first step, from 0, whose reservation reached the run's peak; `None` when the setup
+    /// before the first step did (or the trace has no steps).
+    pub peak_step: Option<u32>,
     /// Live and reserved bytes over the run.
     pub timeline: Timeline,
     /// What the planned strategy's plans served over the run, summed over its steps' reports
@@ -626,6 +629,8 @@ struct Peaks {
     steady: Option<(u64, u64)>,
     /// Each step's peaks, the current one last.
     per_step: Vec<StepPeak>,
+    /// The highest reservation before the first step began (a program's setup).
+    setup_reserved: u64,
 }
 
 impl Peaks {
@@ -645,10 +650,22 @@ impl Peaks {
             *r = (*r).max(reserved);
             *l = (*l).max(live);
         }
-        if let Some(step) = self.per_step.last_mut() {
-            step.peak_reserved_bytes = step.peak_reserved_bytes.max(reserved);
-            step.peak_live_bytes = step.peak_live_bytes.max(live);
+        match self.per_step.last_mut() {
+            Some(step) => {
+                step.peak_reserved_bytes = step.peak_reserved_bytes.max(reserved);
+                step.peak_live_bytes = step.peak_live_bytes.max(live);
+            }
+            None => self.setup_reserved = self.setup_reserved.max(reserved),
         }
+    }
+
+    /// The first step whose reservation reached the run's peak; `None` when the setup before the
+    /// first step did, or there are no steps.
+    fn peak_step(&self) -> Option<u32> {
+        if self.setup_reserved >= self.reserved {
+            return None;
+        }
+        self.per_step.iter().position(|step| step.peak_reserved_bytes >= self.reserved).map(|step| step as u32)
     }
 
     fn step_begun(&mut self, reserved: u64, live: u64) {
@@ -889,6 +906,7 @@ fn run_steppool(
         steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
         steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
         peak_op: peaks.op,
+        peak_step: peaks.peak_step(),
         step_peaks: peaks.per_step,
         timeline,
         plans,
@@ -1049,6 +1067,7 @@ fn run_torch(
         steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
         steady_peak_live_bytes: peaks.steady.map(|(_, l)| l),
         peak_op: peaks.op,
+        peak_step: peaks.peak_step(),
         step_peaks: peaks.per_step,
         timeline,
         plans: None,

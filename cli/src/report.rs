@@ -310,6 +310,9 @@ pub struct ResultJson {
     /// Per step, its peaks of reserved and live bytes (up to the failure, if one happened): which
     /// step sets the run's peak.
     pub steps: Vec<StepPeakJson>,
+    /// The step, from 0, in which the reservation first reached `peak_reserved_bytes`; null when
+    /// it did before the first step (or `steps` is empty).
+    pub peak_step: Option<u32>,
     /// Where peak reserved − peak live goes (see the breakdown's definitions); null for a run
     /// that did not complete.
     pub breakdown: Option<Breakdown>,
@@ -428,6 +431,7 @@ pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyRe
                         peak_live_bytes: s.peak_live_bytes,
                     })
                     .collect(),
+                peak_step: r.run.peak_step,
                 breakdown: r.breakdown,
                 completed: r.run.completed(),
                 min_capacity_bytes: r.min_capacity_bytes,
@@ -458,6 +462,16 @@ fn signed(bytes: i64) -> String {
         _ => "+",
     };
     format!("{sign}{}", Bytes(bytes.unsigned_abs()))
+}
+
+/// The step in which a run first reached its peak reservation, from 0: `setup` before the first
+/// step, `-` for a trace without steps.
+fn peak_step(run: &crate::replay::Run) -> String {
+    match (run.step_peaks.is_empty(), run.peak_step) {
+        (true, _) => "-".to_owned(),
+        (false, None) => "setup".to_owned(),
+        (false, Some(step)) => step.to_string(),
+    }
 }
 
 /// The replay tables: the results, then the breakdown of each completed run; `pool_unit` is the
@@ -499,8 +513,8 @@ pub fn replay_table(
     let at = format!("at {}", Bytes(capacity));
     let _ = writeln!(
         w,
-        "\n  {:<17} {:>13} {:>9} {:>9} {:>22} {:>24} {:>15}",
-        "strategy", "peak reserved", "overhead", "steady", "vs limit", at, "smallest device"
+        "\n  {:<17} {:>13} {:>9} {:>9} {:>9} {:>22} {:>24} {:>15}",
+        "strategy", "peak reserved", "overhead", "steady", "peak step", "vs limit", at, "smallest device"
     );
     for r in results {
         let outcome = match &r.run.failure {
@@ -513,26 +527,28 @@ pub fn replay_table(
             (None, _) => "none".to_owned(),
         };
         // A run that stopped short did not reach the trace's peak: its ratios would mislead.
-        let (overhead, steady, distance) = match r.run.failure {
+        let (overhead, steady, peak_step, distance) = match r.run.failure {
             None => {
                 let over = r.run.peak_reserved_bytes as i64 - limit.bytes as i64;
                 let percent = if limit.bytes == 0 { 0.0 } else { over as f64 * 100.0 / limit.bytes as f64 };
                 (
                     format!("{:.3}×", r.overhead()),
                     r.steady_overhead().map_or_else(|| "-".to_owned(), |s| format!("{s:.3}×")),
+                    peak_step(&r.run),
                     format!("{} ({percent:+.1} %)", signed(over)),
                 )
             }
-            Some(_) => ("-".to_owned(), "-".to_owned(), "-".to_owned()),
+            Some(_) => ("-".to_owned(), "-".to_owned(), "-".to_owned(), "-".to_owned()),
         };
         let mark = if best == Some(r.run.strategy) { "*" } else { " " };
         let _ = writeln!(
             w,
-            "{mark} {:<17} {:>13} {:>9} {:>9} {:>22} {:>24} {:>15}",
+            "{mark} {:<17} {:>13} {:>9} {:>9} {:>9} {:>22} {:>24} {:>15}",
             r.run.strategy,
             Bytes(r.run.peak_reserved_bytes).to_string(),
             overhead,
             steady,
+            peak_step,
             distance,
             outcome,
             smallest

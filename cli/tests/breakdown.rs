@@ -167,6 +167,28 @@ fn the_steady_peak_starts_with_the_second_step() {
     let steps: Vec<(u64, u64)> =
         result.run.step_peaks.iter().map(|s| (s.peak_reserved_bytes / MIB, s.peak_live_bytes / MIB)).collect();
     assert_eq!(steps, [(10, 9), (10, 3), (10, 4)]);
+    // The table names the step that first reached the peak: the first.
+    let hand_made = trace("+1:1M [ +2:8M -2 ] [ +3:2M -3 ] [ +4:3M -4 ] -1");
+    let analysis = analyse(&hand_made).unwrap();
+    let limit = steppool_cli::limit::limit(&analysis).unwrap();
+    let inspection = steppool_cli::report::inspect(&hand_made, &analysis);
+    let table = steppool_cli::report::replay_table(&inspection, 1 << 30, None, std::slice::from_ref(&result), &limit);
+    let header = table.lines().find(|l| l.contains("peak step")).unwrap();
+    let row = table.lines().find(|l| l.contains("default-pool") && l.contains("completed")).unwrap();
+    // Columns are aligned in characters (`×` is two bytes).
+    let at = header[..header.find("peak step").unwrap()].chars().count() + "peak step".len();
+    let cell: String = row.chars().take(at).collect();
+    assert_eq!(cell.split_whitespace().last(), Some("0"), "{table}");
+    // A peak reached before the first step is the setup's.
+    let script = "+1:8M -1 [ +2:1M -2 ]";
+    let (hand_made, result) = (trace(script), run(script, "default-pool"));
+    let analysis = analyse(&hand_made).unwrap();
+    let limit = steppool_cli::limit::limit(&analysis).unwrap();
+    let inspection = steppool_cli::report::inspect(&hand_made, &analysis);
+    let table = steppool_cli::report::replay_table(&inspection, 1 << 30, None, &[result], &limit);
+    let row = table.lines().find(|l| l.contains("default-pool") && l.contains("completed")).unwrap();
+    let cell: String = row.chars().take(at).collect();
+    assert_eq!(cell.split_whitespace().last(), Some("setup"), "{table}");
     // One step is not a steady state.
     let single = run("[ +1:2M -1 ]", "default-pool");
     assert_eq!((single.run.steady_peak_reserved_bytes, single.steady_overhead()), (None, None));

@@ -265,6 +265,10 @@ fn the_binary_prints_the_table_and_writes_json_and_svg() {
             assert_eq!(steps.len() as u64, document["steps"].as_u64().unwrap(), "{result}");
             let most = |key: &str| steps.iter().map(|s| s[key].as_u64().unwrap()).max().unwrap();
             assert!(most("peak_reserved_bytes") <= reserved && most("peak_live_bytes") <= peak, "{result}");
+            // The step that first reached the peak holds it.
+            let at = result["peak_step"].as_u64().unwrap() as usize;
+            assert_eq!(steps[at]["peak_reserved_bytes"].as_u64(), Some(reserved), "{result}");
+            assert!(steps[..at].iter().all(|s| s["peak_reserved_bytes"].as_u64().unwrap() < reserved), "{result}");
             let steady = result["steady_peak_reserved_bytes"].as_u64().unwrap();
             assert_eq!(steps[1..].iter().map(|s| s["peak_reserved_bytes"].as_u64().unwrap()).max().unwrap(), steady);
             // The table prints the same peak as the JSON.
