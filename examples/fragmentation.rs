@@ -9,8 +9,8 @@
 //!     [--jsonl FILE] [--prometheus FILE] [--snapshot FILE] [--svg FILE] [--trace FILE]
 //! ```
 //!
-//! Each step allocates activations, 64 MiB and 4 MiB more every step (a curriculum that lengthens
-//! the sequences), and while they are live keeps a 40 MiB tensor for good (statistics computed
+//! Each step allocates activations, 32 MiB and 2 MiB more every step (a curriculum that lengthens
+//! the sequences), and while they are live keeps a 48 MiB tensor for good (statistics computed
 //! from them, say); then it frees the activations. In one pool the kept tensor lands above the
 //! activations, the next step's activations, larger, no longer fit the hole they left, and the
 //! pool grows past them: every step strands its activations' hole, whether the pool grows in

@@ -96,8 +96,7 @@ pub fn calibrate(
 impl Calibration {
     /// The rows as a Markdown table, with the device and driver above it.
     pub fn markdown(&self) -> String {
-        let pools =
-            self.pool_unit.map_or_else(|| "pools in segments".to_owned(), |unit| format!("{} pool units", Bytes(unit)));
+        let pools = crate::report::pool_model(self.pool_unit);
         let mut text = format!(
             "Device 0: {}, {} ({} driver). Peak reserved of each replay, whole run; the simulated device \
              has the same memory, {pools}.\n\n",

@@ -151,6 +151,13 @@ fn size(text: &str) -> Result<u64, String> {
 #[derive(Clone, Copy, Debug)]
 struct PoolUnit(Option<u64>);
 
+impl PoolUnit {
+    /// The unit `--pool-unit` asked for, else the simulated device's default.
+    fn or_default(arg: Option<Self>) -> Option<u64> {
+        arg.map_or(steppool_sys::sim::SimConfig::default().pool_unit, |Self(unit)| unit)
+    }
+}
+
 fn pool_unit(text: &str) -> Result<PoolUnit, String> {
     steppool_sys::sim::parse_pool_unit(text).map(PoolUnit).map_err(|e| e.to_string())
 }
@@ -226,9 +233,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             });
             let mut options = ReplayOptions::new(capacity);
             options.arena_slab = arena_slab;
-            if let Some(PoolUnit(unit)) = pool_unit {
-                options.pool_unit = unit;
-            }
+            options.pool_unit = PoolUnit::or_default(pool_unit);
             options.bisect = !no_bisect;
             options.plans = plans.map(std::sync::Arc::new);
             let progress = Progress::new(analysis.ops.len() as u64);
@@ -311,7 +316,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             eprintln!("wrote {} ({} events)", output.display(), trace.events.len());
         }
         Command::Calibrate { traces, markdown, json, pool_unit } => {
-            let pool_unit = pool_unit.map_or(steppool_sys::sim::SimConfig::default().pool_unit, |PoolUnit(unit)| unit);
+            let pool_unit = PoolUnit::or_default(pool_unit);
             let driver = steppool_sys::Driver::from_env_or(steppool_sys::Selection::Cuda)?;
             let mut read_traces = Vec::with_capacity(traces.len());
             for path in &traces {

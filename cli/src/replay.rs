@@ -624,10 +624,9 @@ struct Peaks {
     /// The peak moment's operation and the live bytes then.
     op: Option<usize>,
     op_live: u64,
-    /// Steps begun so far; the steady stretch starts with the second.
-    steps: u32,
+    /// The steady stretch's peaks, from the second step's beginning on.
     steady: Option<(u64, u64)>,
-    /// Each step's peaks, the current one last.
+    /// Each step begun so far, its peaks, the current one last.
     per_step: Vec<StepPeak>,
     /// The highest reservation before the first step began (a program's setup).
     setup_reserved: u64,
@@ -670,8 +669,7 @@ impl Peaks {
 
     fn step_begun(&mut self, reserved: u64, live: u64) {
         self.per_step.push(StepPeak { peak_reserved_bytes: reserved, peak_live_bytes: live });
-        self.steps += 1;
-        if self.steps == 2 {
+        if self.per_step.len() == 2 {
             self.steady = Some((reserved, live));
         }
     }

@@ -464,6 +464,12 @@ fn signed(bytes: i64) -> String {
     format!("{sign}{}", Bytes(bytes.unsigned_abs()))
 }
 
+/// How the simulated device's pools grow, for a header: `32 MiB pool units` or `pools in
+/// segments` ([`ReplayOptions::pool_unit`](crate::replay::ReplayOptions::pool_unit)).
+pub fn pool_model(pool_unit: Option<u64>) -> String {
+    pool_unit.map_or_else(|| "pools in segments".to_owned(), |unit| format!("{} pool units", Bytes(unit)))
+}
+
 /// The step in which a run first reached its peak reservation, from 0: `setup` before the first
 /// step, `-` for a trace without steps.
 fn peak_step(run: &crate::replay::Run) -> String {
@@ -499,7 +505,7 @@ pub fn replay_table(
         inspection.peak_live_bytes,
         Bytes(capacity),
         Bytes(DEFAULT_GRANULE),
-        pool_unit.map_or_else(|| "pools in segments".to_owned(), |unit| format!("{} pool units", Bytes(unit)))
+        pool_model(pool_unit)
     );
     let per_step = limit.per_step_bytes.map_or_else(String::new, |b| format!("; per-step limit {}", Bytes(b)));
     let _ = writeln!(
