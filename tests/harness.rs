@@ -275,7 +275,9 @@ pub fn record_fact(driver: &Driver, name: &str, value: Fact) {
             .create(true)
             .append(true)
             .open(&path)
-            .and_then(|mut file| writeln!(file, "{line}"));
+            // One write per line: tests run on threads, and appends of one write each do not
+            // interleave (`writeln!` may write the line and its newline apart).
+            .and_then(|mut file| file.write_all(format!("{line}\n").as_bytes()));
         if let Err(error) = appended {
             eprintln!("could not append to STEPPOOL_FACTS={path}: {error}");
         }

@@ -283,8 +283,8 @@ step "device"
 "$here/bin/device-probe" 2>&1 | tee "$work/device.log" || status=1
 nvidia-smi 2>/dev/null | tee -a "$work/device.log" || true
 
-step "the driver's pool: units, growth, and less free memory than a unit (pool-probe)"
-"$here/bin/pool-probe" "$out/pool-probe.jsonl" > "$work/pool-probe.log" 2>&1 || status=1
+step "the driver's pool: units, growth, less free memory than a unit, placement (pool-probe)"
+"$here/bin/pool-probe" "$out/pool-probe.jsonl" "$here"/traces/*_train.csv > "$work/pool-probe.log" 2>&1 || status=1
 tail -n 3 "$work/pool-probe.log"
 
 step "device tests"
