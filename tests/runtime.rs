@@ -781,9 +781,10 @@ fn out_of_memory_from_demand_says_so() {
 
 #[test]
 fn out_of_memory_from_fragmentation_says_so() {
-    let rt = simulated_runtime(GIB);
+    // 1 GiB of units, and the granule the driver keeps free beside them.
+    let rt = simulated_runtime(GIB + 2 * MIB);
     let stream = rt.device(0).unwrap().create_stream().unwrap();
-    // One segment spanning the device, then filled with 16 MiB pieces, every other one freed:
+    // One range spanning the device, then filled with 16 MiB pieces, every other one freed:
     // half the device holds no live data, but in 16 MiB holes.
     drop(rt.alloc(Phase::WEIGHTS, GIB, &stream).unwrap());
     let mut pieces: Vec<_> = (0..64).map(|_| rt.alloc(Phase::WEIGHTS, 16 * MIB, &stream).unwrap()).collect();

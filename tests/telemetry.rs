@@ -562,8 +562,9 @@ fn default_rules_stay_silent_on_a_healthy_loop() {
 
 #[test]
 fn oom_reports_say_fragmentation_or_demand_with_the_numbers() {
-    // Demand: the live data needs more than the device.
-    let runtime = simulated_runtime(64 * MIB);
+    // Demand: the live data needs more than the device (of two 32 MiB units and the granule
+    // the driver keeps free beside them).
+    let runtime = simulated_runtime(66 * MIB);
     let stream = runtime.device(0).unwrap().create_stream().unwrap();
     let step = runtime.begin_step().unwrap();
     let _a = step.alloc(Phase::ACTIVATIONS, 48 * MIB, &stream).unwrap();
@@ -579,7 +580,7 @@ fn oom_reports_say_fragmentation_or_demand_with_the_numbers() {
 
     // Fragmentation: 4 MiB holes between live buffers, in one segment, add up to more than the
     // request.
-    let runtime = simulated_runtime(64 * MIB);
+    let runtime = simulated_runtime(66 * MIB);
     let stream = runtime.device(0).unwrap().create_stream().unwrap();
     drop(runtime.alloc(Phase::WEIGHTS, 64 * MIB, &stream).unwrap());
     let buffers: Vec<_> = (0..16).map(|_| runtime.alloc(Phase::WEIGHTS, 4 * MIB, &stream).unwrap()).collect();

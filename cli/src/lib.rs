@@ -37,9 +37,10 @@
 //! let options = replay::ReplayOptions::new(1 << 30);
 //! let results = replay::replay(&trace, &analysis, &replay::select("all")?, &options, &replay::Silent)?;
 //! assert!(results.iter().all(|r| r.run.completed()));
-//! // One plain pool maps a 32 MiB unit, as the driver does; the plan maps 2 MiB pages.
+//! // One plain pool maps a 32 MiB unit, as the driver does, with a 2 MiB granule free beside
+//! // it; the plan maps 2 MiB pages.
 //! assert_eq!(results[0].run.strategy, "default-pool");
-//! assert_eq!(results[0].min_capacity_bytes, Some(32 << 20));
+//! assert_eq!(results[0].min_capacity_bytes, Some(34 << 20));
 //! assert_eq!(replay::recommended(&results), Some("planned"));
 //! # Ok(()) }
 //! ```

@@ -562,8 +562,11 @@ pub fn min_capacity(
         }
         largest
     };
+    // A device one granule above the run's peak completes it: the run made the same choices
+    // on a larger device without reaching its capacity, and a CUDA pool maps a unit only while a
+    // granule stays free beside it.
     let peak_device = completed.device_peak_reserved.iter().copied().max().unwrap_or(0);
-    let mut hi = peak_device.div_ceil(granule).max(lo + 1);
+    let mut hi = (peak_device.div_ceil(granule) + 1).max(lo + 1);
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         runs += 1;

@@ -173,7 +173,13 @@ fn every_shared_trace_replays_under_every_strategy() {
             assert!(run.peak_reserved_bytes >= analysis.peak_live_bytes, "{name} {}", run.strategy);
             assert_eq!(run.peak_reserved_bytes % (2 << 20), 0, "reservations are whole granules");
             let min = result.min_capacity_bytes.unwrap();
-            assert!(min >= analysis.peak_live_bytes && min <= run.peak_reserved_bytes, "{name} {}", run.strategy);
+            // A CUDA pool's units need one granule free beside them.
+            let beside = 2 << 20;
+            assert!(
+                min >= analysis.peak_live_bytes && min <= run.peak_reserved_bytes + beside,
+                "{name} {}",
+                run.strategy
+            );
             // The smallest capacity completes and one granule less does not.
             let def = select(run.strategy).unwrap()[0];
             let options = ReplayOptions::new(min);

@@ -65,8 +65,10 @@
 //!   free piece of the first) and maps memory into it in units of [`SimConfig::pool_unit`],
 //!   aligned to the range's base: an allocation maps the units it overlaps that are not mapped
 //!   yet, and a unit goes back only when nothing in it is live. A unit is mapped whole or not at
-//!   all, so a device with less free memory than a unit cannot grow a pool (how the driver
-//!   behaves that close to a full device was not measured). In the segment model a pool
+//!   all, and only while one granule stays free beside it: the H200's driver, asked by
+//!   `pool-probe` with its memory filled by `cuMemAlloc`, refused a 1 MiB request needing a new
+//!   unit with 33.1 MiB free and granted it with 35.1 MiB free
+//!   (`benches/results/2026-11-27-h200-placement.md`). In the segment model a pool
 //!   instead reserves, when no free piece fits an allocation, a new segment of the request
 //!   rounded up to the granule (`STEPPOOL_SIM_GRANULE`, default 2 MiB), at an address of its
 //!   own. A device refuses memory that would take its pools' reservations past its capacity;

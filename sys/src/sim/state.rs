@@ -621,10 +621,19 @@ impl State {
         if max_size != 0 && self.pools[&id].reserved + bytes(&new) > max_size {
             return false;
         }
-        if self.devices[device].reserved + bytes(&new) > self.devices[device].capacity {
+        // Units are mapped only while the device keeps a granule free beside them, as an H200's
+        // driver refused a 32 MiB unit with 33.1 MiB free and mapped one with 35.1 MiB free.
+        let keep = match self.pools[&id].mapping {
+            Mapping::Units(_) => self.config.granule,
+            Mapping::Segments { .. } => 0,
+        };
+        let fits = |state: &Self, new: &Vec<u64>| {
+            new.is_empty() || state.devices[device].reserved + bytes(new) + keep <= state.devices[device].capacity
+        };
+        if !fits(self, &new) {
             self.release_idle_on_device(device);
             new = missing(self);
-            if self.devices[device].reserved + bytes(&new) > self.devices[device].capacity {
+            if !fits(self, &new) {
                 return false;
             }
         }
