@@ -41,6 +41,7 @@ impl Allocator for Chunked {
             debug_assert!(false, "free of {ptr:#x}, which this strategy did not hand out");
             return source.free(ptr, bytes);
         }
+        self.chunks.freed_in_range(source, ptr);
         Ok(())
     }
 
@@ -63,6 +64,13 @@ impl Allocator for Chunked {
     /// Gives back every chunk with nothing handed out.
     fn release_unused(&mut self, source: &mut dyn Source) -> Result<u64> {
         self.chunks.release_empty(source, 0)
+    }
+
+    /// Gives back the pages of freed long-lived memory inside the range (a training step's
+    /// gradients kept across an evaluation pass, freed by the next step), so that the phase
+    /// that is about to grow maps them instead of new ones.
+    fn give_back_freed(&mut self, source: &mut dyn Source, bytes: u64) -> Result<u64> {
+        self.chunks.give_back_freed(source, bytes)
     }
 
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
@@ -164,5 +172,37 @@ mod tests {
         assert_eq!(chunked.touched(), Some(14 * MIB));
         chunked.release_all(&mut source).unwrap();
         assert_eq!((source.held(), source.ranges.len()), (0, 0));
+    }
+
+    #[test]
+    fn with_ranges_freed_pages_go_back_when_the_device_needs_memory_and_map_again_when_used() {
+        let (mut source, mut chunked) = (FakeSource::with_ranges(256 * MIB), Chunked::new(16 * MIB));
+        // Weights, then a step's gradients kept across an evaluation pass, then optimizer state.
+        let weights = chunked.allocate(&mut source, 4 * MIB).unwrap();
+        let grads: Vec<_> = (0..3).map(|_| chunked.allocate(&mut source, 4 * MIB).unwrap()).collect();
+        let state = chunked.allocate(&mut source, 4 * MIB).unwrap();
+        let tail = chunked.allocate(&mut source, 4 * MIB).unwrap();
+        assert_eq!(source.mapped(), 24 * MIB);
+        // The next step frees the gradients and the last buffer: the pages stay mapped, for the
+        // next hand-out, until the device needs memory.
+        for served in grads.iter().chain([&tail]) {
+            chunked.free(&mut source, *served, 4 * MIB).unwrap();
+        }
+        assert!(source.holding, "freed pages kept mapped, and the device told so");
+        assert_eq!(source.mapped(), 24 * MIB);
+        // Another phase is about to grow: the 12 MiB hole and the 4 MiB free end go back.
+        assert_eq!(chunked.give_back_freed(&mut source, MIB).unwrap(), 16 * MIB);
+        assert!(!source.holding);
+        assert_eq!(source.mapped(), 8 * MIB, "the weights and the optimizer state");
+        assert_eq!(chunked.give_back_freed(&mut source, MIB).unwrap(), 0, "nothing more kept");
+        // The next gradients land in the hole and map its pages again, and only them.
+        let again = chunked.allocate(&mut source, 8 * MIB).unwrap();
+        assert_eq!(again.ptr, grads[0].ptr, "best fit in the hole, at its start");
+        assert_eq!(source.mapped(), 16 * MIB);
+        let third = chunked.allocate(&mut source, 4 * MIB).unwrap();
+        assert_eq!((third.ptr, source.mapped()), (grads[2].ptr, 20 * MIB));
+        assert!(third.ptr < state.ptr && weights.ptr < again.ptr);
+        chunked.release_all(&mut source).unwrap();
+        assert_eq!((source.held(), source.ranges.len(), source.holding), (0, 0, false));
     }
 }

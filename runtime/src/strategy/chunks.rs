@@ -127,6 +127,11 @@ impl FreeRanges {
         self.insert(at, len);
     }
 
+    /// The free ranges that start in `[from, to)`, by address.
+    pub(crate) fn pieces(&self, from: u64, to: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.by_addr.range(from..to).map(|(&at, &len)| (at, len))
+    }
+
     /// The free space: its total and its largest piece.
     pub(crate) fn free_space(&self) -> FreeSpace {
         FreeSpace {
@@ -189,6 +194,12 @@ pub(crate) struct Chunks {
     chunks: BTreeMap<CUdeviceptr, u64>,
     /// Live hand-outs: address → aligned size.
     live: PointerMap<u64>,
+    /// Whether free pages inside the range are kept mapped, to be given back when something on
+    /// the device must take memory ([`Chunks::give_back_freed`]).
+    holding_freed: bool,
+    /// Pages inside the range given back while it kept its size, by offset from its base in
+    /// [`GRANULE`]s; a hand-out over them maps them again.
+    punched: BTreeSet<u64>,
     held: u64,
     /// The most held at once since [`Chunks::start_scope`].
     peak_held: u64,
@@ -245,8 +256,11 @@ impl Chunks {
         let now = source.resize_range(base, target)?;
         self.ranges.cut_end(base + mapped, base + now);
         self.range = Some((base, now));
-        self.held -= mapped - now;
-        Ok(mapped - now)
+        // Pages given back earlier went with the end without being mapped.
+        let gone = self.punched.split_off(&(now / GRANULE)).len() as u64 * GRANULE;
+        let unmapped = (mapped - now).saturating_sub(gone);
+        self.held -= unmapped;
+        Ok(unmapped)
     }
 
     /// `size` bytes (aligned), from a free range or a new chunk of at least `chunk_bytes`.
@@ -264,8 +278,65 @@ impl Chunks {
                 }
             }
         };
+        if let Err(error) = self.fill_punched(source, ptr, size) {
+            self.ranges.give(ptr, size);
+            return Err(error);
+        }
         self.live.insert(ptr, size);
         Ok(ptr)
+    }
+
+    /// Maps again the pages given back inside the range that `[ptr, ptr + size)` lies on.
+    fn fill_punched(&mut self, source: &mut dyn Source, ptr: CUdeviceptr, size: u64) -> Result<()> {
+        let Some((base, _)) = self.range.filter(|_| !self.punched.is_empty()) else { return Ok(()) };
+        if ptr < base {
+            return Ok(());
+        }
+        let pages = (ptr - base) / GRANULE..(ptr - base + size).div_ceil(GRANULE);
+        if self.punched.range(pages.clone()).next().is_none() {
+            return Ok(());
+        }
+        let filled = source.fill_range(base, ptr - base, size)?;
+        self.punched.retain(|page| !pages.contains(page));
+        self.held += filled;
+        self.peak_held = self.peak_held.max(self.held);
+        Ok(())
+    }
+
+    /// A hand-out inside the range was freed: the pages it leaves free stay mapped, for the
+    /// next hand-out, until the device needs memory ([`Chunks::give_back_freed`]).
+    pub(crate) fn freed_in_range(&mut self, source: &mut dyn Source, ptr: CUdeviceptr) {
+        let Some((base, mapped)) = self.range else { return };
+        if self.holding_freed || ptr < base || ptr >= base + mapped {
+            return;
+        }
+        self.holding_freed = true;
+        source.hold_freed(true);
+    }
+
+    /// Something on the device is about to take memory: gives back the whole pages of the free
+    /// ranges inside the range, and unmaps its free end. Returns the bytes given back: all it
+    /// can, even past `bytes`, as they are pages of frees already done, and asking again costs a
+    /// lock each time.
+    pub(crate) fn give_back_freed(&mut self, source: &mut dyn Source, _bytes: u64) -> Result<u64> {
+        let Some((base, mapped)) = self.range.filter(|_| self.holding_freed) else { return Ok(0) };
+        self.holding_freed = false;
+        source.hold_freed(false);
+        let free: Vec<(u64, u64)> = self
+            .ranges
+            .pieces(base, base + mapped)
+            .filter(|&(at, len)| len >= GRANULE && at + len != base + mapped)
+            .collect();
+        let mut given = 0;
+        for (at, len) in free {
+            let bytes = source.punch_range(base, at - base, len)?;
+            if bytes > 0 {
+                self.punched.extend((at - base).div_ceil(GRANULE)..(at - base + len) / GRANULE);
+                given += bytes;
+            }
+        }
+        self.held -= given;
+        Ok(given + self.shrink_range(source, 0)?)
     }
 
     /// Takes a chunk for a request of `size`: as many requests of that size as `chunk_bytes`
@@ -398,6 +469,10 @@ impl Chunks {
         if let Some((base, _)) = self.range.take() {
             outcome = outcome.and(source.free_range(base));
         }
+        if std::mem::take(&mut self.holding_freed) {
+            source.hold_freed(false);
+        }
+        self.punched.clear();
         self.live.clear();
         self.ranges.clear();
         self.held = 0;
