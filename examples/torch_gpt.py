@@ -101,6 +101,10 @@ def run_all(args: argparse.Namespace) -> int:
 
 
 def run_one(args: argparse.Namespace) -> int:
+    # The allocator's settings must be in the environment before PyTorch reads it (as `all` runs
+    # each allocator); a setting the caller made is kept.
+    for name, value in ENVIRONMENTS[args.allocator].items():
+        os.environ.setdefault(name, value)
     try:
         import torch
         from torch import nn

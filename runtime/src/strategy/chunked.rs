@@ -190,11 +190,15 @@ mod tests {
         }
         assert!(source.holding, "freed pages kept mapped, and the device told so");
         assert_eq!(source.mapped(), 24 * MIB);
-        // Another phase is about to grow: the 12 MiB hole and the 4 MiB free end go back.
-        assert_eq!(chunked.give_back_freed(&mut source, MIB).unwrap(), 16 * MIB);
-        assert!(!source.holding);
+        // Another phase is about to take 2 MiB: the free end goes back first, as much as asked.
+        assert_eq!(chunked.give_back_freed(&mut source, 2 * MIB).unwrap(), 2 * MIB);
+        assert!(source.holding, "more is kept");
+        assert_eq!(source.mapped(), 22 * MIB);
+        // Then 14 MiB: the rest of the end, then the 12 MiB hole's pages.
+        assert_eq!(chunked.give_back_freed(&mut source, 14 * MIB).unwrap(), 14 * MIB);
         assert_eq!(source.mapped(), 8 * MIB, "the weights and the optimizer state");
         assert_eq!(chunked.give_back_freed(&mut source, MIB).unwrap(), 0, "nothing more kept");
+        assert!(!source.holding);
         // The next gradients land in the hole and map its pages again, and only them.
         let again = chunked.allocate(&mut source, 8 * MIB).unwrap();
         assert_eq!(again.ptr, grads[0].ptr, "best fit in the hole, at its start");

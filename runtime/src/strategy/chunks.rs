@@ -314,29 +314,40 @@ impl Chunks {
         source.hold_freed(true);
     }
 
-    /// Something on the device is about to take memory: gives back the whole pages of the free
-    /// ranges inside the range, and unmaps its free end. Returns the bytes given back: all it
-    /// can, even past `bytes`, as they are pages of frees already done, and asking again costs a
-    /// lock each time.
-    pub(crate) fn give_back_freed(&mut self, source: &mut dyn Source, _bytes: u64) -> Result<u64> {
-        let Some((base, mapped)) = self.range.filter(|_| self.holding_freed) else { return Ok(0) };
-        self.holding_freed = false;
-        source.hold_freed(false);
-        let free: Vec<(u64, u64)> = self
+    /// Something on the device is about to take `bytes`: gives back that much of the free pages
+    /// inside the range, or all of them if fewer: its free end first (no hand-out lies above
+    /// it), then the whole pages of its largest free ranges. Only what is asked goes back: a
+    /// page given back and then mapped again for the next hand-out costs two driver calls of
+    /// some 50 µs each, and two pools that gave each other everything would trade their pages
+    /// every step. Returns the bytes given back.
+    pub(crate) fn give_back_freed(&mut self, source: &mut dyn Source, bytes: u64) -> Result<u64> {
+        let Some((base, _)) = self.range.filter(|_| self.holding_freed) else { return Ok(0) };
+        let mut given = self.shrink_range(source, self.held.saturating_sub(bytes))?;
+        let mapped = self.range.map_or(0, |(_, mapped)| mapped);
+        let mut free: Vec<(u64, u64)> = self
             .ranges
             .pieces(base, base + mapped)
             .filter(|&(at, len)| len >= GRANULE && at + len != base + mapped)
+            .map(|(at, len)| (len, at))
             .collect();
-        let mut given = 0;
-        for (at, len) in free {
-            let bytes = source.punch_range(base, at - base, len)?;
-            if bytes > 0 {
+        free.sort_unstable_by(|a, b| b.cmp(a));
+        for (len, at) in free {
+            if given >= bytes {
+                break;
+            }
+            let unmapped = source.punch_range(base, at - base, len)?;
+            if unmapped > 0 {
                 self.punched.extend((at - base).div_ceil(GRANULE)..(at - base + len) / GRANULE);
-                given += bytes;
+                self.held -= unmapped;
+                given += unmapped;
             }
         }
-        self.held -= given;
-        Ok(given + self.shrink_range(source, 0)?)
+        if given < bytes {
+            // Everything it kept went back.
+            self.holding_freed = false;
+            source.hold_freed(false);
+        }
+        Ok(given)
     }
 
     /// Takes a chunk for a request of `size`: as many requests of that size as `chunk_bytes`
