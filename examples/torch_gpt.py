@@ -16,10 +16,11 @@ Needs a CUDA build of PyTorch and a GPU; steppool from ``pip install ./runtime/t
 Under steppool, PyTorch's own memory statistics are not available (a pluggable allocator has
 none); the figures come from ``steppool.torch.memory_reserved()`` and its siblings, whose peak
 is the sum of the pools' high-water marks, an upper bound. So that every allocator is measured
-the same way, the reserved bytes are also sampled at three points of every step (after the
-forward pass, after the backward pass, after the optimizer step; the sampling's time is left out
-of the step time): the table's "sampled" column is the largest sample, a lower bound of the
-peak for every allocator. Under steppool the step's release time (its boundary) is printed too.
+the same way, the reserved bytes are also sampled through every step (after each block's forward
+pass and after its gradient in the backward pass, after the forward and backward passes and after
+the optimizer step; the sampling's time is left out of the step time): the table's "sampled"
+column is the largest sample, a lower bound of the peak for every allocator, and PyTorch's own
+peak where its allocator never gives memory back during the run. Under steppool the step's release time (its boundary) is printed too.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def run_all(args: argparse.Namespace) -> int:
             + (f", boundary {summary['release_ms']:.2f} ms" if summary.get("release_ms") is not None else "")
         )
     print("(peak reserved under steppool: the sum of its pools' high-water marks, an upper bound; sampled: the "
-          "largest of three samples a step, alike for all; step time: median after the first 5 steps)")
+          "largest sample, after each block forward and backward and after each pass, alike for all; "
+          "step time: median after the first 5 steps)")
     return 0 if all("failed" not in s for s in summaries) else 1
 
 
@@ -151,6 +153,10 @@ def run_one(args: argparse.Namespace) -> int:
             x = self.embed(tokens) + self.position(positions)
             for block in self.blocks:
                 x = block(x)
+                # Samples between blocks, forward and (on autograd's thread) backward.
+                sample()
+                if x.requires_grad:
+                    x.register_hook(lambda _grad: sample())
             return self.head(self.norm(x))
 
     model = GPT().to(device)
