@@ -15,7 +15,8 @@ starts, so each runs in a process of its own, on the same seed.
 Needs a CUDA build of PyTorch and a GPU; steppool from ``pip install ./runtime/torch``.
 Under steppool, PyTorch's own memory statistics are not available (a pluggable allocator has
 none); the figures come from ``steppool.torch.memory_reserved()`` and its siblings, whose peak
-is the sum of the pools' high-water marks, an upper bound. So that every allocator is measured
+is the device's high-water mark of the pages steppool mapped plus the most its CUDA pools held, an
+upper bound, exact where the pools map all their memory. So that every allocator is measured
 the same way, the reserved bytes are also sampled through every step (after each block's forward
 pass and after its gradient in the backward pass, after the forward and backward passes and after
 the optimizer step; the sampling's time is left out of the step time): the table's "sampled"
@@ -96,7 +97,7 @@ def run_all(args: argparse.Namespace) -> int:
             f"{summary['step_ms']:>9.2f} ms{relative:>11}  {summary['result']}"
             + (f", boundary {summary['release_ms']:.2f} ms" if summary.get("release_ms") is not None else "")
         )
-    print("(peak reserved under steppool: the sum of its pools' high-water marks, an upper bound; sampled: the "
+    print("(peak reserved under steppool: its mapped pages' high-water mark plus its CUDA pools', an upper bound; sampled: the "
           "largest sample, after each block forward and backward and after each pass, alike for all; "
           "step time: median after the first 5 steps)")
     return 0 if all("failed" not in s for s in summaries) else 1

@@ -1152,3 +1152,25 @@ fn an_arena_waits_for_streams_that_used_a_leaked_buffer_before_reusing_it() {
     assert_eq!(rt.driver().sim().unwrap().is_ordered_after(owner.raw(), reader.raw()), Some(true));
     assert_eq!(stats_of(&rt, Phase::WORKSPACE, &owner).used, 0, "the arena reclaimed the leaked buffer");
 }
+
+#[test]
+fn the_device_counts_pages_two_pools_took_turns_with_once() {
+    const MIB: u64 = 1 << 20;
+    let rt = simulated_runtime(1 << 30);
+    let device = rt.device(0).unwrap();
+    let stream = device.create_stream().unwrap();
+    let chunked = Strategy::Chunked { chunk_bytes: 64 * MIB };
+    let first = rt.declare_phase(PhaseSpec::new("first", Scope::Persistent).strategy(chunked)).unwrap();
+    let second = rt.declare_phase(PhaseSpec::new("second", Scope::Persistent).strategy(chunked)).unwrap();
+    // 64 MiB in the first pool's range, freed: its pages stay mapped until the second pool's
+    // range is about to map 64 MiB, and go back first.
+    drop(rt.alloc(first, 64 * MIB, &stream).unwrap());
+    let held = rt.alloc(second, 64 * MIB, &stream).unwrap();
+    assert_eq!(stats_of(&rt, first, &stream).reserved, 0, "the first pool gave its pages back");
+    assert_eq!(device.mapped_high_bytes(), 64 * MIB, "the device never held more than one pool's 64 MiB");
+    let metrics = rt.telemetry().metrics().unwrap();
+    let usage = metrics.total();
+    assert_eq!(usage.reserved_high, 128 * MIB, "each pool's own mark: their sum counts the memory twice");
+    assert_eq!(usage.pool_reserved_high, 0, "nothing came from the CUDA pools");
+    drop(held);
+}

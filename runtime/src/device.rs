@@ -79,6 +79,17 @@ impl Device {
         Ok(Stream::new(StreamCore::new(self.core.clone(), raw, false, self.runtime.id)))
     }
 
+    /// The most bytes of pages mapped at once into the address ranges of steppool's pools on this
+    /// device (planned slabs, arenas and chunked ranges that grow in place, where the device has
+    /// virtual memory management), over the runtime's life. Exact where a sum of the pools'
+    /// high-water marks ([`Usage::reserved_high`](crate::telemetry::Usage)) only bounds
+    /// the device's peak from above: a page one pool gave back and another mapped counts once.
+    /// Memory the pools' CUDA pools hold comes beside it
+    /// ([`Usage::pool_reserved_high`](crate::telemetry::Usage)).
+    pub fn mapped_high_bytes(&self) -> u64 {
+        self.core.mapped.high()
+    }
+
     /// `(free, total)` bytes of device memory; memory reserved by pools counts as used.
     pub fn memory_info(&self) -> Result<(u64, u64)> {
         self.core.make_current()?;

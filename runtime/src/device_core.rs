@@ -2,7 +2,7 @@
 //! candle and cubecl use, so pointers and streams interoperate with them.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, Once, PoisonError, Weak};
 
 use steppool_sys::handle::ContextHandle;
@@ -35,6 +35,36 @@ pub(crate) struct DeviceCore {
     /// Pools that keep the pages of memory freed in a step mapped, and give them back when the
     /// device needs more.
     pub(crate) freed: FreedPages,
+    /// The pages mapped into the ranges of every pool on the device, now and at most.
+    pub(crate) mapped: MappedPages,
+}
+
+/// The bytes of pages mapped into the address ranges of every pool on a device: now, and the
+/// most at once over the runtime's life. Unlike the sum of the pools' high-water marks, the
+/// high-water mark is the device's own: pages one pool gave back before another mapped its own
+/// count once.
+#[derive(Debug, Default)]
+pub(crate) struct MappedPages {
+    now: AtomicU64,
+    high: AtomicU64,
+}
+
+impl MappedPages {
+    /// `bytes` of pages were mapped.
+    pub(crate) fn add(&self, bytes: u64) {
+        let now = self.now.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.high.fetch_max(now, Ordering::AcqRel);
+    }
+
+    /// `bytes` of pages were unmapped.
+    pub(crate) fn sub(&self, bytes: u64) {
+        self.now.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// The most mapped at once.
+    pub(crate) fn high(&self) -> u64 {
+        self.high.load(Ordering::Acquire)
+    }
 }
 
 /// A pool that may keep pages of freed memory mapped ([`FreedPages`]).
@@ -150,6 +180,7 @@ impl DeviceCore {
             vmm_granularity,
             pool_unit,
             freed: FreedPages::default(),
+            mapped: MappedPages::default(),
         };
         core.make_current()?;
         Ok(core)

@@ -530,6 +530,7 @@ impl PoolGuard<'_> {
         // The last step's peak reservation goes into the lifetime mark before it is reset.
         let reservation = state.source.reservation()?;
         state.totals.reserved_high = state.totals.reserved_high.max(reservation.peak_reserved);
+        state.totals.pool_reserved_high = state.totals.pool_reserved_high.max(reservation.peak_pool);
         let counters = &mut state.counters;
         *counters = Counters {
             used: counters.used,
@@ -631,6 +632,7 @@ impl PoolGuard<'_> {
         let totals = &mut state.totals;
         totals.reserved = reservation.reserved;
         totals.reserved_high = totals.reserved_high.max(reservation.peak_reserved).max(reservation.reserved);
+        totals.pool_reserved_high = totals.pool_reserved_high.max(reservation.peak_pool);
         totals.alloc_nanos = state.timing.estimate_nanos();
         Ok(pool_metrics(self.pool, state.totals, state.allocator.free_space()))
     }

@@ -159,6 +159,9 @@ pub(crate) struct Reservation {
     /// Whether all of it came from the CUDA pool (or `cuMemAlloc`) since the step began: no pages
     /// were mapped into ranges of the source's own.
     pub(crate) pool_only: bool,
+    /// The most the CUDA pool (or `cuMemAlloc`) held since the step began, pages mapped into the
+    /// source's ranges left out.
+    pub(crate) peak_pool: u64,
 }
 
 /// Where a [`DeviceSource`] gets its memory.
@@ -317,6 +320,7 @@ impl DeviceSource {
                     peak_reserved: counters.reserved_high + self.mapped_high,
                     peak_used: counters.used_high,
                     pool_only: self.mapped_high == 0,
+                    peak_pool: counters.reserved_high,
                 })
             }
             Backing::Synchronous(fallback) => Ok(Reservation {
@@ -324,6 +328,7 @@ impl DeviceSource {
                 peak_reserved: fallback.reserved_high + self.mapped_high,
                 peak_used: 0,
                 pool_only: self.mapped_high == 0,
+                peak_pool: fallback.reserved_high,
             }),
         }
     }
@@ -818,6 +823,7 @@ impl DeviceSource {
         let bytes = added.len() as u64 * granule;
         self.mapped += bytes;
         self.mapped_high = self.mapped_high.max(self.mapped);
+        self.stream.device.mapped.add(bytes);
         if self.recorder.is_on() {
             // One mapping per run of new pages, as the range's segment grew by each.
             let pool_reserved = self.reserved_or_zero();
@@ -1045,6 +1051,7 @@ impl DeviceSource {
         granule: u64,
     ) -> Result<()> {
         self.mapped -= granule;
+        self.stream.device.mapped.sub(granule);
         // SAFETY: the handle is this source's and no longer mapped.
         let released = unsafe { self.stream.device.driver.mem_release(handle) };
         if self.recorder.is_on() {

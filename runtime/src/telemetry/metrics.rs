@@ -47,6 +47,12 @@ pub struct Usage {
     /// Highest `reserved` over the pool's life (the CUDA pool's high-water mark, kept across the
     /// per-step resets).
     pub reserved_high: u64,
+    /// Highest reservation of the CUDA pool (or `cuMemAlloc` fallback) over the pool's life,
+    /// pages mapped into the pool's address ranges left out: with the device's own high-water
+    /// mark of those pages ([`Device::mapped_high_bytes`](crate::Device::mapped_high_bytes)), a
+    /// bound of the device's peak far tighter than the sum of `reserved_high` where pools take
+    /// turns with the same memory.
+    pub pool_reserved_high: u64,
     /// Allocations handed out.
     pub allocations: u64,
     /// Allocations given back by their owner.
@@ -81,6 +87,7 @@ impl Usage {
     fn retire(&mut self, other: &Usage) {
         self.used_high = self.used_high.max(other.used_high);
         self.reserved_high = self.reserved_high.max(other.reserved_high);
+        self.pool_reserved_high = self.pool_reserved_high.max(other.pool_reserved_high);
         self.add_counts(other);
     }
 
@@ -89,6 +96,7 @@ impl Usage {
         self.used_high += other.used_high;
         self.reserved += other.reserved;
         self.reserved_high += other.reserved_high;
+        self.pool_reserved_high += other.pool_reserved_high;
         self.add_counts(other);
     }
 

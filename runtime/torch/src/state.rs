@@ -565,7 +565,9 @@ impl Torch {
         let by_device = metrics.by_device();
         let mut devices = Vec::new();
         for ordinal in 0..self.runtime.device_count() {
-            let (free, total) = self.runtime.device(ordinal)?.memory_info()?;
+            let device = self.runtime.device(ordinal)?;
+            let (free, total) = device.memory_info()?;
+            let mapped_high = device.mapped_high_bytes();
             let usage = by_device
                 .iter()
                 .find(|(key, _)| *key == GroupKey::Device { device: ordinal })
@@ -577,9 +579,13 @@ impl Torch {
                 "total_bytes": total,
                 "used_bytes": usage.used,
                 "reserved_bytes": usage.reserved,
-                // Sums of the pools' high-water marks: upper bounds of the device's.
+                // A sum of the pools' high-water marks: an upper bound of the device's.
                 "used_high_bytes": usage.used_high,
-                "reserved_high_bytes": usage.reserved_high,
+                // The device's own high-water mark of mapped pages, beside the sum of what the
+                // pools' CUDA pools held at most: an upper bound too, exact where the pools map
+                // all their memory, and never above the sum of the pools' marks.
+                "reserved_high_bytes": usage.reserved_high.min(usage.pool_reserved_high + mapped_high),
+                "mapped_high_bytes": mapped_high,
             }));
         }
         let warnings: Vec<Value> = lock(&self.warnings).iter().map(warning_json).collect();

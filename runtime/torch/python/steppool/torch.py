@@ -439,7 +439,7 @@ def _device_usage(device: Optional[int]) -> Dict[str, Any]:
     for entry in telemetry()["devices"]:
         if entry["device"] == ordinal:
             return dict(entry)
-    return {"reserved_bytes": 0, "used_bytes": 0, "reserved_high_bytes": 0, "used_high_bytes": 0}
+    return {"reserved_bytes": 0, "used_bytes": 0, "reserved_high_bytes": 0, "used_high_bytes": 0, "mapped_high_bytes": 0}
 
 
 def memory_reserved(device: Optional[int] = None) -> int:
@@ -448,8 +448,11 @@ def memory_reserved(device: Optional[int] = None) -> int:
 
 
 def max_memory_reserved(device: Optional[int] = None) -> int:
-    """The sum of the high-water marks of steppool's pools on ``device``: an upper bound of their
-    joint peak (``torch.cuda.max_memory_reserved()`` is exact; this never understates)."""
+    """The most steppool held on ``device`` at once, bounded from above: the device's own
+    high-water mark of the pages mapped into its pools' address ranges, plus the most each pool's
+    CUDA pool held (never above the sum of the pools' high-water marks). Exact where the pools map
+    all their memory, as they do on a GPU with virtual memory management; it never understates
+    (``torch.cuda.max_memory_reserved()`` is exact)."""
     return int(_device_usage(device)["reserved_high_bytes"])
 
 
