@@ -415,3 +415,28 @@ fn snapshot_and_metrics_are_exported() {
     assert_eq!(error["kind"], "already_initialised");
     assert!(error["message"].as_str().unwrap().contains("strategy planned"), "{error}");
 }
+
+#[test]
+fn the_devices_peak_counts_memory_two_phases_took_turns_with_once() {
+    let (_serial, lib) = serial();
+    // Two persistent phases (chunked ranges on the simulated device) take turns with 64 MiB:
+    // the first one's freed pages go back before the second maps its own.
+    lib.enter("abi_turn_a", "persistent");
+    let first = lib.alloc(64 * MIB, STREAM_A);
+    assert!(!first.is_null(), "{:?}", lib.last_error());
+    lib.free(first, 64 * MIB, STREAM_A);
+    lib.leave();
+    lib.enter("abi_turn_b", "persistent");
+    let second = lib.alloc(64 * MIB, STREAM_A);
+    assert!(!second.is_null(), "{:?}", lib.last_error());
+    let telemetry = lib.telemetry();
+    let reserved = |phase: &str| lib.phase(phase)["reserved_bytes"].as_u64().unwrap();
+    assert_eq!(reserved("abi_turn_a"), 0, "the first phase gave its pages back");
+    assert!(reserved("abi_turn_b") >= 64 << 20);
+    let device = &telemetry["devices"][0];
+    let (peak, mapped) =
+        (device["reserved_high_bytes"].as_u64().unwrap(), device["mapped_high_bytes"].as_u64().unwrap());
+    assert!(mapped >= 64 << 20 && peak >= mapped, "the device's mark of mapped pages is in its peak: {device}");
+    lib.free(second, 64 * MIB, STREAM_A);
+    lib.leave();
+}
