@@ -675,6 +675,9 @@ fn prometheus_text_parses_with_conventional_names_and_labels() {
     assert_eq!(sample("steppool_frees_total", &odd_labels), 5.0);
     assert_eq!(sample("steppool_steps_total", &[]), 3.0);
     assert_eq!(sample("steppool_device_total_bytes", &[("device", "0")]), (2u64 << 30) as f64);
+    let mapped_high = runtime.device(0).unwrap().mapped_high_bytes();
+    assert!(mapped_high > 0, "the arena's slabs are pages in a range");
+    assert_eq!(sample("steppool_device_mapped_high_bytes", &[("device", "0")]), mapped_high as f64);
     assert_eq!(sample("steppool_warnings_total", &[("rule", "fragmentation")]), metrics.warnings[0].fired as f64);
     assert!(sample("steppool_fragmentation_ratio", &[("phase", "activations")]) >= 0.0);
     // The overhead split per (device, phase) and kind, in the last step and at the run's peak.

@@ -418,6 +418,7 @@ impl RuntimeInner {
                 total,
                 graph_reserved: graph.reserved,
                 graph_used: graph.used,
+                mapped_high: core.mapped.high(),
             });
         }
         Ok(Metrics {

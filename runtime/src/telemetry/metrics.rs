@@ -127,6 +127,9 @@ pub struct DeviceMemory {
     pub graph_reserved: u64,
     /// Bytes of it associated with graphs.
     pub graph_used: u64,
+    /// The most bytes of pages mapped at once into the address ranges of steppool's pools on the
+    /// device ([`Device::mapped_high_bytes`](crate::Device::mapped_high_bytes)).
+    pub mapped_high: u64,
 }
 
 /// Every counter of a runtime at one moment.

@@ -216,7 +216,7 @@ impl Metrics {
             }
         }
         type DeviceRead = fn(&super::DeviceMemory) -> u64;
-        let devices: [(Family<'_>, DeviceRead); 4] = [
+        let devices: [(Family<'_>, DeviceRead); 5] = [
             (
                 Family {
                     name: "steppool_device_free_bytes",
@@ -241,6 +241,14 @@ impl Metrics {
                     help: "Bytes of graph memory associated with graphs.",
                 },
                 |d| d.graph_used,
+            ),
+            (
+                Family {
+                    name: "steppool_device_mapped_high_bytes",
+                    kind: "gauge",
+                    help: "The most bytes of pages mapped at once into the address ranges of steppool's pools.",
+                },
+                |d| d.mapped_high,
             ),
         ];
         for (family, read) in &devices {
