@@ -292,12 +292,15 @@ impl Chunks {
         if ptr < base {
             return Ok(());
         }
-        let pages = (ptr - base) / GRANULE..(ptr - base + size).div_ceil(GRANULE);
-        if self.punched.range(pages.clone()).next().is_none() {
+        let pages: Vec<u64> =
+            self.punched.range((ptr - base) / GRANULE..(ptr - base + size).div_ceil(GRANULE)).copied().collect();
+        if pages.is_empty() {
             return Ok(());
         }
         let filled = source.fill_range(base, ptr - base, size)?;
-        self.punched.retain(|page| !pages.contains(page));
+        for page in pages {
+            self.punched.remove(&page);
+        }
         self.held += filled;
         self.peak_held = self.peak_held.max(self.held);
         Ok(())
