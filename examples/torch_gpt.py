@@ -61,6 +61,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", help="write this run's summary as JSON here (used by --allocator all)")
+    parser.add_argument("--snapshot", help="record the allocation history (segment maps and unmaps included) and write it "
+                        "here as a PyTorch memory snapshot pickle; recording slows the steps down")
     return parser.parse_args()
 
 
@@ -122,6 +124,11 @@ def run_one(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("torch_gpt.py needs a CUDA device", file=sys.stderr)
         return 2
+    if args.snapshot:
+        if sp is not None:
+            sp.start_recording(max_events=2_000_000)
+        else:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     torch.manual_seed(args.seed)
     device = torch.device("cuda")
 
@@ -260,9 +267,18 @@ def run_one(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
     }
+    if sp is not None:
+        # steppool's own account (per-phase pools, plan statistics, counters), for reading where
+        # its memory and time went.
+        summary["steppool"] = sp.telemetry()
     if args.json_out:
         with open(args.json_out, "w") as file:
             json.dump(summary, file)
+    if args.snapshot:
+        if sp is not None:
+            sp.snapshot(args.snapshot)
+        else:
+            torch.cuda.memory._dump_snapshot(args.snapshot)
     return 0
 
 

@@ -6,7 +6,8 @@ device, each entry a dict with action, addr, size, stream, time_us and frames. R
 it writes snapshot_p2.pickle, snapshot_p4.pickle and snapshot_p5.pickle (protocol 5 needs
 Python 3.8+), snapshot_notime.pickle (an older PyTorch without time_us), and snapshot_late.pickle
 (history recorded only after the model was built: memory allocated before shows in `segments` or
-by its free).
+by its free), and snapshot_shared.pickle (entries sharing one frames list, as PyTorch 2.11 writes
+them: the pickle refers back to the list, and from inside it to strings seen before it).
 """
 import pickle
 
@@ -90,6 +91,16 @@ def late():
     return {"segments": [large, small], "device_traces": [out]}
 
 
+def shared():
+    """One frames list shared by every entry, holding a string the segments used first."""
+    snap = snapshot()
+    snap["segments"][0]["frames"] = [{"filename": "train.py", "line": 1, "name": "<module>"}]
+    frames = [{"filename": "train.py", "line": 10, "name": "forward"}]
+    for e in snap["device_traces"][0]:
+        e["frames"] = frames
+    return snap
+
+
 for protocol in (2, 4, 5):
     with open(f"snapshot_p{protocol}.pickle", "wb") as f:
         pickle.dump(snapshot(), f, protocol=protocol)
@@ -97,3 +108,5 @@ with open("snapshot_notime.pickle", "wb") as f:
     pickle.dump(snapshot(with_time=False), f, protocol=4)
 with open("snapshot_late.pickle", "wb") as f:
     pickle.dump(late(), f, protocol=4)
+with open("snapshot_shared.pickle", "wb") as f:
+    pickle.dump(shared(), f, protocol=4)

@@ -24,7 +24,12 @@ pub fn read(path: &Path, bytes: &[u8]) -> Result<Trace> {
             return Err(refused(format!("more than {MAX_OPEN_MARKS} marks open at byte {at}: not a memory snapshot")));
         }
     }
-    let value = serde_pickle::value_from_slice(bytes, DeOptions::new().replace_unresolved_globals())
+    // PyTorch 2.11 shares one frames list among many entries. serde-pickle resolves a reference
+    // made from inside a shared value once, and reports its second resolution as recursion: with
+    // `replace_recursive_structures` such a value reads as `None`. Only frames (which the reader
+    // does not need) are shared; a true cycle cannot occur in a snapshot's entries.
+    let options = DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
+    let value = serde_pickle::value_from_slice(bytes, options)
         .map_err(|e| TraceError::Pickle { path: path.to_owned(), message: e.to_string() })?;
     let file = Location::File;
     let Value::Dict(snapshot) = value else {
