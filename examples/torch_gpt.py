@@ -8,8 +8,9 @@ then one comparison table.
 
 Allocators: ``native`` (PyTorch's caching allocator), ``expandable``
 (``expandable_segments:True``), ``async`` (``backend:cudaMallocAsync``), ``steppool``
-(``steppool.torch.use()``: forward activations in a step-scoped phase, released at each step
-boundary; the rest in the persistent phase ``untagged``). An allocator is chosen before CUDA
+(``steppool.torch.use()``: the forward and backward passes in a step-scoped phase, released at
+each step boundary, which with ``--phase-threads all`` also routes autograd's backward threads;
+the rest, the optimizer step included, in the persistent phase ``untagged``). An allocator is chosen before CUDA
 starts, so each runs in a process of its own, on the same seed.
 
 Needs a CUDA build of PyTorch and a GPU; steppool from ``pip install ./runtime/torch``.
@@ -50,6 +51,9 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--allocator", choices=ALLOCATORS + ("all",), default="all")
     parser.add_argument("--strategy", default="planned", help="steppool's strategy for step phases")
+    parser.add_argument("--phase-threads", choices=("all", "current"), default="all",
+                        help="which threads steppool's step phases route: all (autograd's backward threads too) "
+                             "or the current one only (the backward pass then allocates in the persistent phase)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--layers", type=int, default=8)
@@ -72,7 +76,7 @@ def run_all(args: argparse.Namespace) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
             path = out.name
         command = [sys.executable, os.path.abspath(__file__), "--allocator", allocator, "--json-out", path]
-        for name in ("strategy", "steps", "eval_every", "layers", "hidden", "heads", "vocab", "batch",
+        for name in ("strategy", "phase_threads", "steps", "eval_every", "layers", "hidden", "heads", "vocab", "batch",
                      "min_len", "max_len", "seed"):
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
         print(f"\n== {allocator}", flush=True)
@@ -177,7 +181,7 @@ def run_one(args: argparse.Namespace) -> int:
     def phase(name: str) -> Any:
         if sp is None:
             return _Nothing()
-        return sp.phase(name, scope="step")
+        return sp.phase(name, scope="step", threads=args.phase_threads)
 
     def memory() -> Dict[str, int]:
         if sp is not None:

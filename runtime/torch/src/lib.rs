@@ -55,7 +55,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use steppool::sys::CUstream;
 
 use crate::error::{Result, TorchError};
-use crate::state::{Config, Torch, parse_scope, parse_strategy};
+use crate::state::{Config, Threads, Torch, parse_scope, parse_strategy};
 
 thread_local! {
     /// The calling thread's last error, as JSON.
@@ -194,6 +194,34 @@ pub unsafe extern "C" fn steppool_torch_phase_enter(
     scope: *const c_char,
     strategy: *const c_char,
 ) -> c_int {
+    // SAFETY: the caller's contract.
+    unsafe { enter_phase(name, scope, strategy, Threads::Current) }
+}
+
+/// Enters phase `name` as [`steppool_torch_phase_enter`] does, and for every thread that has
+/// entered no phase of its own while it is open: autograd's backward threads, which run the
+/// backward pass of a `loss.backward()` called inside it. A thread that enters a phase of its own
+/// allocates there instead. Returns 0 or -1.
+///
+/// # Safety
+///
+/// As for [`steppool_torch_phase_enter`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn steppool_torch_phase_enter_all_threads(
+    name: *const c_char,
+    scope: *const c_char,
+    strategy: *const c_char,
+) -> c_int {
+    // SAFETY: the caller's contract.
+    unsafe { enter_phase(name, scope, strategy, Threads::All) }
+}
+
+/// Enters a phase for `threads`: the body of the two functions above.
+///
+/// # Safety
+///
+/// As for [`steppool_torch_phase_enter`].
+unsafe fn enter_phase(name: *const c_char, scope: *const c_char, strategy: *const c_char, threads: Threads) -> c_int {
     boundary(-1, || {
         // SAFETY: the caller's contract, for the three strings.
         let (name, scope) = unsafe { (text(name, "the phase name")?, text(scope, "the scope")?) };
@@ -202,7 +230,7 @@ pub unsafe extern "C" fn steppool_torch_phase_enter(
             // SAFETY: the caller's contract.
             false => Some(parse_strategy(unsafe { text(strategy, "the strategy") }?)?),
         };
-        Torch::get()?.phase_enter(name, parse_scope(scope)?, strategy).map(|_| 0)
+        Torch::get()?.phase_enter(name, parse_scope(scope)?, strategy, threads).map(|_| 0)
     })
 }
 

@@ -5,8 +5,9 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::thread::ThreadId;
 
 use serde_json::{Value, json};
 use steppool::sys::{CUdeviceptr, CUstream, Selection};
@@ -181,8 +182,29 @@ struct Failure {
 }
 
 thread_local! {
-    /// The phases this thread entered, innermost last; allocations go to the innermost.
-    static PHASES: RefCell<Vec<Phase>> = const { RefCell::new(Vec::new()) };
+    /// The phases this thread entered, innermost last, each with whether it was entered for
+    /// every thread ([`Threads::All`]); allocations go to the innermost.
+    static PHASES: RefCell<Vec<(Phase, Threads)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Which threads a phase entered on one thread routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Threads {
+    /// The entering thread only.
+    Current,
+    /// The entering thread, and every thread that has entered no phase of its own while it is
+    /// open: autograd's backward threads, which run the backward pass a `loss.backward()` inside
+    /// the phase starts.
+    All,
+}
+
+/// The phases open for every thread ([`Threads::All`]), innermost last, each with the thread
+/// that entered it; `open` counts them, so that a thread with no phase of its own takes the lock
+/// only while one is open.
+#[derive(Debug, Default)]
+struct SharedPhases {
+    open: AtomicUsize,
+    stack: Mutex<Vec<(Phase, ThreadId)>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -195,6 +217,8 @@ pub(crate) struct Torch {
     runtime: Runtime,
     config: Config,
     untagged: Phase,
+    /// Phases open for every thread.
+    shared: SharedPhases,
     /// Streams PyTorch handed in, wrapped once each: (device, raw handle) → stream.
     streams: Mutex<HashMap<(usize, usize), steppool::Stream>>,
     /// Memory fractions set per device.
@@ -259,6 +283,7 @@ impl Torch {
             runtime,
             config,
             untagged,
+            shared: SharedPhases::default(),
             streams: Mutex::default(),
             fractions: Mutex::default(),
             counters: Counters::default(),
@@ -294,9 +319,18 @@ impl Torch {
         Ok(stream)
     }
 
-    /// The phase allocations on this thread go to now.
+    /// The phase allocations on this thread go to now: its innermost phase, else the innermost
+    /// phase open for every thread, else `untagged`.
     fn current_phase(&self) -> Phase {
-        PHASES.with(|phases| phases.borrow().last().copied()).unwrap_or(self.untagged)
+        if let Some((phase, _)) = PHASES.with(|phases| phases.borrow().last().copied()) {
+            return phase;
+        }
+        if self.shared.open.load(Ordering::Acquire) > 0
+            && let Some(&(phase, _)) = lock(&self.shared.stack).last()
+        {
+            return phase;
+        }
+        self.untagged
     }
 
     /// `alloc_fn`: `size` bytes on `device` in `stream`'s order, in this thread's phase. Zero
@@ -418,7 +452,13 @@ impl Torch {
     /// Enters `name` on this thread, declaring it with `scope` (and `strategy`, else the one
     /// `init` chose for the scope) if it is new. A built-in phase keeps its spec unless a
     /// different strategy is asked for before its first allocation.
-    pub(crate) fn phase_enter(&self, name: &str, scope: Scope, strategy: Option<Strategy>) -> Result<Phase> {
+    pub(crate) fn phase_enter(
+        &self,
+        name: &str,
+        scope: Scope,
+        strategy: Option<Strategy>,
+        threads: Threads,
+    ) -> Result<Phase> {
         let phase = match self.runtime.phase_named(name) {
             Some(phase) => {
                 let spec = self.runtime.phase_spec(phase)?;
@@ -439,13 +479,26 @@ impl Torch {
                 self.runtime.declare_phase(PhaseSpec::new(name, scope).strategy(strategy))?
             }
         };
-        PHASES.with(|phases| phases.borrow_mut().push(phase));
+        PHASES.with(|phases| phases.borrow_mut().push((phase, threads)));
+        if threads == Threads::All {
+            lock(&self.shared.stack).push((phase, std::thread::current().id()));
+            self.shared.open.fetch_add(1, Ordering::AcqRel);
+        }
         Ok(phase)
     }
 
     /// Leaves the innermost phase this thread entered.
     pub(crate) fn phase_leave(&self) -> Result<()> {
-        PHASES.with(|phases| phases.borrow_mut().pop()).map(|_| ()).ok_or(TorchError::NoPhase)
+        let (phase, threads) = PHASES.with(|phases| phases.borrow_mut().pop()).ok_or(TorchError::NoPhase)?;
+        if threads == Threads::All {
+            let me = std::thread::current().id();
+            let mut stack = lock(&self.shared.stack);
+            if let Some(index) = stack.iter().rposition(|&entry| entry == (phase, me)) {
+                stack.remove(index);
+                self.shared.open.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        Ok(())
     }
 
     /// The name of this thread's current phase.

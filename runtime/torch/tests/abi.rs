@@ -22,6 +22,7 @@ struct Lib {
     alloc: Alloc,
     free: Free,
     phase_enter: unsafe extern "C" fn(*const c_char, *const c_char, *const c_char) -> c_int,
+    phase_enter_all_threads: unsafe extern "C" fn(*const c_char, *const c_char, *const c_char) -> c_int,
     phase_leave: unsafe extern "C" fn() -> c_int,
     current_phase: unsafe extern "C" fn() -> *mut c_char,
     step: unsafe extern "C" fn() -> i64,
@@ -69,6 +70,7 @@ fn lib() -> &'static Lib {
             alloc: symbol!("steppool_torch_alloc"),
             free: symbol!("steppool_torch_free"),
             phase_enter: symbol!("steppool_torch_phase_enter"),
+            phase_enter_all_threads: symbol!("steppool_torch_phase_enter_all_threads"),
             phase_leave: symbol!("steppool_torch_phase_leave"),
             current_phase: symbol!("steppool_torch_current_phase"),
             step: symbol!("steppool_torch_step"),
@@ -140,6 +142,20 @@ impl Lib {
         // SAFETY: NUL-terminated strings and a NULL strategy.
         let code = unsafe { (self.phase_enter)(name.as_ptr(), scope.as_ptr(), std::ptr::null()) };
         assert_eq!(code, 0, "phase_enter: {:?}", self.last_error());
+    }
+
+    /// Enters `name` for every thread without a phase of its own.
+    fn enter_all_threads(&self, name: &str, scope: &str) {
+        let (name, scope) = (CString::new(name).unwrap(), CString::new(scope).unwrap());
+        // SAFETY: NUL-terminated strings and a NULL strategy.
+        let code = unsafe { (self.phase_enter_all_threads)(name.as_ptr(), scope.as_ptr(), std::ptr::null()) };
+        assert_eq!(code, 0, "phase_enter_all_threads: {:?}", self.last_error());
+    }
+
+    /// The calling thread's phase.
+    fn current(&self) -> String {
+        // SAFETY: no arguments; the string is taken and freed.
+        self.take_string(unsafe { (self.current_phase)() }).expect("a phase")
     }
 
     fn leave(&self) {
@@ -376,6 +392,49 @@ fn threads_allocate_at_once_each_in_its_own_phase() {
     for thread in 0..THREADS {
         assert_eq!(lib.used(&format!("abi_thread_{thread}")), 0);
     }
+}
+
+#[test]
+fn a_phase_for_all_threads_routes_threads_without_their_own() {
+    // As autograd's backward thread allocates while the thread that called `loss.backward()` is
+    // inside the phase: a helper thread, stepped through each state by the main thread.
+    let (_serial, lib) = serial();
+    let (to_helper, at_helper) = std::sync::mpsc::channel::<&str>();
+    let (to_main, at_main) = std::sync::mpsc::channel::<(String, u64, u64)>();
+    let helper = std::thread::spawn(move || {
+        while let Ok(command) = at_helper.recv() {
+            if command == "own" {
+                lib.enter("abi_helper_own", "persistent");
+            }
+            let ptr = lib.alloc(MIB, STREAM_A);
+            assert!(!ptr.is_null(), "{command}: {:?}", lib.last_error());
+            let report = (lib.current(), lib.used("abi_all_threads"), lib.used("abi_helper_own"));
+            lib.free(ptr, MIB, STREAM_A);
+            if command == "own" {
+                lib.leave();
+            }
+            to_main.send(report).unwrap();
+        }
+    });
+    let ask = |command| {
+        to_helper.send(command).unwrap();
+        at_main.recv().unwrap()
+    };
+    assert_eq!(ask("plain"), ("untagged".to_owned(), 0, 0), "before the phase");
+    // SAFETY: no arguments.
+    assert!(unsafe { (lib.step)() } >= 0, "{:?}", lib.last_error());
+    lib.enter_all_threads("abi_all_threads", "step");
+    assert_eq!(lib.current(), "abi_all_threads");
+    assert_eq!(ask("plain"), ("abi_all_threads".to_owned(), 1 << 20, 0), "inside, without a phase of its own");
+    assert_eq!(ask("own"), ("abi_helper_own".to_owned(), 0, 1 << 20), "inside, with a phase of its own");
+    // A phase for the current thread only, nested inside, routes nobody else.
+    lib.enter("abi_main_only", "step");
+    assert_eq!(ask("plain").0, "abi_all_threads", "a thread-only phase nested inside");
+    lib.leave();
+    lib.leave();
+    assert_eq!(ask("plain"), ("untagged".to_owned(), 0, 0), "after the phase");
+    drop(to_helper);
+    helper.join().unwrap();
 }
 
 #[test]

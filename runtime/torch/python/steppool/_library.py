@@ -54,6 +54,7 @@ class Native:
             "steppool_torch_set_memory_fraction": (None, [c.c_double, c.c_int]),
             "steppool_torch_record_stream": (None, [c.c_void_p, c.c_void_p]),
             "steppool_torch_phase_enter": (c.c_int, [c.c_char_p, c.c_char_p, c.c_char_p]),
+            "steppool_torch_phase_enter_all_threads": (c.c_int, [c.c_char_p, c.c_char_p, c.c_char_p]),
             "steppool_torch_phase_leave": (c.c_int, []),
             "steppool_torch_current_phase": (c.c_void_p, []),
             "steppool_torch_step": (c.c_int64, []),
@@ -132,9 +133,10 @@ class Native:
         self.lib.steppool_torch_record_stream(ptr, stream)
         self._after_void("record_stream")
 
-    def phase_enter(self, name: str, scope: str, strategy: Optional[str]) -> None:
+    def phase_enter(self, name: str, scope: str, strategy: Optional[str], all_threads: bool = False) -> None:
         encoded = None if strategy is None else strategy.encode()
-        self._check(self.lib.steppool_torch_phase_enter(name.encode(), scope.encode(), encoded), "phase_enter")
+        enter = self.lib.steppool_torch_phase_enter_all_threads if all_threads else self.lib.steppool_torch_phase_enter
+        self._check(enter(name.encode(), scope.encode(), encoded), "phase_enter")
 
     def phase_leave(self) -> None:
         self._check(self.lib.steppool_torch_phase_leave(), "phase_leave")

@@ -70,6 +70,7 @@ __all__ = [
 ALLOC_FN = "steppool_torch_alloc"
 FREE_FN = "steppool_torch_free"
 SCOPES = ("persistent", "step", "micro_step")
+THREADS = ("current", "all")
 STRATEGIES = ("direct", "arena", "chunked", "planned")
 
 
@@ -210,15 +211,18 @@ def _mempool_mode() -> bool:
     return _State.on_gpu
 
 
-def _make_blas_workspace() -> None:
+def _make_blas_workspace(backward: bool = False) -> None:
     """Makes the current stream's cuBLAS and cuBLASLt workspaces before a step-scoped phase is
-    entered.
+    entered; with ``backward``, those of autograd's backward thread too.
 
     PyTorch allocates them on the first matrix product on a stream and keeps them for the
     process's life: made inside a step-scoped phase, the step's end would release memory cuBLAS
     goes on writing (seen on an H200 as ``CUBLAS_STATUS_EXECUTION_FAILED`` some steps later).
     Asking for the handle makes cuBLAS's (32 MiB there); a product with a bias, which PyTorch
-    hands to cuBLASLt, makes cuBLASLt's (1 MiB). Both here, in the phase current outside."""
+    hands to cuBLASLt, makes cuBLASLt's (1 MiB). Both here, in the phase current outside.
+    Autograd's backward thread has workspaces of its own, made by its first product: a phase
+    that routes every thread would take them (seen on an H200 as ``CUBLAS_STATUS_INTERNAL_ERROR``
+    in the second step's backward pass), so a small backward pass makes them first."""
     torch = _torch()
     key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
     if key not in _State.blas_ready:
@@ -226,6 +230,10 @@ def _make_blas_workspace() -> None:
         ones = torch.ones(2, 2, device="cuda")
         torch.nn.functional.linear(ones, ones, ones[0])
         _State.blas_ready.add(key)
+    if backward and key + ("backward",) not in _State.blas_ready:
+        weight = torch.ones(2, 2, device="cuda", requires_grad=True)
+        torch.nn.functional.linear(weight, weight, weight[0]).sum().backward()
+        _State.blas_ready.add(key + ("backward",))
 
 
 def _warn_about_released(report: Optional[Dict[str, Any]]) -> None:
@@ -262,10 +270,10 @@ def _mempool(name: str) -> Any:
 class _Phase:
     """The context manager :func:`phase` returns."""
 
-    def __init__(self, name: str, scope: str, strategy: Optional[str]) -> None:
+    def __init__(self, name: str, scope: str, strategy: Optional[str], all_threads: bool = False) -> None:
         _check_choice(scope, SCOPES, "scope")
         _check_choice(strategy, STRATEGIES, "strategy")
-        self.name, self.scope, self.strategy = name, scope, strategy
+        self.name, self.scope, self.strategy, self.all_threads = name, scope, strategy, all_threads
         self._pool_context: Any = None
 
     def __enter__(self) -> "_Phase":
@@ -277,9 +285,15 @@ class _Phase:
                 "so only persistent phases are allowed. Call steppool.torch.use() first for step scopes.",
                 "invalid",
             )
+        if mempool and self.all_threads:
+            raise InvalidArgumentError(
+                f"phase {self.name!r} with threads='all' routes other threads' allocations, which only steppool as "
+                "PyTorch's allocator sees: call steppool.torch.use() first.",
+                "invalid",
+            )
         if _State.allocator is not None and self.scope != "persistent":
-            _make_blas_workspace()
-        native().phase_enter(self.name, self.scope, self.strategy)
+            _make_blas_workspace(backward=self.all_threads)
+        native().phase_enter(self.name, self.scope, self.strategy, self.all_threads)
         if mempool:
             torch = _torch()
             try:
@@ -304,7 +318,7 @@ class _Phase:
             native().phase_leave()
 
 
-def phase(name: str, scope: str = "persistent", strategy: Optional[str] = None) -> _Phase:
+def phase(name: str, scope: str = "persistent", strategy: Optional[str] = None, threads: str = "current") -> _Phase:
     """Routes the current thread's allocations to the steppool phase ``name`` inside a ``with``.
 
     Args:
@@ -314,11 +328,16 @@ def phase(name: str, scope: str = "persistent", strategy: Optional[str] = None) 
         scope: ``persistent`` (never released by a step), ``step`` (released at the next
             :func:`step` boundary: its tensors must be gone by then) or ``micro_step``.
         strategy: the phase's strategy; None takes the one :func:`init`/:func:`use` chose.
-
-    Only the current thread is routed: autograd's backward threads allocate outside the phase
-    unless they enter one themselves.
+        threads: ``current`` routes the current thread only; ``all`` also routes every thread
+            that has entered no phase of its own while this one is open. Autograd runs the
+            backward pass of a ``loss.backward()`` on threads of its own: with ``current`` their
+            allocations (gradients, the backward pass's temporaries) go to the persistent phase
+            ``untagged``, with ``all`` to this phase. Use ``all`` only where no other thread
+            allocates tensors that outlive the step meanwhile (a thread prefetching the next
+            batch, say): a step-scoped phase's memory is released at the step's end.
     """
-    return _Phase(name, scope, strategy)
+    _check_choice(threads, THREADS, "threads")
+    return _Phase(name, scope, strategy, threads == "all")
 
 
 class Step:

@@ -100,6 +100,32 @@ def test_a_step_releases_its_phases_and_late_frees_are_caught():
     assert sp.telemetry()["active_step"] is None
 
 
+def test_a_phase_for_all_threads_routes_a_thread_without_its_own():
+    # As autograd's backward thread allocates while loss.backward() runs inside the phase.
+    def on_a_thread():
+        seen = {}
+
+        def body():
+            ptr = sp.alloc(MIB)
+            seen["phase"], seen["used"] = sp.current_phase(), used("py_all_threads")
+            sp.free(ptr, MIB)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+        return seen
+
+    with sp.step():
+        assert on_a_thread()["phase"] == "untagged"
+        with sp.phase("py_all_threads", scope="step", threads="all"):
+            assert on_a_thread() == {"phase": "py_all_threads", "used": MIB}
+            with sp.phase("py_main_only", scope="step"):
+                assert on_a_thread()["phase"] == "py_all_threads", "a thread-only phase inside routes nobody else"
+        assert on_a_thread()["phase"] == "untagged"
+    with pytest.raises(steppool.InvalidArgumentError):
+        sp.phase("py_bad", threads="some")
+
+
 def test_scopes_and_strategies_are_checked():
     with pytest.raises(steppool.InvalidArgumentError):
         sp.phase("py_bad", scope="epoch")
