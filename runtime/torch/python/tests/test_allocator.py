@@ -236,7 +236,7 @@ def test_a_step_that_released_memory_pytorch_held_warns_once_per_phase(monkeypat
     # finds live in a step-scoped phase is memory PyTorch holds.
     monkeypatch.setattr(sp._State, "allocator", object())
     monkeypatch.setattr(sp._State, "warned", set())
-    monkeypatch.setattr(sp, "_make_blas_workspace", lambda: None)
+    monkeypatch.setattr(sp, "_make_blas_workspace", lambda backward=False: None)
     sp.step()
     with sp.phase("py_outlives", scope="step"):
         sp.alloc(2 * MIB)
