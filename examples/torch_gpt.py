@@ -22,7 +22,9 @@ the same way, the reserved bytes are also sampled through every step (after each
 pass and after its gradient in the backward pass, after the forward and backward passes and after
 the optimizer step; the sampling's time is left out of the step time): the table's "sampled"
 column is the largest sample, a lower bound of the peak for every allocator, and PyTorch's own
-peak where its allocator never gives memory back during the run. Under steppool the step's release time (its boundary) is printed too.
+peak where its allocator never gives memory back during the run. Under steppool the step's
+release time (its boundary) and its page traffic (bytes of pages mapped and unmapped, the median
+step's) are reported too.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def run_all(args: argparse.Namespace) -> int:
             f"{summary['peak_allocated'] / MIB:>12.1f} MiB"
             f"{summary['step_ms']:>9.2f} ms{relative:>11}  {summary['result']}"
             + (f", boundary {summary['release_ms']:.2f} ms" if summary.get("release_ms") is not None else "")
+            + (f", pages {summary['page_traffic_mib']:.0f} MiB" if summary.get("page_traffic_mib") is not None else "")
         )
     print("(peak reserved under steppool: its mapped pages' high-water mark plus its CUDA pools', an upper bound; sampled: the "
           "largest sample, after each block forward and backward and after each pass, alike for all; "
@@ -202,6 +205,8 @@ def run_one(args: argparse.Namespace) -> int:
 
     step_times: List[float] = []
     release_times: List[float] = []
+    # Per step under steppool: bytes of pages mapped and unmapped (each costs time on a GPU).
+    page_traffic: List[int] = []
     peak_allocated = 0
     result = f"completed {args.steps} steps"
     print(f"{'step':>5} {'kind':>5} {'len':>5} {'reserved':>12} {'max reserved':>14} {'allocated':>12} {'time':>10}  loss")
@@ -212,6 +217,7 @@ def run_one(args: argparse.Namespace) -> int:
                 report = sp.last_step_report()
                 if report is not None:
                     release_times.append(report["release_s"])
+                    page_traffic.append(sum(p["pages_mapped_bytes"] + p["pages_unmapped_bytes"] for p in report["pools"]))
             evaluating = step > 0 and step % args.eval_every == 0
             length = int(torch.randint(args.min_len, args.max_len + 1, (1,), generator=generator))
             tokens = batch(length)
@@ -267,6 +273,7 @@ def run_one(args: argparse.Namespace) -> int:
         "step_ms": 1000 * times[len(times) // 2] if times else 0.0,
         "sampled_reserved": sampled["peak"],
         "release_ms": 1000 * sorted(release_times)[len(release_times) // 2] if release_times else None,
+        "page_traffic_mib": sorted(page_traffic)[len(page_traffic) // 2] / MIB if page_traffic else None,
         "result": result,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),

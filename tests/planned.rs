@@ -1532,7 +1532,14 @@ fn steps_of_varying_length_map_pages_only_when_one_outgrows_the_recent_ones() {
         }
         while live.pop().is_some() {}
         drop(live);
-        step.end().unwrap();
+        let report = step.end().unwrap();
+        // The report's page traffic says the same as the driver's calls.
+        let pages = report.phases.iter().find(|p| p.phase == acts).unwrap().pages;
+        let [maps, unmaps] = [0, 1].map(|i| calls()[i] - before[i]);
+        assert_eq!((pages.mapped > 0, pages.unmapped > 0), (maps > 0, unmaps > 0), "step {index}: {pages:?}");
+        if index == 0 {
+            assert!(pages.mapped >= length * 96 * KIB, "the first step maps its pages: {pages:?}");
+        }
         let recent = &lengths[index.saturating_sub(8)..index];
         if recent.iter().any(|&earlier| earlier >= length) {
             assert_eq!(calls(), before, "step {index} (length {length}) after {recent:?}");

@@ -1172,5 +1172,9 @@ fn the_device_counts_pages_two_pools_took_turns_with_once() {
     let usage = metrics.total();
     assert_eq!(usage.reserved_high, 128 * MIB, "each pool's own mark: their sum counts the memory twice");
     assert_eq!(usage.pool_reserved_high, 0, "nothing came from the CUDA pools");
+    // The page traffic: the first pool mapped 64 MiB and unmapped them, the second mapped them.
+    let pages = |phase| metrics.pools.iter().find(|p| p.pool.phase == phase).unwrap().usage.pages;
+    assert_eq!((pages(first).mapped, pages(first).unmapped), (64 * MIB, 64 * MIB));
+    assert_eq!((pages(second).mapped, pages(second).unmapped), (64 * MIB, 0));
     drop(held);
 }

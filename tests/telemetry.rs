@@ -13,7 +13,8 @@ use steppool::telemetry::{
     ServeOptions, Warning, WarningKind, WarningRules,
 };
 use steppool::{
-    Breakdown, CaptureMemory, CaptureMode, Error, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy, Verdict,
+    Breakdown, CaptureMemory, CaptureMode, Error, PageTraffic, Phase, PhaseSpec, Runtime, Scope, Strategy, TrimPolicy,
+    Verdict,
 };
 use steppool_tests::{pool_slab_runtime, segment_runtime, simulated_runtime};
 
@@ -668,11 +669,18 @@ fn prometheus_text_parses_with_conventional_names_and_labels() {
     assert_eq!(sample("steppool_requested_bytes_total", &labels), (144 * MIB) as f64);
     assert_eq!(sample("steppool_reserved_bytes", &labels), activations.usage.reserved as f64);
     assert_eq!(sample("steppool_used_high_bytes", &labels), (96 * MIB) as f64);
+    // A `Direct` pool maps no pages; the arena's slabs are pages of a range.
+    assert_eq!(activations.usage.pages, PageTraffic::default());
+    assert_eq!(sample("steppool_pages_mapped_bytes_total", &labels), 0.0);
     let odd = metrics.pools.iter().find(|p| p.phase_name.starts_with("odd")).unwrap();
     let odd_stream = odd.pool.stream.to_string();
     let odd_labels = [("phase", "odd phase"), ("stream", odd_stream.as_str())];
     assert_eq!(sample("steppool_released_bytes_total", &odd_labels), (2 * MIB) as f64);
     assert_eq!(sample("steppool_frees_total", &odd_labels), 5.0);
+    let pages = odd.usage.pages;
+    assert!(pages.mapped > 0, "{pages:?}");
+    assert_eq!(sample("steppool_pages_mapped_bytes_total", &odd_labels), pages.mapped as f64);
+    assert_eq!(sample("steppool_pages_unmapped_bytes_total", &odd_labels), pages.unmapped as f64);
     assert_eq!(sample("steppool_steps_total", &[]), 3.0);
     assert_eq!(sample("steppool_device_total_bytes", &[("device", "0")]), (2u64 << 30) as f64);
     let mapped_high = runtime.device(0).unwrap().mapped_high_bytes();

@@ -121,8 +121,8 @@ pub use error::{CaptureError, Error, OomReport, PoolUsage, Result, Verdict};
 pub use phase::{InvalidPhaseSpec, MAX_PHASES, Phase, PhaseSpec, Scope, Strategy, TrimPolicy};
 pub use raw::RawApi;
 pub use report::{
-    Breakdown, FreeSpace, GraphMemory, MicroStepReport, PhaseReport, PlanKey, PlanStats, PlanSummary, PoolId,
-    PoolStats, StepReport, fragmentation_ratio,
+    Breakdown, FreeSpace, GraphMemory, MicroStepReport, PageTraffic, PhaseReport, PlanKey, PlanStats, PlanSummary,
+    PoolId, PoolStats, StepReport, fragmentation_ratio,
 };
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use step::{MicroStep, Step};

@@ -531,6 +531,7 @@ impl PoolGuard<'_> {
         let reservation = state.source.reservation()?;
         state.totals.reserved_high = state.totals.reserved_high.max(reservation.peak_reserved);
         state.totals.pool_reserved_high = state.totals.pool_reserved_high.max(reservation.peak_pool);
+        state.totals.pages.add(reservation.pages);
         let counters = &mut state.counters;
         *counters = Counters {
             used: counters.used,
@@ -634,7 +635,10 @@ impl PoolGuard<'_> {
         totals.reserved_high = totals.reserved_high.max(reservation.peak_reserved).max(reservation.reserved);
         totals.pool_reserved_high = totals.pool_reserved_high.max(reservation.peak_pool);
         totals.alloc_nanos = state.timing.estimate_nanos();
-        Ok(pool_metrics(self.pool, state.totals, state.allocator.free_space()))
+        // The completed steps' pages, and the current step's so far.
+        let mut usage = state.totals;
+        usage.pages.add(reservation.pages);
+        Ok(pool_metrics(self.pool, usage, state.allocator.free_space()))
     }
 
     /// The plans its strategy keeps, as a plan file saves them (none unless it is planned).
@@ -667,6 +671,7 @@ impl PoolGuard<'_> {
             free_space: self.state.allocator.free_space(),
             plan: self.state.allocator.plan_stats(),
             chosen: self.state.allocator.chosen(),
+            pages: reservation.pages,
         })
     }
 }
@@ -723,6 +728,8 @@ impl Drop for PhasePool {
             lender.lock().lend_tail(Some(bin), false);
         }
         outcome = outcome.and(source.destroy());
+        // The last step's pages, those its ranges gave back on the way out included.
+        usage.pages.add(source.pages());
         let metrics = pool_metrics(self, usage, None);
         self.retired.add(metrics);
         if let Err(error) = outcome {

@@ -54,7 +54,7 @@ use steppool_sys::{
 
 use crate::device_core::{DeviceCore, read_write};
 use crate::error::{Error, Result};
-use crate::report::PoolId;
+use crate::report::{PageTraffic, PoolId};
 use crate::stream_core::StreamCore;
 use crate::telemetry::{EventKind, Recorder};
 
@@ -162,6 +162,8 @@ pub(crate) struct Reservation {
     /// The most the CUDA pool (or `cuMemAlloc`) held since the step began, pages mapped into the
     /// source's ranges left out.
     pub(crate) peak_pool: u64,
+    /// Pages mapped into and unmapped from the source's ranges since the step began.
+    pub(crate) pages: PageTraffic,
 }
 
 /// Where a [`DeviceSource`] gets its memory.
@@ -206,6 +208,8 @@ pub(crate) struct DeviceSource {
     /// Bytes mapped in them now, and the most since the step began.
     mapped: u64,
     mapped_high: u64,
+    /// Pages mapped and unmapped since the step began.
+    pages: PageTraffic,
     /// Pages whose unmap (at the address, if any) or release the driver refused: owed, and made
     /// at the next trim and at destroy, as refused frees are.
     owed_pages: Vec<(Option<CUdeviceptr>, CUmemGenericAllocationHandle)>,
@@ -258,6 +262,7 @@ impl DeviceSource {
             ranges: BTreeMap::new(),
             mapped: 0,
             mapped_high: 0,
+            pages: PageTraffic::default(),
             owed_pages: Vec::new(),
             retiring: VecDeque::new(),
             idle_events: Vec::new(),
@@ -321,6 +326,7 @@ impl DeviceSource {
                     peak_used: counters.used_high,
                     pool_only: self.mapped_high == 0,
                     peak_pool: counters.reserved_high,
+                    pages: self.pages,
                 })
             }
             Backing::Synchronous(fallback) => Ok(Reservation {
@@ -329,13 +335,20 @@ impl DeviceSource {
                 peak_used: 0,
                 pool_only: self.mapped_high == 0,
                 peak_pool: fallback.reserved_high,
+                pages: self.pages,
             }),
         }
+    }
+
+    /// Pages mapped and unmapped since the step began.
+    pub(crate) fn pages(&self) -> PageTraffic {
+        self.pages
     }
 
     /// A step begins: the high-water marks start over from the current values.
     pub(crate) fn begin_step(&mut self) -> Result<()> {
         self.mapped_high = self.mapped;
+        self.pages = PageTraffic::default();
         match &mut self.backing {
             Backing::CudaPool(pool) => {
                 let driver = &self.stream.device.driver;
@@ -822,6 +835,7 @@ impl DeviceSource {
         }
         let bytes = added.len() as u64 * granule;
         self.mapped += bytes;
+        self.pages.mapped += bytes;
         self.mapped_high = self.mapped_high.max(self.mapped);
         self.stream.device.mapped.add(bytes);
         if self.recorder.is_on() {
@@ -1051,6 +1065,7 @@ impl DeviceSource {
         granule: u64,
     ) -> Result<()> {
         self.mapped -= granule;
+        self.pages.unmapped += granule;
         self.stream.device.mapped.sub(granule);
         // SAFETY: the handle is this source's and no longer mapped.
         let released = unsafe { self.stream.device.driver.mem_release(handle) };

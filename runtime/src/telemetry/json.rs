@@ -54,6 +54,8 @@ pub fn step_json(report: &StepReport) -> Value {
                 "frees": p.frees,
                 "free_space": free_space(p.free_space),
                 "breakdown": breakdown(&p.breakdown),
+                "pages_mapped_bytes": p.pages.mapped,
+                "pages_unmapped_bytes": p.pages.unmapped,
             })
         })
         .collect();
@@ -90,6 +92,8 @@ pub fn step_json(report: &StepReport) -> Value {
                     "overhead": plan.overhead(),
                 })),
                 "chosen_strategy": p.chosen.map(|strategy| strategy.name()),
+                "pages_mapped_bytes": p.pages.mapped,
+                "pages_unmapped_bytes": p.pages.unmapped,
             })
         })
         .collect();

@@ -4,7 +4,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::phase::{Scope, Strategy};
-use crate::report::{Breakdown, FreeSpace, PoolId};
+use crate::report::{Breakdown, FreeSpace, PageTraffic, PoolId};
 use crate::warning::WarningRule;
 
 /// The counters of one pool (one phase on one stream of one device), over its life.
@@ -70,6 +70,8 @@ pub struct Usage {
     /// Nanoseconds spent allocating (the strategy and the driver call), estimated from a random
     /// sample of one call in 16, which keeps the clock off the hot path.
     pub alloc_nanos: u64,
+    /// Pages mapped into and unmapped from the pool's address ranges over its life.
+    pub pages: PageTraffic,
 }
 
 impl Usage {
@@ -110,6 +112,7 @@ impl Usage {
         self.ooms += other.ooms;
         self.released_bytes += other.released_bytes;
         self.alloc_nanos += other.alloc_nanos;
+        self.pages.add(other.pages);
     }
 }
 

@@ -37,7 +37,7 @@ impl Metrics {
     pub fn to_prometheus(&self) -> String {
         let mut out = String::new();
         type Read = fn(&PoolMetrics) -> Option<f64>;
-        let per_pool: [(Family<'_>, Read); 14] = [
+        let per_pool: [(Family<'_>, Read); 16] = [
             (
                 Family { name: "steppool_used_bytes", kind: "gauge", help: "Bytes of live allocations, as requested." },
                 |p| Some(p.usage.used as f64),
@@ -119,6 +119,22 @@ impl Metrics {
                     help: "Time spent allocating, in the strategy and the driver.",
                 },
                 |p| Some(p.usage.alloc_nanos as f64 / 1e9),
+            ),
+            (
+                Family {
+                    name: "steppool_pages_mapped_bytes_total",
+                    kind: "counter",
+                    help: "Bytes of pages mapped into the pool's address ranges (each costs time to map and unmap).",
+                },
+                |p| Some(p.usage.pages.mapped as f64),
+            ),
+            (
+                Family {
+                    name: "steppool_pages_unmapped_bytes_total",
+                    kind: "counter",
+                    help: "Bytes of pages unmapped from the pool's address ranges.",
+                },
+                |p| Some(p.usage.pages.unmapped as f64),
             ),
             (
                 Family {
