@@ -1152,6 +1152,7 @@ impl Planned {
         match source.fill_range(slab.base, offset, size) {
             Ok(bytes) => {
                 self.unmapped = self.unmapped.saturating_sub(bytes);
+                self.unhole(offset, size);
                 Ok(Some(offset))
             }
             Err(Error::Driver(error)) if error.is_out_of_memory() => {
@@ -1217,7 +1218,7 @@ impl Planned {
                 let first = at.next_multiple_of(GRANULE).saturating_add(wanted).min(at + len) - at;
                 let bytes = source.punch_range(slab.base, at, first)?;
                 if bytes > 0 {
-                    self.holes.push((at, first));
+                    self.add_hole(at, first);
                     self.unmapped += bytes;
                     released += bytes;
                 }
@@ -1267,11 +1268,49 @@ impl Planned {
         for (at, len) in free {
             let bytes = source.punch_range(slab.base, at, len)?;
             if bytes > 0 {
-                self.holes.push((at, len));
+                self.add_hole(at, len);
                 self.unmapped += bytes;
             }
         }
         Ok(())
+    }
+
+    /// Files `[at, at + len)` as a hole, merged with the holes it overlaps, so that no byte is
+    /// counted twice (holes that only touch stay apart: the page they share may be mapped): a range punched in several calls (a partial punch takes its
+    /// first pages, the next call more) was filed once per call, and the bytes already punched,
+    /// summed over the overlapping entries, grew with each call until one call punched the
+    /// whole range whatever it was asked for.
+    fn add_hole(&mut self, at: u64, len: u64) {
+        let (mut low, mut high) = (at, at + len);
+        self.holes.retain(|&(hole, hole_len)| {
+            let apart = hole + hole_len <= low || high <= hole;
+            if !apart {
+                low = low.min(hole);
+                high = high.max(hole + hole_len);
+            }
+            apart
+        });
+        self.holes.push((low, high - low));
+    }
+
+    /// The pages touching `[offset, offset + size)` were mapped again ([`Source::fill_range`]):
+    /// they are no longer holes. A hole they cut in two leaves its two ends.
+    fn unhole(&mut self, offset: u64, size: u64) {
+        let (low, high) = (offset / GRANULE * GRANULE, (offset + size).next_multiple_of(GRANULE));
+        let mut left = Vec::with_capacity(self.holes.len() + 1);
+        for &(at, len) in &self.holes {
+            if at + len <= low || high <= at {
+                left.push((at, len));
+                continue;
+            }
+            if at < low {
+                left.push((at, low - at));
+            }
+            if high < at + len {
+                left.push((high, at + len - high));
+            }
+        }
+        self.holes = left;
     }
 
     /// The slab now ends at `size`: holes past it went with the pages unmapped from its end.
