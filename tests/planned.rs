@@ -1548,37 +1548,3 @@ fn steps_of_varying_length_map_pages_only_when_one_outgrows_the_recent_ones() {
     }
     assert!(quiet >= 12, "{quiet} steps no longer than a recent one");
 }
-
-#[test]
-fn a_step_phase_gives_back_as_many_pages_as_another_phase_maps() {
-    // A training step as PyTorch runs it with its backward threads routed into the step phase:
-    // activations and gradients in the step phase, freed; then the optimizer's temporaries in
-    // the persistent phase, which maps pages for them in steps of 64 MiB chunks. The step phase
-    // keeps its freed pages mapped and gives back, each time, as many as the persistent phase is
-    // about to map: in all, about what it maps. (Holes punched over several such calls were once
-    // filed once per call; the bytes already punched, summed over the overlapping entries, grew
-    // with each call, until one call gave back the whole slab: on an H200, gigabytes of pages
-    // unmapped and mapped again every step.)
-    let rt = Runtime::builder().simulated(SimConfig::with_capacity(16 * GIB)).build().unwrap();
-    let stream = rt.device(0).unwrap().create_stream().unwrap();
-    let chunked = Allocation::Chunked { chunk_bytes: 64 * MIB };
-    let untagged = rt.declare_phase(PhaseSpec::new("untagged", Scope::Persistent).strategy(chunked)).unwrap();
-    let acts = planned_phase(&rt, "forward_backward", Scope::Step, Allocation::PLANNED);
-    for (index, length) in [3u64, 5, 7].into_iter().enumerate() {
-        let step = rt.begin_step().unwrap();
-        let live: Vec<_> =
-            (0..48u64).map(|k| step.alloc(acts, length * (k % 3 + 1) * 4 * MIB, &stream).unwrap()).collect();
-        // The gradients, made as the activations go: the free activations lie below them.
-        let grads: Vec<_> = (0..4).map(|_| step.alloc(acts, 16 * MIB, &stream).unwrap()).collect();
-        drop(live);
-        let temps: Vec<_> = (0..24).map(|k| rt.alloc(untagged, (8 + k % 4 * 6) * MIB, &stream).unwrap()).collect();
-        drop(temps);
-        drop(grads);
-        let report = step.end().unwrap();
-        let pages = |phase| report.phases.iter().find(|p| p.phase == phase).unwrap().pages;
-        let (given, taken) = (pages(acts).unmapped, pages(untagged).mapped);
-        assert!(taken > 0 || index > 0, "step {index}: the persistent phase mapped its temporaries");
-        // Each ask is for the persistent phase's next chunk, given back in whole pages.
-        assert!(given <= taken + 24 * GRANULE, "step {index}: {given} bytes given back for {taken} mapped");
-    }
-}

@@ -319,7 +319,7 @@ impl Chunks {
 
     /// Something on the device is about to take `bytes`: gives back that much of the free pages
     /// inside the range, or all of them if fewer: its free end first (no hand-out lies above
-    /// it), then the whole pages of its largest free ranges. Only what is asked goes back: a
+    /// it), then the first whole pages of its largest free ranges, as many as are still wanted. Only what is asked goes back: a
     /// page given back and then mapped again for the next hand-out costs two driver calls of
     /// some 50 µs each, and two pools that gave each other everything would trade their pages
     /// every step. Returns the bytes given back.
@@ -338,9 +338,15 @@ impl Chunks {
             if given >= bytes {
                 break;
             }
-            let unmapped = source.punch_range(base, at - base, len)?;
+            // The range's first whole pages not given back yet, as many as are still wanted.
+            let (first, end) = ((at - base).div_ceil(GRANULE), (at - base + len) / GRANULE);
+            let wanted = (bytes - given).div_ceil(GRANULE) as usize;
+            let Some(last) = (first..end).filter(|page| !self.punched.contains(page)).take(wanted).last() else {
+                continue;
+            };
+            let unmapped = source.punch_range(base, first * GRANULE, (last + 1 - first) * GRANULE)?;
             if unmapped > 0 {
-                self.punched.extend((at - base).div_ceil(GRANULE)..(at - base + len) / GRANULE);
+                self.punched.extend(first..=last);
                 self.held -= unmapped;
                 given += unmapped;
             }
