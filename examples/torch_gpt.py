@@ -68,7 +68,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", help="write this run's summary as JSON here (used by --allocator all)")
     parser.add_argument("--snapshot", help="record the allocation history (segment maps and unmaps included) and write it "
-                        "here as a PyTorch memory snapshot pickle; recording slows the steps down")
+                        "here as a PyTorch memory snapshot pickle, and under PyTorch's allocators the steps' start "
+                        "times beside it as <stem>.json (the sidecar `steppool replay` reads); recording slows "
+                        "the steps down")
     return parser.parse_args()
 
 
@@ -131,7 +133,15 @@ def run_one(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("torch_gpt.py needs a CUDA device", file=sys.stderr)
         return 2
+    sidecar = None
     if args.snapshot:
+        # Under PyTorch's allocators the snapshot's times are the system clock's, as time_ns():
+        # the steps' start times go beside it for `steppool replay`. steppool's own history counts
+        # from its start, on another clock: no sidecar.
+        sidecar = os.path.splitext(args.snapshot)[0] + ".json" if sp is None else None
+        if sidecar is not None and args.json_out and os.path.abspath(args.json_out) == os.path.abspath(sidecar):
+            print(f"--json-out {args.json_out} is where the snapshot's step sidecar goes: choose another", file=sys.stderr)
+            return 2
         if sp is not None:
             sp.start_recording(max_events=2_000_000)
         else:
@@ -204,6 +214,7 @@ def run_one(args: argparse.Namespace) -> int:
         sampled["seconds"] += time.perf_counter() - began
 
     step_times: List[float] = []
+    steps_start_ns: List[int] = []
     release_times: List[float] = []
     # Per step under steppool: bytes of pages mapped and unmapped (each costs time on a GPU).
     page_traffic: List[int] = []
@@ -212,6 +223,7 @@ def run_one(args: argparse.Namespace) -> int:
     print(f"{'step':>5} {'kind':>5} {'len':>5} {'reserved':>12} {'max reserved':>14} {'allocated':>12} {'time':>10}  loss")
     try:
         for step in range(args.steps):
+            steps_start_ns.append(time.time_ns())
             if sp is not None:
                 sp.step()
                 report = sp.last_step_report()
@@ -290,6 +302,9 @@ def run_one(args: argparse.Namespace) -> int:
             sp.snapshot(args.snapshot)
         else:
             torch.cuda.memory._dump_snapshot(args.snapshot)
+    if sidecar is not None:
+        with open(sidecar, "w") as file:
+            json.dump({"workload": "torch_gpt", "steps_start_ns": steps_start_ns, "torch": torch.__version__}, file)
     return 0
 
 
