@@ -47,7 +47,7 @@ use std::sync::Arc;
 
 use steppool::sys::sim::{DEFAULT_GRANULE, MAX_CAPACITY, SimConfig};
 use steppool::sys::{CUmemoryPool, Driver};
-use steppool::{Error, Phase, PhaseSpec, Runtime, Scope, Strategy, Verdict, fragmentation_ratio};
+use steppool::{Error, PageTraffic, Phase, PhaseSpec, Runtime, Scope, Strategy, Verdict, fragmentation_ratio};
 
 use steppool_trace::analysis::{Analysis, Op, PhaseFacts, ReplayPhase, location_of};
 use steppool_trace::plans::PlanFile;
@@ -380,6 +380,29 @@ pub struct Run {
     /// What the planned strategy's plans served over the run, summed over its steps' reports
     /// ([`PlanStats`](steppool::PlanStats)); `None` for a run without a planned pool.
     pub plans: Option<PlanTotals>,
+    /// Pages the runtime's pools mapped into and unmapped from their ranges (each costs time on
+    /// a GPU: some 70 µs a 2 MiB page on an H200), over the run and from the second step's
+    /// beginning on; `None` for the models of PyTorch's allocator, which run no runtime.
+    pub pages: Option<RunPages>,
+}
+
+/// A run's page traffic ([`Run::pages`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunPages {
+    /// Over the whole run.
+    pub whole: PageTraffic,
+    /// From the second step's beginning on; `None` with fewer than two steps.
+    pub steady: Option<PageTraffic>,
+    /// The steps `steady` spans.
+    pub steady_steps: u32,
+}
+
+impl RunPages {
+    /// Bytes mapped and unmapped per step from the second step on.
+    pub fn steady_per_step(&self) -> Option<u64> {
+        let steady = self.steady?;
+        (self.steady_steps > 0).then(|| (steady.mapped + steady.unmapped) / u64::from(self.steady_steps))
+    }
 }
 
 /// The planned strategy's counters ([`PlanStats`](steppool::PlanStats)) summed over a run's
@@ -678,6 +701,11 @@ impl Peaks {
     }
 }
 
+/// The page traffic of every pool `runtime` has had.
+fn page_traffic(runtime: &Runtime) -> steppool::Result<PageTraffic> {
+    Ok(runtime.telemetry().metrics()?.total().pages)
+}
+
 /// Replays `analysis` under the `planned` strategy and returns the run with the plans its phases
 /// kept at the end ([`Runtime::saved_plans`]): what `steppool plan` writes.
 pub fn record_plans(
@@ -784,6 +812,7 @@ fn run_steppool(
     let mut timeline = Timeline::new(trace.events.len(), options.timeline_points);
     let mut failure = None;
     let mut plans = None;
+    let mut second_step_pages: Option<PageTraffic> = None;
 
     let sample =
         |device: usize, reserved: &mut [u64], device_peak: &mut [u64], total: &mut u64, event: usize| -> Result<()> {
@@ -858,6 +887,9 @@ fn run_steppool(
             Op::BeginStep => {
                 runtime.raw().begin_step().map_err(|e| at(event, e))?;
                 peaks.step_begun(total_reserved, live);
+                if peaks.per_step.len() == 2 {
+                    second_step_pages = Some(page_traffic(&runtime).map_err(|e| at(event, e))?);
+                }
             }
             Op::BeginMicro => {
                 runtime.raw().begin_micro_step().map_err(|e| at(event, e))?;
@@ -897,6 +929,9 @@ fn run_steppool(
         }
     }
     observer.advance((analysis.ops.len() % REPORT_EVERY) as u64);
+    let whole = page_traffic(&runtime).map_err(|e| at(trace.events.len().saturating_sub(1), e))?;
+    let steady = second_step_pages.map(|before| whole.since(before));
+    let steady_steps = (peaks.per_step.len() as u32).saturating_sub(1);
     let run = Run {
         strategy: def.name,
         capacity,
@@ -911,6 +946,7 @@ fn run_steppool(
         step_peaks: peaks.per_step,
         timeline,
         plans,
+        pages: Some(RunPages { whole, steady, steady_steps }),
     };
     if let Some(saved) = saved {
         *saved = runtime.saved_plans();
@@ -1072,6 +1108,7 @@ fn run_torch(
         step_peaks: peaks.per_step,
         timeline,
         plans: None,
+        pages: None,
     };
     (run, snapshot)
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
+use steppool::PageTraffic;
 use steppool_sys::bytes::Bytes;
 use steppool_sys::sim::DEFAULT_GRANULE;
 
@@ -326,6 +327,22 @@ pub struct ResultJson {
     /// What the planned strategy's plans served over the run (up to the failure, if one
     /// happened); null for strategies without plans.
     pub plans: Option<PlansJson>,
+    /// Pages mapped into and unmapped from the runtime's ranges; null for the models of
+    /// PyTorch's allocator.
+    pub page_traffic: Option<PageTrafficJson>,
+}
+
+/// A run's page traffic in `steppool replay --json`: each page costs time to map and unmap on a
+/// GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PageTrafficJson {
+    /// Bytes of pages mapped over the run.
+    pub mapped_bytes: u64,
+    /// Bytes of pages unmapped over the run.
+    pub unmapped_bytes: u64,
+    /// Bytes mapped and unmapped per step from the second step on; null with fewer than two
+    /// steps.
+    pub steady_bytes_per_step: Option<u64>,
 }
 
 /// One step's peaks in `steppool replay --json`.
@@ -448,6 +465,11 @@ pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyRe
                     deviations: p.deviations,
                     deviated_scopes: p.deviated_scopes,
                     planned_scopes: p.planned_scopes,
+                }),
+                page_traffic: r.run.pages.map(|pages| PageTrafficJson {
+                    mapped_bytes: pages.whole.mapped,
+                    unmapped_bytes: pages.whole.unmapped,
+                    steady_bytes_per_step: pages.steady_per_step(),
                 }),
             })
             .collect(),
@@ -618,6 +640,25 @@ pub fn replay_table(
                 p.unplanned,
                 p.deviations,
                 format!("{} / {}", p.deviated_scopes, p.planned_scopes)
+            );
+        }
+    }
+    if results.iter().any(|r| r.run.pages.is_some_and(|pages| pages.whole != PageTraffic::default())) {
+        let _ = writeln!(
+            w,
+            "\npage traffic (pages mapped and unmapped in ranges that grow in place: some 70 µs a 2 MiB page on an H200)"
+        );
+        let _ = writeln!(w, "  {:<17} {:>14} {:>14} {:>22}", "strategy", "mapped", "unmapped", "per step, from 2nd");
+        for r in results {
+            let Some(pages) = r.run.pages else { continue };
+            let per_step = pages.steady_per_step().map_or_else(|| "-".to_owned(), |bytes| Bytes(bytes).to_string());
+            let _ = writeln!(
+                w,
+                "  {:<17} {:>14} {:>14} {:>22}",
+                r.run.strategy,
+                Bytes(pages.whole.mapped).to_string(),
+                Bytes(pages.whole.unmapped).to_string(),
+                per_step
             );
         }
     }

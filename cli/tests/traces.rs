@@ -144,6 +144,17 @@ fn the_binary_replays_a_log_without_its_sidecar_as_with_it() {
     assert_eq!(inferred.1["results"], sidecar.1["results"]);
     assert_eq!(inferred.1["recommended"], sidecar.1["recommended"]);
     assert_eq!(inferred.1["recommended"], "planned");
+    // The page traffic: none in CUDA pools, some in the ranges of arenas and plans, null for the
+    // models of PyTorch's allocator.
+    for result in sidecar.1["results"].as_array().unwrap() {
+        let traffic = &result["page_traffic"];
+        match result["strategy"].as_str().unwrap() {
+            "torch-caching" | "torch-expandable" => assert!(traffic.is_null(), "{result}"),
+            "default-pool" | "phase-pools" => assert_eq!(traffic["mapped_bytes"], 0, "{result}"),
+            _ => assert!(traffic["mapped_bytes"].as_u64().unwrap() > 0, "{result}"),
+        }
+    }
+    assert!(sidecar.0.contains("page traffic"), "{}", sidecar.0);
 }
 
 #[test]

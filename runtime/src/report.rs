@@ -447,6 +447,14 @@ pub struct PageTraffic {
 }
 
 impl PageTraffic {
+    /// The traffic since `earlier`, a reading of the same counts.
+    pub fn since(self, earlier: PageTraffic) -> PageTraffic {
+        PageTraffic {
+            mapped: self.mapped.saturating_sub(earlier.mapped),
+            unmapped: self.unmapped.saturating_sub(earlier.unmapped),
+        }
+    }
+
     /// Adds `other`'s bytes.
     pub(crate) fn add(&mut self, other: PageTraffic) {
         self.mapped += other.mapped;
