@@ -1144,8 +1144,8 @@ impl Planned {
         if !self.holes.iter().any(touches) {
             return Ok(Some(offset));
         }
-        // Pages are mapped here: those of the other free ranges, the one at the end included,
-        // go back first.
+        // Pages are mapped here: as many of the other free ranges' go back first, the free
+        // end's first.
         if self.freed_unpunched > 0 {
             let holes: u64 = self
                 .holes
