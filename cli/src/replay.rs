@@ -393,16 +393,6 @@ pub struct RunPages {
     pub whole: PageTraffic,
     /// From the second step's beginning on; `None` with fewer than two steps.
     pub steady: Option<PageTraffic>,
-    /// The steps `steady` spans.
-    pub steady_steps: u32,
-}
-
-impl RunPages {
-    /// Bytes mapped and unmapped per step from the second step on.
-    pub fn steady_per_step(&self) -> Option<u64> {
-        let steady = self.steady?;
-        (self.steady_steps > 0).then(|| (steady.mapped + steady.unmapped) / u64::from(self.steady_steps))
-    }
 }
 
 /// The planned strategy's counters ([`PlanStats`](steppool::PlanStats)) summed over a run's
@@ -438,6 +428,14 @@ impl Run {
     /// Whether every operation was replayed.
     pub fn completed(&self) -> bool {
         self.failure.is_none()
+    }
+
+    /// Bytes of pages mapped and unmapped per step from the second step on; `None` for the
+    /// models of PyTorch's allocator and with fewer than two steps.
+    pub fn steady_page_traffic_per_step(&self) -> Option<u64> {
+        let steady = self.pages?.steady?;
+        let steps = self.step_peaks.len().checked_sub(1).filter(|&steps| steps > 0)? as u64;
+        Some((steady.mapped + steady.unmapped) / steps)
     }
 }
 
@@ -931,7 +929,6 @@ fn run_steppool(
     observer.advance((analysis.ops.len() % REPORT_EVERY) as u64);
     let whole = page_traffic(&runtime).map_err(|e| at(trace.events.len().saturating_sub(1), e))?;
     let steady = second_step_pages.map(|before| whole.since(before));
-    let steady_steps = (peaks.per_step.len() as u32).saturating_sub(1);
     let run = Run {
         strategy: def.name,
         capacity,
@@ -946,7 +943,7 @@ fn run_steppool(
         step_peaks: peaks.per_step,
         timeline,
         plans,
-        pages: Some(RunPages { whole, steady, steady_steps }),
+        pages: Some(RunPages { whole, steady }),
     };
     if let Some(saved) = saved {
         *saved = runtime.saved_plans();

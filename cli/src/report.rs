@@ -469,7 +469,7 @@ pub fn replay_json(inspection: &Inspection, capacity: u64, results: &[StrategyRe
                 page_traffic: r.run.pages.map(|pages| PageTrafficJson {
                     mapped_bytes: pages.whole.mapped,
                     unmapped_bytes: pages.whole.unmapped,
-                    steady_bytes_per_step: pages.steady_per_step(),
+                    steady_bytes_per_step: r.run.steady_page_traffic_per_step(),
                 }),
             })
             .collect(),
@@ -651,7 +651,8 @@ pub fn replay_table(
         let _ = writeln!(w, "  {:<17} {:>14} {:>14} {:>22}", "strategy", "mapped", "unmapped", "per step, from 2nd");
         for r in results {
             let Some(pages) = r.run.pages else { continue };
-            let per_step = pages.steady_per_step().map_or_else(|| "-".to_owned(), |bytes| Bytes(bytes).to_string());
+            let per_step =
+                r.run.steady_page_traffic_per_step().map_or_else(|| "-".to_owned(), |bytes| Bytes(bytes).to_string());
             let _ = writeln!(
                 w,
                 "  {:<17} {:>14} {:>14} {:>22}",

@@ -44,10 +44,10 @@ fn the_models_of_pytorchs_allocator_give_the_peaks_it_reported_on_the_gpu() {
         // Page traffic: none for one CUDA pool, no runtime under the models, and a planned step
         // phase whose every step is a new length maps and unmaps a tenth of what is live a step
         // (it gave back every free page at each growth, and mapped them again: 1.2× peak live).
-        let pages = |strategy: &str| results.iter().find(|r| r.run.strategy == strategy).unwrap().run.pages;
-        assert_eq!(pages("default-pool").unwrap().whole, Default::default(), "{name}");
-        assert_eq!(pages("torch-expandable"), None, "{name}");
-        let per_step = pages("planned").unwrap().steady_per_step().unwrap();
+        let run = |strategy: &str| &results.iter().find(|r| r.run.strategy == strategy).unwrap().run;
+        assert_eq!(run("default-pool").pages.unwrap().whole, Default::default(), "{name}");
+        assert_eq!(run("torch-expandable").pages, None, "{name}");
+        let per_step = run("planned").steady_page_traffic_per_step().unwrap();
         assert!(per_step < analysis.peak_live_bytes / 5, "{name}: {per_step} bytes a step");
     }
 }

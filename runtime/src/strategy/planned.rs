@@ -1283,10 +1283,11 @@ impl Planned {
     }
 
     /// Files `[at, at + len)` as a hole, merged with the holes it overlaps, so that no byte is
-    /// counted twice (holes that only touch stay apart: the page they share may be mapped): a range punched in several calls (a partial punch takes its
-    /// first pages, the next call more) was filed once per call, and the bytes already punched,
-    /// summed over the overlapping entries, grew with each call until one call punched the
-    /// whole range whatever it was asked for.
+    /// counted twice (holes that only touch stay apart: the page they share may be mapped). A
+    /// range punched over several calls (a partial punch takes its first pages, the next call
+    /// more) was once filed once per call, and the bytes already punched, summed over the
+    /// overlapping entries, grew with each call until one call punched the whole range whatever
+    /// it was asked for.
     fn add_hole(&mut self, at: u64, len: u64) {
         let (mut low, mut high) = (at, at + len);
         self.holes.retain(|&(hole, hole_len)| {
