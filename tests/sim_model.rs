@@ -14,7 +14,9 @@
 //!   the free complete, or the device was full and the pool allows internal dependencies;
 //! - a pool fails, or takes an internal dependency, only when the device cannot map the units a
 //!   request needs even after every idle unit on it is released;
-//! - idle units go back exactly as the release threshold and trim rules say.
+//! - idle units go back exactly as the release threshold and trim rules say, and an allocation
+//!   that maps units first moves the memory of the pool's idle units it may reuse, highest
+//!   address first, so that a pool reserves the most units that held a live byte at once.
 //!
 //! Where the placement itself is a free choice (which fitting piece), the model accepts the
 //! device's choice and checks it against these rules.
@@ -211,6 +213,27 @@ impl Model {
         let p = &self.pools[pool];
         !self.live.iter().any(|(&addr, &(owner, size))| owner == pool && overlaps(addr, size))
             && p.freed.iter().filter(|f| overlaps(f.start, f.len)).all(|f| get(&self.completed, f.stream) >= f.position)
+    }
+
+    /// The units of `pool` whose memory an allocation on `stream` (ordered after `knowledge`)
+    /// that maps units outside `touched` may move, highest address first: nothing live in
+    /// them, and every free in them one `stream` may reuse.
+    fn movable(&self, pool: usize, stream: usize, knowledge: &Clock, touched: &[u64]) -> Vec<u64> {
+        let overlaps = |base: u64, start: u64, len: u64| start < base + UNIT && base < start + len;
+        let p = &self.pools[pool];
+        let reusable = |f: &Freed| {
+            f.stream == stream
+                || get(&self.completed, f.stream) >= f.position
+                || (p.follow_events && get(knowledge, f.stream) > 0 && get(knowledge, f.stream) >= f.position)
+        };
+        p.units
+            .iter()
+            .rev()
+            .copied()
+            .filter(|base| !touched.contains(base))
+            .filter(|&base| !self.live.iter().any(|(&addr, &(owner, size))| owner == pool && overlaps(base, addr, size)))
+            .filter(|&base| p.freed.iter().filter(|f| overlaps(base, f.start, f.len)).all(reusable))
+            .collect()
     }
 
     fn release(&mut self, pool: usize, base: u64) {
@@ -423,8 +446,9 @@ impl Harness {
         let ranges = self.layout(pool).ranges;
         let m = &mut self.model;
         let size = bytes.next_multiple_of(ALIGNMENT);
-        // The most units a request can need: its size in units, plus one where it straddles.
-        let most = size.next_multiple_of(UNIT) + UNIT;
+        // The most units a request can need: its size in units, plus one where it straddles; the
+        // device maps units only while a granule stays free beside them.
+        let most = size.next_multiple_of(UNIT) + UNIT + GRANULE;
         let knowledge = m.op_clock(stream);
         let ptr: CUdeviceptr = match result {
             Ok(ptr) => ptr,
@@ -462,7 +486,14 @@ impl Harness {
                     && !(follow && get(&knowledge, f.stream) >= f.position)
             })
             .collect();
-        let new = |m: &Model| touched.iter().filter(|base| !m.pools[pool].units.contains(base)).count() as u64 * UNIT;
+        let missing = |m: &Model| touched.iter().filter(|base| !m.pools[pool].units.contains(base)).count();
+        // Idle units' memory moves to the units the request maps, as far as it goes.
+        let moved = |m: &Model| {
+            let mut movable = m.movable(pool, stream, &knowledge, &touched);
+            movable.truncate(missing(m));
+            movable
+        };
+        let new = |m: &Model| (missing(m) - moved(m).len()) as u64 * UNIT;
         // Reserved bytes shrink during an allocation only where the device released idle units
         // before mapping: for the piece it placed in, or for a first choice it could not map. The
         // model cannot know that first choice, so it takes the release as observed and checks that
@@ -485,11 +516,14 @@ impl Harness {
                 most
             );
             join(&mut clock, &m.frontier(first.stream));
-        } else if m.device_reserved() + new(m) > CAPACITY {
+        } else if new(m) > 0 && m.device_reserved() + new(m) + GRANULE > CAPACITY {
             m.release_idle_everywhere();
         }
         let grow = new(m);
-        prop_assert!(m.device_reserved() + grow <= CAPACITY, "mapped past capacity");
+        prop_assert!(grow == 0 || m.device_reserved() + grow + GRANULE <= CAPACITY, "mapped past capacity");
+        for base in moved(m) {
+            m.pools[pool].units.remove(&base);
+        }
         let p = &mut m.pools[pool];
         p.units.extend(touched.iter().copied());
         p.reserved += grow;

@@ -202,6 +202,36 @@ impl FreeSpace {
         self.by_addr.get(&addr)
     }
 
+    /// Whether `[addr, addr + len)` is free, and `stream` may reuse all of it without new
+    /// dependencies, as [`FreeSpace::best_fit`] reuses a piece.
+    pub(crate) fn covers_reusable(
+        &self,
+        addr: u64,
+        len: u64,
+        stream: Option<StreamId>,
+        knowledge: &Clock,
+        follow_events: bool,
+    ) -> bool {
+        let reusable = |piece: &Piece| match piece.readiness {
+            Readiness::Ready => true,
+            Readiness::Pending { stream: other, position } => {
+                Some(other) == stream || (follow_events && knowledge.get(other) > 0 && position <= knowledge.get(other))
+            }
+        };
+        let Some((&start, first)) = self.by_addr.range(..=addr).next_back() else { return false };
+        let mut end = start + first.len;
+        if end <= addr || !reusable(first) {
+            return false;
+        }
+        while end < addr + len {
+            match self.by_addr.get(&end) {
+                Some(piece) if reusable(piece) => end += piece.len,
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// Whether `[addr, addr + len)` lies inside one ready piece: nothing live, nothing pending.
     pub(crate) fn covers_ready(&self, addr: u64, len: u64) -> bool {
         matches!(self.by_addr.range(..=addr).next_back(),
@@ -303,6 +333,24 @@ mod tests {
         assert!(!space.covers_ready(SEG, 4096), "pending");
         space.promote(&completed);
         assert!(space.covers_ready(SEG, 4096));
+    }
+
+    #[test]
+    fn a_range_is_reusable_when_every_piece_over_it_is_free_to_the_stream() {
+        let mut space = FreeSpace::default();
+        space.insert(SEG, 1024, SEG, Readiness::Ready);
+        space.insert(SEG + 1024, 1024, SEG, pending(1, 4));
+        space.insert(SEG + 4096, 1024, SEG, pending(2, 4));
+        let none = Clock::default();
+        assert!(space.covers_reusable(SEG, 2048, Some(1), &none, true), "ready, then pending on the stream itself");
+        assert!(space.covers_reusable(SEG + 512, 1024, Some(1), &none, true), "from inside a piece");
+        assert!(!space.covers_reusable(SEG, 2048, Some(2), &none, true), "pending on a stream not ordered before");
+        assert!(!space.covers_reusable(SEG, 4096, Some(1), &none, true), "a gap: something lives there");
+        assert!(!space.covers_reusable(SEG + 4096, 1024, Some(1), &none, true));
+        let mut knowledge = Clock::default();
+        knowledge.advance(2, 4);
+        assert!(space.covers_reusable(SEG + 4096, 1024, Some(1), &knowledge, true), "ordered after the free");
+        assert!(!space.covers_reusable(SEG + 4096, 1024, Some(1), &knowledge, false), "unless events are not followed");
     }
 
     #[test]

@@ -204,6 +204,41 @@ fn a_unit_goes_back_only_when_nothing_in_it_is_live() {
 }
 
 #[test]
+fn an_idle_units_memory_moves_to_where_the_range_grows() {
+    // The H200's driver reserved, after each of 149,624 allocations of 17 traces, the most units
+    // that had held a live byte at once: a unit nothing uses is mapped where the range grows.
+    let f = driver_units();
+    let a = f.alloc(32 * MIB, f.stream);
+    let b = f.alloc(32 * MIB, f.stream);
+    f.free(a, f.stream);
+    let c = f.alloc(48 * MIB, f.stream);
+    assert_eq!(c, b + 32 * MIB, "no free piece holds it: the range grows");
+    let layout = f.layout();
+    assert_eq!(layout.reserved, 96 * MIB, "three units held a live byte at once, not four");
+    assert_eq!(layout.mapped, vec![(b, 96 * MIB)], "the first unit's addresses are free, unmapped");
+    assert_eq!(f.alloc(32 * MIB, f.stream), a, "and are the pool's still");
+    assert_eq!(f.layout().reserved, 128 * MIB);
+
+    // Memory freed on a stream the allocating one is not ordered after stays where it is.
+    let f = driver_units();
+    let a = f.alloc(32 * MIB, f.stream);
+    let b = f.alloc(32 * MIB, f.stream);
+    f.free(a, f.stream);
+    let c = f.alloc(48 * MIB, f.other);
+    assert_eq!(c, b + 32 * MIB);
+    assert_eq!(f.layout().reserved, 128 * MIB, "the free is not known complete to the other stream");
+    f.free(c, f.other);
+    f.sync(f.stream);
+    f.sync(f.other);
+    f.free(b, f.stream);
+    let d = f.alloc(96 * MIB, f.other);
+    assert_eq!(d, c);
+    let layout = f.layout();
+    assert_eq!(layout.reserved, 128 * MIB, "once complete, the first unit's memory moves for any stream");
+    assert_eq!(layout.mapped, vec![(b, 128 * MIB)], "b's unit, freed where `other` is not ordered, stays");
+}
+
+#[test]
 fn same_stream_reuses_a_free_at_once() {
     let f = Fixture::with_capacity(1 << 30);
     let a = f.alloc(MIB, f.stream);
