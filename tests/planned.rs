@@ -226,8 +226,12 @@ fn shapes_on(vmm: bool) {
         let plan = plan_of(report.pools.iter().find(|p| p.pool.phase == phase).unwrap()).clone();
         // Served from a plan when this shape, or (where slabs are pool allocations) a larger one
         // whose sizes cover it, was seen. In a growable range a new shape is served best-fit
-        // from the range's start and records its own plan.
-        let covered = batches[..index].iter().any(|&seen| if vmm { seen == batch } else { seen >= batch });
+        // from the range's start and records its own plan, unless two other shapes of its
+        // sequence were seen: then from the plan they predict for it (every size here follows the
+        // batch).
+        let seen = &batches[..index];
+        let predicted = vmm && seen.iter().any(|&other| other != seen[0]);
+        let covered = predicted || seen.iter().any(|&seen| if vmm { seen == batch } else { seen >= batch });
         assert_eq!(plan.planned == 19, covered, "step {index} (batch {batch}): {plan:?}");
         assert_eq!(plan.deviations, 0, "a new first size is a new signature, not a deviation");
         if vmm {
@@ -368,7 +372,9 @@ fn a_new_shape_is_served_from_a_larger_plan_or_else_from_the_slab_free_space_on(
     }
     let slab_small = plan.slab_bytes;
     // Another order of sizes, larger first but smaller in all: no plan covers its first size,
-    // so it is served best-fit from the slab's free space.
+    // so it is served best-fit from the slab's free space. (In a growable range the two plans of
+    // the model's sequence predict one from its first size; the scope leaves it at its second
+    // allocation, far smaller than predicted.)
     let step = rt.begin_step().unwrap();
     let big = step.alloc(phase, 40 * KIB, &stream).unwrap();
     let small = step.alloc(phase, 4 * KIB, &stream).unwrap();
@@ -376,10 +382,17 @@ fn a_new_shape_is_served_from_a_larger_plan_or_else_from_the_slab_free_space_on(
     let report = step.end().unwrap();
     let stats = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
     let plan = plan_of(stats);
-    assert_eq!((plan.planned, plan.unplanned), (0, 2));
-    // (A growable range holds what the scope before left mapped, or the page the scope maps.)
-    let slab = if vmm { slab_small.max(GRANULE) } else { slab_small };
-    assert_eq!(stats.peak_reserved, slab.next_multiple_of(2 * MIB), "nothing came from the pool");
+    let expected = if vmm { (1, 1, 1) } else { (0, 2, 0) };
+    assert_eq!((plan.planned, plan.unplanned, plan.deviations), expected);
+    if vmm {
+        // Its first allocation went where the prediction (the batch-8 plan's sizes, 5/3 as large)
+        // puts it, and the range mapped the pages up to there: the price of a prediction the
+        // scope leaves at once, at most the prediction's pages.
+        let predicted = (larger * 5 / 3 + 2 * MIB).next_multiple_of(2 * MIB);
+        assert!(stats.peak_reserved > slab_small && stats.peak_reserved <= predicted, "{stats:?}");
+    } else {
+        assert_eq!(stats.peak_reserved, slab_small.next_multiple_of(2 * MIB), "nothing came from the pool");
+    }
 }
 
 #[test]
