@@ -231,7 +231,9 @@ impl Model {
             .rev()
             .copied()
             .filter(|base| !touched.contains(base))
-            .filter(|&base| !self.live.iter().any(|(&addr, &(owner, size))| owner == pool && overlaps(base, addr, size)))
+            .filter(|&base| {
+                !self.live.iter().any(|(&addr, &(owner, size))| owner == pool && overlaps(base, addr, size))
+            })
             .filter(|&base| p.freed.iter().filter(|f| overlaps(base, f.start, f.len)).all(reusable))
             .collect()
     }
