@@ -59,12 +59,20 @@
 //! The model before calibration, a segment per growth ([`SimConfig::pool_unit`] `None`,
 //! `STEPPOOL_SIM_POOL_UNIT=segments`, `steppool replay --pool-unit segments`), was 0.61 to 1.26
 //! times the driver's for one pool and 0.64 to 2.0 for phase pools; it stays for comparison
-//! and for worked examples in granules.
+//! and for worked examples in granules. On 47 traces up to 33 GiB live, since idle units' memory
+//! moves as below, one pool's peak equals the driver's on 20 (0.80 to 2.0 times it on the rest)
+//! and phase pools' on 29 (0.80 to 1.13;
+//! `benches/results/2026-11-28-unit-moves-predicted-plans-simulated.md`).
 //!
 //! - **Reservations.** A pool is one address range (a second only for a request that fits in no
 //!   free piece of the first) and maps memory into it in units of [`SimConfig::pool_unit`],
 //!   aligned to the range's base: an allocation maps the units it overlaps that are not mapped
-//!   yet, and a unit goes back only when nothing in it is live. A unit is mapped whole or not at
+//!   yet, and a unit goes back only when nothing in it is live. An allocation that must map units
+//!   first takes the memory of the pool's idle units (nothing live, every free in them one its
+//!   stream may reuse), highest address first, whose addresses stay free and unmapped: so a pool
+//!   reserves the most units that held a live byte at once, which is what the H200's driver
+//!   reserved after each of 149,624 allocations of 17 traces
+//!   (`benches/results/2026-11-27-h200-placement.jsonl.gz`). A unit is mapped whole or not at
 //!   all, and only while one granule stays free beside it: the H200's driver, asked by
 //!   `pool-probe` with its memory filled by `cuMemAlloc`, refused a 1 MiB request needing a new
 //!   unit with 33.1 MiB free and granted it with 35.1 MiB free
