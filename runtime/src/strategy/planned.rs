@@ -291,6 +291,7 @@
 //! did not serve in full (a recording, a new shape, a deviation) pays these waits.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, PoisonError};
 
 use steppool_sys::CUdeviceptr;
@@ -904,16 +905,26 @@ impl Planned {
         let usable = |plan: &Plan| {
             !plan.predicted && !plan.varies && matches!(plan.key, PlanKey::Sizes(_)) && !plan.sizes.is_empty()
         };
-        let same_sequence = |a: &Plan, b: &Plan| a.starts == b.starts && a.ends == b.ends;
-        // The plan nearest in first size, and another of its sequence at another first size.
-        let (from, other) = self
+        // Each plan's sequence fingerprinted once, so that finding another plan of a sequence is
+        // one pass over the plans, however many are kept.
+        let fingerprints: Vec<u64> = self
             .plans
             .iter()
-            .filter(|plan| usable(plan) && plan.sizes[0] != first)
-            .filter_map(|plan| {
-                let other = self
-                    .plans
-                    .iter()
+            .map(|plan| {
+                let mut hasher = DefaultHasher::new();
+                (&plan.starts, &plan.ends).hash(&mut hasher);
+                hasher.finish()
+            })
+            .collect();
+        let same_sequence = |a: &Plan, b: &Plan| a.starts == b.starts && a.ends == b.ends;
+        // The plan nearest in first size, and another of its sequence at another first size.
+        let (from, other) = (0..self.plans.len())
+            .filter(|&p| usable(&self.plans[p]) && self.plans[p].sizes[0] != first)
+            .filter_map(|p| {
+                let plan = &self.plans[p];
+                let other = (0..self.plans.len())
+                    .filter(|&o| fingerprints[o] == fingerprints[p])
+                    .map(|o| &self.plans[o])
                     .filter(|other| usable(other) && other.sizes[0] != plan.sizes[0] && same_sequence(plan, other))
                     .max_by_key(|other| other.last_used)?;
                 Some((plan, other))
@@ -2153,6 +2164,7 @@ impl Allocator for Planned {
     }
 
     fn release_all(&mut self, source: &mut dyn Source) -> Result<()> {
+        self.drop_predicted_plan();
         self.hold_freed(source, false);
         self.pooled.clear();
         let mut outcome = self.fallback.release_all(source);
