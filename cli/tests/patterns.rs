@@ -174,7 +174,7 @@ fn every_recorded_trace_reads_as_its_manifest_says() {
         let records =
             trace.events.iter().filter(|e| matches!(e.kind, EventKind::Alloc | EventKind::Free { .. })).count();
         assert_eq!(records as u64, entry["events"].as_u64().unwrap(), "{file}");
-        assert!(analysis.peak_live_bytes > 40 * MIB, "{file}: tens of MiB live at least");
+        assert!(analysis.peak_live_bytes > 20 * MIB, "{file}: tens of MiB live at least");
     }
 }
 
@@ -207,12 +207,15 @@ fn the_recorded_loop_variants_meet_the_targets_under_the_planned_strategy() {
     // found 1008 steps of the 8. SGD under gradient accumulation: the first step makes the
     // momentum where later steps allocate more, so the second step runs past the first one's plan;
     // laid out in allocation order for the third step, that plan held 202 MiB (1.082x), above
-    // PyTorch's 200 MiB.
+    // PyTorch's 200 MiB. A ResNet under fp16 and Adafactor whose largest batch comes first at
+    // step 5, after three smaller batches of one sequence: served best-fit from the range's start
+    // it held 36 MiB (1.293x, steady 1.268x the limit); from the plan its sequence predicts, 30.
     let manifest = manifest();
     for (file, fixed, planned_mib) in [
         ("bert_static_zero_grad_first.csv", true, 280),
         ("gpt2_varlen_grads_kept.csv", false, 504),
         ("llama_accum_sgd.jsonl", true, 188),
+        ("resnet_varbatch_s41.csv", false, 30),
     ] {
         let (name, _) = file.split_once('.').unwrap();
         let steps = manifest[name]["steps"].as_u64().unwrap();
