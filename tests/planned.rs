@@ -522,6 +522,9 @@ enum Deviation {
 #[derive(Clone, Debug)]
 struct StepPlan {
     shape: usize,
+    /// Every allocation of the base program this many times as large (a batch that varies: after
+    /// two scales of one sequence, a third is served from the plan they predict).
+    scale: u64,
     key: Option<u64>,
     deviations: Vec<Deviation>,
     micro: bool,
@@ -551,11 +554,12 @@ fn deviation() -> impl Strategy<Value = Deviation> {
 fn step_plan(shapes: usize) -> impl Strategy<Value = StepPlan> {
     (
         0..shapes,
+        prop_oneof![2 => Just(1u64), 1 => 2..4u64],
         prop_oneof![3 => Just(None), 1 => (0..3u64).prop_map(Some)],
         prop_oneof![2 => Just(vec![]), 1 => prop::collection::vec(deviation(), 1..4)],
         prop_oneof![3 => Just(false), 1 => Just(true)],
     )
-        .prop_map(|(shape, key, deviations, micro)| StepPlan { shape, key, deviations, micro })
+        .prop_map(|(shape, scale, key, deviations, micro)| StepPlan { shape, scale, key, deviations, micro })
 }
 
 /// The allocations the harness holds in the planned phases: `(phase index, size)` by pointer.
@@ -757,7 +761,14 @@ proptest! {
         let mut h = Harness::new(3, signature_len, vmm);
         let shapes: Vec<Vec<Base>> = shapes;
         for step in &steps {
-            let shape = &shapes[step.shape % shapes.len()];
+            let shape: Vec<Base> = shapes[step.shape % shapes.len()]
+                .iter()
+                .map(|op| match *op {
+                    Base::Alloc(size) => Base::Alloc(size * step.scale),
+                    free => free,
+                })
+                .collect();
+            let shape = &shape;
             h.rt.set_plan_key(h.phases[0], step.key).unwrap();
             h.rt.set_plan_key(h.phases[1], step.key).unwrap();
             h.rt.raw().begin_step().unwrap();

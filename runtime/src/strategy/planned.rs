@@ -933,10 +933,10 @@ impl Planned {
                 let (small, large) = (plan.sizes[0].min(first), plan.sizes[0].max(first));
                 (u128::from(large) << 32) / u128::from(small)
             })?;
-        let exponents = size_exponents(&from.sizes, &other.sizes)?;
-        if exponents[0] != 1 {
-            return None;
-        }
+        let mut exponents = size_exponents(&from.sizes, &other.sizes)?;
+        // The ratio is the first sizes': the first entry follows it in proportion, whatever else
+        // a first size of a few hundred bytes also agrees with.
+        exponents[0] = 1;
         let ratio = first as f64 / from.sizes[0] as f64;
         if !(1.0 / MAX_SCALE..=MAX_SCALE).contains(&ratio) {
             return None;
@@ -2905,6 +2905,20 @@ mod tests {
         run_ops(&mut planned, &mut source, &batch(4));
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned), (3, 0));
+    }
+
+    #[test]
+    fn a_first_size_of_a_few_hundred_bytes_still_sets_the_ratio() {
+        // 512 B then 1 KiB first: a size that small agrees with the square of the ratio too, but
+        // the ratio is the first sizes' own.
+        let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
+        let tiny =
+            |k: u64| [Op::Alloc(512 * k), Op::Alloc(2 * k * MIB), Op::Alloc(MIB), Op::Free(1), Op::Alloc(3 * k * MIB)];
+        run_ops(&mut planned, &mut source, &tiny(1));
+        run_ops(&mut planned, &mut source, &tiny(2));
+        run_ops(&mut planned, &mut source, &tiny(4));
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (4, 0, 0), "served from the prediction");
     }
 
     #[test]
