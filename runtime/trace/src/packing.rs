@@ -100,21 +100,39 @@ fn compress(blocks: &[Block]) -> Vec<Block> {
 /// over time (a segment tree of lifetimes and a map of starts), so its cost grows with the number of pairs of blocks alive together, not with
 /// the square of the number of blocks: whole traces of a million allocations pack in seconds.
 pub fn pack(blocks: &[Block]) -> Packing {
-    let lifetime = |b: &Block| u64::from(b.end.min(u32::MAX - 1).saturating_sub(b.start));
-    let mut best = greedy_by_size(blocks);
-    let ranked = compress(blocks);
-    let mut try_order = |key: &dyn Fn(&Block) -> (u64, u64)| {
-        let mut order: Vec<usize> = (0..blocks.len()).collect();
-        order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
-        let packing = place_in_order(&ranked, &order);
-        if packing.size < best.size {
-            best = packing;
+    let all: Vec<usize> = (0..blocks.len()).collect();
+    let ordered = best_ordering(blocks, &compress(blocks), &[], &all);
+    let greedy = greedy_by_size(blocks);
+    if ordered.size < greedy.size { ordered } else { greedy }
+}
+
+/// How long a block lives, in positions (to the end of the sequence if it is never freed).
+fn lifetime(block: &Block) -> u64 {
+    u64::from(block.end.min(u32::MAX - 1).saturating_sub(block.start))
+}
+
+/// A key blocks are sorted by to be placed, largest first.
+type OrderKey = fn(&Block) -> (u64, u64);
+
+/// The orderings [`pack`] tries, each a key the blocks are sorted by, largest first: size (ties:
+/// longer-lived first), area (size × lifetime), lifetime.
+const ORDERINGS: [OrderKey; 3] =
+    [|b| (b.size, lifetime(b)), |b| (b.size.saturating_mul(lifetime(b)), b.size), |b| (lifetime(b), b.size)];
+
+/// The smallest of the packings that place `first` in its order, then `rest` in each of the
+/// [`ORDERINGS`] (ties: earlier allocations first); the earliest ordering on ties.
+fn best_ordering(blocks: &[Block], ranked: &[Block], first: &[usize], rest: &[usize]) -> Packing {
+    let mut best: Option<Packing> = None;
+    for key in ORDERINGS {
+        let mut tail = rest.to_vec();
+        tail.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
+        let order: Vec<usize> = first.iter().copied().chain(tail).collect();
+        let packing = place_in_order(ranked, &order);
+        if best.as_ref().is_none_or(|best| packing.size < best.size) {
+            best = Some(packing);
         }
-    };
-    try_order(&|b| (b.size, lifetime(b)));
-    try_order(&|b| (b.size.saturating_mul(lifetime(b)), b.size));
-    try_order(&|b| (lifetime(b), b.size));
-    best
+    }
+    best.expect("three orderings")
 }
 
 /// The layout an online best fit makes: each block in allocation order (by start) at the start
@@ -127,6 +145,17 @@ pub fn best_fit_in_order(blocks: &[Block]) -> Packing {
     let mut order: Vec<usize> = (0..blocks.len()).collect();
     order.sort_by_key(|&b| blocks[b].start);
     place_in_order(&compress(blocks), &order)
+}
+
+/// [`pack`] with the first `prefix` blocks by start laid out first, as [`best_fit_in_order`] lays
+/// them out: a scope served from it that leaves it within those blocks has what is live where
+/// best fit would have put it, and the rest is packed around them (the best of [`pack`]'s
+/// orderings for the rest).
+pub fn pack_after_prefix(blocks: &[Block], prefix: usize) -> Packing {
+    let mut by_start: Vec<usize> = (0..blocks.len()).collect();
+    by_start.sort_by_key(|&b| blocks[b].start);
+    let (first, rest) = by_start.split_at(prefix.min(blocks.len()));
+    best_ordering(blocks, &compress(blocks), first, rest)
 }
 
 /// The blocks placed so far, found by time: those alive at a position (a stabbing query on a
@@ -659,6 +688,23 @@ mod tests {
         for n in 1..blocks.len() {
             assert_eq!(best_fit_in_order(&blocks[..n]).offsets, in_order.offsets[..n]);
         }
+    }
+
+    #[test]
+    fn a_prefix_in_allocation_order_then_the_rest_packed_around_it() {
+        // As above: in order D goes on top (8 KiB), packed it goes first (6 KiB). With the first
+        // two blocks in order, A and B keep their in-order places and the rest is packed around
+        // them: D fits beside A once B is freed.
+        let blocks = [block(2048, 0, 20), block(2048, 1, 3), block(1024, 2, 20), block(3072, 4, 20)];
+        let in_order = best_fit_in_order(&blocks);
+        for prefix in 0..=blocks.len() {
+            let packing = pack_after_prefix(&blocks, prefix);
+            assert!(is_valid(&blocks, &packing), "prefix {prefix}");
+            assert_eq!(packing.offsets[..prefix], in_order.offsets[..prefix], "prefix {prefix}");
+            assert!(packing.size <= in_order.size && packing.size >= pack(&blocks).size, "prefix {prefix}");
+        }
+        assert_eq!(pack_after_prefix(&blocks, 2).size, 6144);
+        assert_eq!(pack_after_prefix(&blocks, 4), in_order);
     }
 
     /// The placement as first written: every placed block scanned for each new one. The index
