@@ -22,6 +22,18 @@ pub(crate) enum Readiness {
 }
 
 impl Readiness {
+    /// Whether `stream` may reuse a piece of this readiness without new dependencies: it is
+    /// ready, pending on `stream` itself, or (with `follow_events`) pending on another stream at a
+    /// position `knowledge` already orders `stream` after.
+    fn reusable_by(self, stream: Option<StreamId>, knowledge: &Clock, follow_events: bool) -> bool {
+        match self {
+            Readiness::Ready => true,
+            Readiness::Pending { stream: other, position } => {
+                Some(other) == stream || (follow_events && knowledge.get(other) > 0 && position <= knowledge.get(other))
+            }
+        }
+    }
+
     /// The readiness of two adjacent pieces merged into one, if they may merge.
     fn merge(self, other: Readiness) -> Option<Readiness> {
         match (self, other) {
@@ -164,11 +176,8 @@ impl FreeSpace {
             let candidate = if Some(other) == stream {
                 set.range((len, 0)..).copied().find(|&(_, addr)| accept(addr))
             } else if follow_events && knowledge.get(other) > 0 {
-                let known = knowledge.get(other);
                 set.range((len, 0)..).copied().find(|&(_, addr)| {
-                    matches!(self.by_addr[&addr].readiness,
-                        Readiness::Pending { position, .. } if position <= known)
-                        && accept(addr)
+                    self.by_addr[&addr].readiness.reusable_by(stream, knowledge, follow_events) && accept(addr)
                 })
             } else {
                 None
@@ -212,12 +221,7 @@ impl FreeSpace {
         knowledge: &Clock,
         follow_events: bool,
     ) -> bool {
-        let reusable = |piece: &Piece| match piece.readiness {
-            Readiness::Ready => true,
-            Readiness::Pending { stream: other, position } => {
-                Some(other) == stream || (follow_events && knowledge.get(other) > 0 && position <= knowledge.get(other))
-            }
-        };
+        let reusable = |piece: &Piece| piece.readiness.reusable_by(stream, knowledge, follow_events);
         let Some((&start, first)) = self.by_addr.range(..=addr).next_back() else { return false };
         let mut end = start + first.len;
         if end <= addr || !reusable(first) {
