@@ -273,6 +273,27 @@ fn a_buffer_used_on_another_stream_is_freed_after_that_stream() {
     assert_eq!(sim.is_ordered_after(owner.raw(), reader.raw()), Some(false), "without record_use, no wait");
 }
 
+#[test]
+fn a_buffer_freed_explicitly_is_freed_once() {
+    let rt = simulated_runtime(GIB);
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let kept = rt.alloc(Phase::WEIGHTS, MIB, &stream).unwrap();
+    let freed = rt.alloc(Phase::WEIGHTS, 2 * MIB, &stream).unwrap();
+    assert_eq!(stats_of(&rt, Phase::WEIGHTS, &stream).used, 3 * MIB);
+    freed.free().unwrap();
+    assert_eq!(stats_of(&rt, Phase::WEIGHTS, &stream).used, MIB, "its bytes went back, no more");
+    drop(kept);
+    assert_eq!(stats_of(&rt, Phase::WEIGHTS, &stream).used, 0);
+    assert!(rt.take_errors().is_empty(), "no second free when the freed buffer went out of scope");
+
+    let step = rt.begin_step().unwrap();
+    let buffer = step.alloc(Phase::ACTIVATIONS, 4 * MIB, &stream).unwrap();
+    buffer.free().unwrap();
+    assert_eq!(stats_of(&rt, Phase::ACTIVATIONS, &stream).used, 0);
+    step.end().unwrap();
+    assert!(rt.take_errors().is_empty());
+}
+
 // ----- steps ---------------------------------------------------------------------------------------
 
 #[test]

@@ -25,10 +25,13 @@ pub struct Buffer<'a> {
     ptr: CUdeviceptr,
     /// Where the pool's strategy filed it ([`Served::slot`]), for its free.
     slot: u32,
+    /// Its size as requested; 0 once [`Buffer::free`] has freed it (no buffer is empty).
     bytes: u64,
     pool: PoolRef<'a>,
-    uses: Vec<Arc<StreamCore>>,
-    freed: bool,
+    /// The other streams recorded with [`Buffer::record_use`]; behind one thin pointer, since few
+    /// buffers have any, so that the buffer every allocation returns stays small.
+    #[allow(clippy::box_collection, reason = "a thin pointer where a vector is three words")]
+    uses: Option<Box<Vec<Arc<StreamCore>>>>,
     _scope: PhantomData<&'a ()>,
 }
 
@@ -68,7 +71,12 @@ impl Deref for PoolRef<'_> {
 
 impl<'a> Buffer<'a> {
     pub(crate) fn new(served: Served, bytes: u64, pool: PoolRef<'a>) -> Self {
-        Self { ptr: served.ptr, slot: served.slot, bytes, pool, uses: Vec::new(), freed: false, _scope: PhantomData }
+        Self { ptr: served.ptr, slot: served.slot, bytes, pool, uses: None, _scope: PhantomData }
+    }
+
+    /// The other streams recorded as using it.
+    fn uses(&self) -> &[Arc<StreamCore>] {
+        self.uses.as_deref().map_or(&[], Vec::as_slice)
     }
 
     /// The allocation as the pool's strategy handed it out.
@@ -111,8 +119,8 @@ impl<'a> Buffer<'a> {
     /// PyTorch's `record_stream`.
     pub fn record_use(&mut self, stream: &Stream) {
         let core = &stream.core;
-        if core.id != self.pool.stream.id && !self.uses.iter().any(|used| used.id == core.id) {
-            self.uses.push(core.clone());
+        if core.id != self.pool.stream.id && !self.uses().iter().any(|used| used.id == core.id) {
+            self.uses.get_or_insert_default().push(core.clone());
             self.pool.lock().note_use(core);
         }
     }
@@ -129,15 +137,15 @@ impl<'a> Buffer<'a> {
     /// Frees the buffer now, returning an error instead of keeping it for
     /// [`Runtime::take_errors`](crate::Runtime::take_errors).
     pub fn free(mut self) -> Result<()> {
-        self.freed = true;
-        self.pool.lock().free(self.served(), self.bytes, &self.uses)
+        let bytes = std::mem::replace(&mut self.bytes, 0);
+        self.pool.lock().free(self.served(), bytes, self.uses())
     }
 }
 
 impl Drop for Buffer<'_> {
     fn drop(&mut self) {
-        if !self.freed {
-            self.pool.free_or_record(self.served(), self.bytes, &self.uses);
+        if self.bytes != 0 {
+            self.pool.free_or_record(self.served(), self.bytes, self.uses());
         }
     }
 }

@@ -465,6 +465,7 @@ impl ErrorSink {
     }
 
     /// Remembers `error` if it is the first sticky one.
+    #[cold]
     pub(crate) fn observe(&self, error: &Error) {
         if let Error::Driver(driver) = error
             && driver.is_sticky()
@@ -474,6 +475,7 @@ impl ErrorSink {
     }
 
     /// Passes `result` through, remembering a sticky error in it.
+    #[inline]
     pub(crate) fn watch<T>(&self, result: Result<T>) -> Result<T> {
         if let Err(error) = &result {
             self.observe(error);
@@ -490,11 +492,18 @@ impl ErrorSink {
     }
 
     /// The sticky error, once one was seen: every operation returns it.
+    #[inline]
     pub(crate) fn check(&self) -> Result<()> {
         match self.sticky.get() {
-            Some(error) => Err(Error::Driver(error.clone())),
+            Some(error) => Err(Self::sticky_error(error)),
             None => Ok(()),
         }
+    }
+
+    /// The error [`ErrorSink::check`] returns, built off the path of every operation.
+    #[cold]
+    fn sticky_error(error: &DriverError) -> Error {
+        Error::Driver(error.clone())
     }
 }
 

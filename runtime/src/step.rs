@@ -49,7 +49,7 @@ impl Step {
 
     /// Allocates `bytes` of a step-scoped phase on `stream`. The buffer borrows the step; freed
     /// in stream order on drop, and reusable within the step.
-    #[inline]
+    #[inline(always)]
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
         let (pool, served) = self.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::Step)?;
         Ok(Buffer::new(served, bytes, self.borrow_pool(pool)))
@@ -123,7 +123,7 @@ impl<'s> MicroStep<'s> {
 
     /// Allocates `bytes` of a micro-step-scoped (or step-scoped) phase on `stream`. The buffer
     /// borrows the micro-step.
-    #[inline]
+    #[inline(always)]
     pub fn alloc(&self, phase: Phase, bytes: u64, stream: &Stream) -> Result<Buffer<'_>> {
         let (pool, served) =
             self.step.runtime.allocate(phase, bytes, &stream.core, &stream.pools, Caller::MicroStep)?;

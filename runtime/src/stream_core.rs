@@ -110,6 +110,7 @@ impl StreamCore {
     }
 
     /// [`StreamCore::capture`], asking the driver.
+    #[cold]
     fn ask_capture(&self) -> Result<Option<(u64, bool)>> {
         self.prepare()?;
         let driver = &self.device.driver;
@@ -127,6 +128,7 @@ impl StreamCore {
 
     /// Ends a capture the runtime cannot serve and destroys its graph, so that the stream is
     /// usable again; returns the error that says so.
+    #[cold]
     pub(crate) fn end_capture(&self, operation: &'static str, id: u64, invalidated: bool) -> Error {
         let driver = &self.device.driver;
         // SAFETY: this stream is live while its core is.
@@ -144,6 +146,7 @@ impl StreamCore {
 
     /// Fails with a [`CaptureError`], ending the capture, when the stream is capturing; with the
     /// driver's error when it cannot tell.
+    #[inline]
     pub(crate) fn refuse_capture(&self, operation: &'static str) -> Result<()> {
         match self.capture()? {
             None => Ok(()),

@@ -418,58 +418,90 @@ enum Placed {
 
 /// The live allocations in the slab, filed by their index among the scope's allocations, which
 /// is the slot handed out with each ([`Served::slot`]): a free finds its record by that index,
-/// with no lookup by address, and the live ones are also listed densely for the scans that visit
-/// them all (a range checked clear, a scope going online, the free space).
+/// with no lookup by address, and a bit per index says which are live, for the scans that visit
+/// them all (a range checked clear, a scope going online, the free space) at a word per 64
+/// allocations. Filing and taking out one is a store and a bit flipped.
 #[derive(Debug, Default)]
 struct SlabLive {
-    /// Per index: the record and its place in `dense`, while it lives in the slab.
-    by_index: Vec<Option<(SlabAllocation, u32)>>,
-    /// The indices of the live ones, in no order.
-    dense: Vec<u32>,
+    /// Per index: the record, meaningful while the index's bit in `live` is set.
+    by_index: Vec<SlabAllocation>,
+    /// A bit per index, set while the allocation lives in the slab.
+    live: Vec<u64>,
+    /// How many bits of `live` are set.
+    count: usize,
 }
 
 impl SlabLive {
+    #[inline]
     fn insert(&mut self, allocation: SlabAllocation) {
         let index = allocation.index as usize;
         if self.by_index.len() <= index {
-            self.by_index.resize(index + 1, None);
+            self.grow(index);
         }
-        debug_assert!(self.by_index[index].is_none(), "allocation {index} filed twice");
-        self.by_index[index] = Some((allocation, self.dense.len() as u32));
-        self.dense.push(allocation.index);
+        let (word, bit) = (index / 64, 1u64 << (index % 64));
+        debug_assert!(self.live[word] & bit == 0, "allocation {index} filed twice");
+        self.by_index[index] = allocation;
+        self.live[word] |= bit;
+        self.count += 1;
+    }
+
+    /// Room for index `index`, with some to spare.
+    #[cold]
+    fn grow(&mut self, index: usize) {
+        let len = (index + 1).next_power_of_two().max(64);
+        self.by_index.resize(len, SlabAllocation { ptr: 0, index: 0, entry: FOREIGN, size: 0 });
+        self.live.resize(len.div_ceil(64), 0);
     }
 
     /// Takes out the allocation at `ptr` filed under `slot`, if it is there.
     #[inline]
     fn remove(&mut self, slot: u32, ptr: CUdeviceptr) -> Option<SlabAllocation> {
-        let record = self.by_index.get_mut(slot as usize)?;
-        let (allocation, place) = (*record).filter(|(allocation, _)| allocation.ptr == ptr)?;
-        *record = None;
-        self.dense.swap_remove(place as usize);
-        if let Some(&moved) = self.dense.get(place as usize) {
-            let moved = self.by_index[moved as usize].as_mut().expect("a listed allocation is filed");
-            moved.1 = place;
+        let index = slot as usize;
+        let (word, bit) = (index / 64, 1u64 << (index % 64));
+        let allocation = *self.by_index.get(index)?;
+        if self.live[word] & bit == 0 || allocation.ptr != ptr {
+            return None;
         }
+        self.live[word] &= !bit;
+        self.count -= 1;
         Some(allocation)
     }
 
+    /// The indices of the live ones, in order.
+    fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.live.iter().enumerate().flat_map(|(word, &bits)| {
+            let mut bits = bits;
+            std::iter::from_fn(move || {
+                (bits != 0).then(|| {
+                    let bit = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    word * 64 + bit
+                })
+            })
+        })
+    }
+
     fn iter(&self) -> impl Iterator<Item = &SlabAllocation> {
-        self.dense.iter().map(|&index| &self.by_index[index as usize].as_ref().expect("a listed allocation is filed").0)
+        self.indices().map(|index| &self.by_index[index])
     }
 
     fn for_each_mut(&mut self, mut visit: impl FnMut(&mut SlabAllocation)) {
-        for &index in &self.dense {
-            visit(&mut self.by_index[index as usize].as_mut().expect("a listed allocation is filed").0);
+        for (word, &bits) in self.live.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                visit(&mut self.by_index[word * 64 + bits.trailing_zeros() as usize]);
+                bits &= bits - 1;
+            }
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.dense.is_empty()
+        self.count == 0
     }
 
     fn clear(&mut self) {
-        self.by_index.clear();
-        self.dense.clear();
+        self.live.fill(0);
+        self.count = 0;
     }
 }
 
@@ -1001,6 +1033,7 @@ impl Planned {
     }
 
     /// Where the plan puts the next allocation of `size` (aligned), if it may serve it.
+    #[inline]
     fn next_planned(&mut self, size: u64) -> Option<Placed> {
         let index = self.plan?;
         let entry = self.cursor;
@@ -1049,6 +1082,7 @@ impl Planned {
 
     /// Moves the entries the recording had freed before entry `entry` was allocated, and that
     /// are still live, to the late list.
+    #[inline]
     fn pass_ends(&mut self, index: usize, entry: usize) {
         let plan = &self.plans[index];
         let start = plan.starts[entry];
@@ -1084,6 +1118,7 @@ impl Planned {
     /// Entry `entry` of plan `index` for an allocation of `size`, if its range is clear: `grown`
     /// when the allocation is larger than the entry (the range was checked against every live
     /// allocation, and goes on the late list, so no later entry is handed out over it).
+    #[inline]
     fn hand_out(&mut self, index: usize, entry: usize, size: u64, grown: bool) -> Option<Placed> {
         self.cursor = entry + 1;
         self.pass_ends(index, entry);
@@ -1602,7 +1637,9 @@ impl Planned {
                 self.go_online(slab);
             }
         }
-        if let Some(ptr) = self.serve_online(source, size)? {
+        if self.online.is_some()
+            && let Some(ptr) = self.serve_online(source, size)?
+        {
             self.counters.unplanned += 1;
             return Ok(ptr);
         }
@@ -2284,7 +2321,7 @@ mod tests {
     }
 
     #[test]
-    fn the_live_slab_allocations_are_found_by_their_slot_and_listed_densely() {
+    fn the_live_slab_allocations_are_found_by_their_slot_and_listed() {
         let record = |index: u32, ptr: CUdeviceptr| SlabAllocation { ptr, index, entry: FOREIGN, size: 512 };
         let mut live = SlabLive::default();
         for (index, ptr) in [(0, 0x1000), (1, 0x2000), (3, 0x4000)] {
@@ -2292,18 +2329,28 @@ mod tests {
         }
         assert!(live.remove(1, 0x9000).is_none(), "a slot names an allocation only with its address");
         assert!(live.remove(2, 0x3000).is_none(), "nothing filed at slot 2");
-        assert!(live.remove(7, 0x1000).is_none(), "a slot past the table");
+        assert!(live.remove(700, 0x1000).is_none(), "a slot past the table");
         assert_eq!(live.remove(0, 0x1000).map(|a| a.index), Some(0));
         assert!(live.remove(0, 0x1000).is_none(), "freed once");
-        let mut listed: Vec<_> = live.iter().map(|a| (a.index, a.ptr)).collect();
-        listed.sort_unstable();
-        assert_eq!(listed, [(1, 0x2000), (3, 0x4000)], "the last one moved into the freed place");
-        assert_eq!(live.remove(3, 0x4000).map(|a| a.index), Some(3), "found after it moved");
-        assert_eq!(live.remove(1, 0x2000).map(|a| a.index), Some(1));
-        assert!(live.is_empty());
+        let listed: Vec<_> = live.iter().map(|a| (a.index, a.ptr)).collect();
+        assert_eq!(listed, [(1, 0x2000), (3, 0x4000)], "the live ones, by index");
+        // Past the first word of live bits, and across words.
+        for index in [63, 64, 130, 200] {
+            live.insert(record(index, 0x10_0000 + u64::from(index)));
+        }
+        assert_eq!(live.iter().map(|a| a.index).collect::<Vec<_>>(), [1, 3, 63, 64, 130, 200]);
+        live.for_each_mut(|allocation| allocation.entry = allocation.index);
+        assert!(live.iter().all(|a| a.entry == a.index), "every live one visited, mutably");
+        assert_eq!(live.remove(64, 0x10_0040).map(|a| a.index), Some(64));
+        assert_eq!(live.iter().map(|a| a.index).collect::<Vec<_>>(), [1, 3, 63, 130, 200]);
+        for (index, ptr) in [(3, 0x4000), (1, 0x2000), (63, 0x10_003f), (130, 0x10_0082), (200, 0x10_00c8)] {
+            assert_eq!(live.remove(index, ptr).map(|a| a.index), Some(index));
+        }
+        assert!(live.is_empty() && live.iter().next().is_none());
         live.insert(record(0, 0x1000));
         live.clear();
         assert!(live.is_empty() && live.remove(0, 0x1000).is_none(), "a new scope files from nothing");
+        assert!(live.iter().next().is_none());
     }
 
     /// One scope of a transformer-like shape: `a` and `b` overlap, `c` reuses `a`'s place.
