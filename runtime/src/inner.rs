@@ -159,30 +159,39 @@ impl RuntimeInner {
         }
         let raw = caller == Caller::Raw;
         match self.try_allocate(pool, bytes, raw) {
-            Err(Error::Driver(error)) if error.is_out_of_memory() => {
-                self.trim_device(pool.device_ordinal())?;
-                match self.try_allocate(pool, bytes, raw) {
-                    Ok(ptr) => {
-                        self.hub.oom_recoveries.fetch_add(1, Ordering::Relaxed);
-                        pool.lock().note_oom(true);
-                        Ok((pool, ptr))
-                    }
-                    Err(Error::Driver(error)) if error.is_out_of_memory() => {
-                        pool.lock().note_oom(false);
-                        let report = self.oom_report(pool, bytes)?;
-                        let device_free = report.device_free;
-                        self.hub.recorder.record(EventKind::Oom { pool: pool.id(), bytes, device_free });
-                        Err(Error::OutOfMemory(Box::new(report)))
-                    }
-                    Err(other) => Err(other),
-                }
-            }
             Ok(ptr) => Ok((pool, ptr)),
+            Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                self.recover(pool, bytes, raw).map(|ptr| (pool, ptr))
+            }
             Err(other) => Err(other),
         }
     }
 
-    #[inline]
+    /// [`RuntimeInner::allocate`] after the pool ran out of memory: the device's pools give
+    /// back what they can and the allocation is tried once more. Kept off the path of every
+    /// allocation, so that the first try is inlined into it.
+    #[cold]
+    #[inline(never)]
+    fn recover(&self, pool: &Arc<PhasePool>, bytes: u64, raw: bool) -> Result<Served> {
+        self.trim_device(pool.device_ordinal())?;
+        match self.try_allocate(pool, bytes, raw) {
+            Ok(ptr) => {
+                self.hub.oom_recoveries.fetch_add(1, Ordering::Relaxed);
+                pool.lock().note_oom(true);
+                Ok(ptr)
+            }
+            Err(Error::Driver(error)) if error.is_out_of_memory() => {
+                pool.lock().note_oom(false);
+                let report = self.oom_report(pool, bytes)?;
+                let device_free = report.device_free;
+                self.hub.recorder.record(EventKind::Oom { pool: pool.id(), bytes, device_free });
+                Err(Error::OutOfMemory(Box::new(report)))
+            }
+            Err(other) => Err(other),
+        }
+    }
+
+    #[inline(always)]
     fn try_allocate(&self, pool: &Arc<PhasePool>, bytes: u64, raw: bool) -> Result<Served> {
         let mut guard = pool.lock();
         if raw {

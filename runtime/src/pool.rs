@@ -427,25 +427,12 @@ impl PoolGuard<'_> {
     }
 
     /// [`PoolGuard::free`]; `release` says a boundary frees it.
+    #[inline]
     fn free_inner(&mut self, served: Served, bytes: u64, uses: &[Arc<StreamCore>], release: bool) -> Result<()> {
         let pool = self.pool;
         let ptr = served.ptr;
-        for other in uses {
-            if let Err(error) = pool.stream.wait_for(other) {
-                // The free cannot be ordered after `other`'s work. It is still a free: the
-                // caller no longer has the memory, and it is given back once `other` is done.
-                if !error.is_sticky() {
-                    let state = self.state.deref_mut();
-                    if state.allocator.reclaims_live() {
-                        // The scope's end reclaims it, after waiting for `other`.
-                        state.cross_uses.push(other.clone());
-                    } else {
-                        state.source.keep_for_retry(ptr, bytes);
-                    }
-                    self.count_free(bytes, release);
-                }
-                return Err(error);
-            }
+        if !uses.is_empty() {
+            self.wait_for_uses(ptr, bytes, uses, release)?;
         }
         // The block's free is recorded before the strategy gives its segment back (a `Direct`
         // strategy's allocation is its own segment): a history never has a live block outside
@@ -470,7 +457,31 @@ impl PoolGuard<'_> {
         }
     }
 
+    /// Makes the pool's stream wait for the other streams that used the allocation at `ptr`
+    /// before it is freed. On failure the free is still counted: the caller no longer has the
+    /// memory, and it is given back once the other stream's work is done.
+    #[cold]
+    fn wait_for_uses(&mut self, ptr: CUdeviceptr, bytes: u64, uses: &[Arc<StreamCore>], release: bool) -> Result<()> {
+        for other in uses {
+            if let Err(error) = self.pool.stream.wait_for(other) {
+                if !error.is_sticky() {
+                    let state = self.state.deref_mut();
+                    if state.allocator.reclaims_live() {
+                        // The scope's end reclaims it, after waiting for `other`.
+                        state.cross_uses.push(other.clone());
+                    } else {
+                        state.source.keep_for_retry(ptr, bytes);
+                    }
+                    self.count_free(bytes, release);
+                }
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+
     /// Counts `bytes` freed (by a boundary's release when `release`).
+    #[inline]
     fn count_free(&mut self, bytes: u64, release: bool) {
         let state = self.state.deref_mut();
         state.counters.used -= bytes;
