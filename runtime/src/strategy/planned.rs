@@ -214,6 +214,29 @@
 //! with the rest (13 % above the scope's own packing on a ResNet), and variable lengths, whose
 //! attention grows as the square, left such plans early around a packed prefix (54 replays worse).
 //!
+//! # A larger shape predicted from one plan, once it follows it
+//!
+//! With one plan only, a larger shape (at most [`MAX_TEMPLATE_SCALE`] times the plan's first
+//! size) is still served best-fit from the range's start, as any new shape, while the scope is
+//! read against that plan ([`Planned::template`]): through the plan's first
+//! 1/[`IN_ORDER_PREFIX`] of allocations, each allocation and free must come at the plan's place
+//! among the scope's events, and each size must be the plan's, or the plan's times the ratio of
+//! the first sizes. A scope that does so is then predicted from there on
+//! ([`Planned::predict_from_template`]): each later size the plan's times the ratio to the power
+//! the prefix showed for that size of the plan (a weight's gradient has its weight's size), else
+//! in proportion, packed around the prefix laid out in allocation order, which is where best fit
+//! from an empty range put it (checked; the scope stays online otherwise). Best fit is what the
+//! scope would have had in its prefix anyway, so a scope that is another sequence (an evaluation
+//! pass after training steps, attention over a longer length) loses nothing: it leaves at its
+//! first event out of the plan's order or size no power explains, still online. On an fp16
+//! ResNet whose second step, the first of its steady sequence, is a larger batch
+//! (`resnet_varbatch_s16fp16`), that step held 30 MiB served best-fit, 26 MiB so (1.272× → 1.103×
+//! its live peak); over the 192 replays of the evaluation set, two reserve less and none more.
+//! Predicting from one plan at a scope's first allocation instead, with the same sizes, was
+//! measured and not kept: packed from the first allocation, a scope that then left it (an
+//! evaluation pass, a new length) held up to 56 % more (43 of the 192 replays worse; 30 with a
+//! scope leaving at its first event out of order and the first sixteenth in allocation order).
+//!
 //! # A bin lent by the long-lived allocations' pool
 //!
 //! Persistent allocations and the step's plan live in two ranges, and each pays for the unused
@@ -361,6 +384,38 @@ struct Plan {
     predicted: bool,
 }
 
+impl Plan {
+    /// Whether a plan of another shape may be predicted from this one: a recorded plan (not a
+    /// prediction) of one scope's sizes, which do not vary from scope to scope, selected by them.
+    fn predicts(&self) -> bool {
+        !self.predicted && !self.varies && matches!(self.key, PlanKey::Sizes(_)) && !self.sizes.is_empty()
+    }
+
+    /// A plan predicted from `from` for one scope: `from`'s sequence at `sizes`, laid out at
+    /// `offsets` in `bytes`.
+    fn predicted(from: &Plan, sizes: Vec<u64>, offsets: Vec<u64>, bytes: u64, lower_bound: u64, clock: u64) -> Self {
+        Plan {
+            key: PlanKey::Sizes(Vec::new()),
+            largest: sizes.clone(),
+            sizes,
+            offsets,
+            starts: from.starts.clone(),
+            ends: from.ends.clone(),
+            by_end: from.by_end.clone(),
+            bytes,
+            lower_bound,
+            last_used: clock,
+            scopes: 0,
+            varies: true,
+            in_order: false,
+            own_peak: 0,
+            new_sequence: false,
+            binned: None,
+            predicted: true,
+        }
+    }
+}
+
 /// One recorded event of a scope.
 #[derive(Clone, Copy, Debug)]
 enum Event {
@@ -368,6 +423,21 @@ enum Event {
     Alloc(u64),
     /// The free of the scope's allocation with this index.
     Free(u32),
+}
+
+/// The one plan a scope of a new, larger shape may be predicted from, while the scope, served
+/// online, is checked against its sequence ([`Planned::follow_template`]).
+#[derive(Debug)]
+struct Template {
+    /// The plan's index.
+    plan: usize,
+    /// The scope's first size over the plan's.
+    ratio: f64,
+    /// Per allocation so far, the power of `ratio` that took the plan's size to the scope's: 0
+    /// or 1, `None` where both agree (a size of a few hundred bytes).
+    exponents: Vec<Option<i32>>,
+    /// The allocations so far served from the bin, not the slab.
+    in_bin: Vec<u32>,
 }
 
 /// A planned entry's state in the current scope.
@@ -516,6 +586,11 @@ const IN_ORDER_PREFIX: usize = 16;
 /// The largest ratio of first sizes a plan is predicted across ([`Planned::predicted_plan`]).
 const MAX_SCALE: f64 = 8.0;
 
+/// The largest ratio of first sizes a scope is predicted across from one plan
+/// ([`Planned::template`]): its sizes that do not follow the ratio are predicted to, and a
+/// predicted entry more than twice the size asked leaves the plan.
+const MAX_TEMPLATE_SCALE: f64 = 2.0;
+
 /// How much larger than twice the size asked a predicted entry may be before the scope is taken
 /// for another sequence ([`Planned::predicted_plan`]).
 const PREDICTION_SLACK: u64 = 64 << 10;
@@ -529,15 +604,20 @@ fn size_exponents(a: &[u64], b: &[u64]) -> Option<Vec<i32>> {
         return None;
     }
     let ratio = b[0] as f64 / a[0] as f64;
-    a.iter()
-        .zip(b)
-        .map(|(&a, &b)| {
-            (0..=2).rev().find(|&power| {
-                let scaled = a as f64 * ratio.powi(power);
-                (b as f64 - scaled).abs() <= ALIGNMENT as f64 * ratio.powi(power).max(1.0)
-            })
-        })
-        .collect()
+    a.iter().zip(b).map(|(&a, &b)| size_exponent(a, b, ratio)).collect()
+}
+
+/// The power of `ratio` that takes size `a` to size `b`: 0, 1 or 2, the largest that agrees
+/// within the alignment both were rounded to; `None` when none does.
+fn size_exponent(a: u64, b: u64, ratio: f64) -> Option<i32> {
+    (0..=2).rev().find(|&power| follows_power(a, b, ratio, power))
+}
+
+/// Whether size `b` is size `a` times `ratio` to the power `power`, within the alignment both
+/// were rounded to.
+fn follows_power(a: u64, b: u64, ratio: f64, power: i32) -> bool {
+    let scaled = a as f64 * ratio.powi(power);
+    (b as f64 - scaled).abs() <= ALIGNMENT as f64 * ratio.powi(power).max(1.0)
 }
 
 /// The layout of a plan whose sizes vary, at the sizes of the scope that just ended (`own`,
@@ -699,6 +779,9 @@ pub(crate) struct Planned {
     late: Vec<(u64, u64)>,
     /// A scope without a plan is served from the slab's free ranges (and the pool past them).
     online: Option<FreeRanges>,
+    /// The plan a scope served online may be predicted from once it has followed its sequence
+    /// for a while ([`Planned::follow_template`]).
+    template: Option<Template>,
     slab_live: SlabLive,
     /// Live allocations from the fallback chunks: their index in the scope.
     pooled: PointerMap<u32>,
@@ -766,6 +849,7 @@ impl Planned {
             entries: Vec::new(),
             late: Vec::new(),
             online: None,
+            template: None,
             slab_live: SlabLive::default(),
             pooled: PointerMap::default(),
             fallback: Chunks::default(),
@@ -924,6 +1008,9 @@ impl Planned {
             (0..self.plans.len()).filter(|&p| dominates(&self.plans[p])).min_by_key(|&p| self.plans[p].bytes)
         });
         let candidate = if predict { self.predicted_plan() } else { candidate };
+        if predict && candidate.is_none() {
+            self.template = self.template();
+        }
         if candidate != self.plan {
             self.select(candidate, n);
         }
@@ -944,9 +1031,7 @@ impl Planned {
     /// not clear; one much smaller) and goes on best-fit around what it placed.
     fn predicted_plan(&mut self) -> Option<usize> {
         let first = *self.first_sizes.first()?;
-        let usable = |plan: &Plan| {
-            !plan.predicted && !plan.varies && matches!(plan.key, PlanKey::Sizes(_)) && !plan.sizes.is_empty()
-        };
+        let usable = Plan::predicts;
         // Each plan's sequence fingerprinted once, so that finding another plan of a sequence is
         // one pass over the plans, however many are kept.
         let fingerprints: Vec<u64> = self
@@ -994,29 +1079,151 @@ impl Planned {
             debug_assert!(false, "the planner made an invalid packing");
             return None;
         }
-        let sizes: Vec<u64> = blocks.iter().map(|block| block.size).collect();
-        let plan = Plan {
-            key: PlanKey::Sizes(Vec::new()),
-            largest: sizes.clone(),
-            sizes,
-            offsets: packing.offsets,
-            starts: from.starts.clone(),
-            ends: from.ends.clone(),
-            by_end: from.by_end.clone(),
-            bytes: packing.size,
-            lower_bound: plan::lower_bound(&blocks),
-            last_used: self.clock,
-            scopes: 0,
-            varies: true,
-            in_order: false,
-            own_peak: 0,
-            new_sequence: false,
-            binned: None,
-            predicted: true,
-        };
+        let sizes = blocks.iter().map(|block| block.size).collect();
+        let plan = Plan::predicted(from, sizes, packing.offsets, packing.size, plan::lower_bound(&blocks), self.clock);
         let plan = self.fit_bin(plan);
         self.plans.push(plan);
         Some(self.plans.len() - 1)
+    }
+
+    /// The one plan a scope whose first size no plan has may yet be predicted from, where no two
+    /// plans of one sequence predict it ([`Planned::predicted_plan`]): the plan whose first size
+    /// is the largest below the scope's, at most [`MAX_TEMPLATE_SCALE`] times smaller. One plan
+    /// does not say which sizes follow the ratio of the first sizes (an activation) and which do
+    /// not (a weight's gradient), so the scope is served online from its start like any new
+    /// shape, and [`Planned::follow_template`] reads that from the scope itself.
+    fn template(&self) -> Option<Template> {
+        let first = *self.first_sizes.first()?;
+        let (plan, from) = self
+            .plans
+            .iter()
+            .enumerate()
+            .filter(|(_, plan)| plan.predicts() && plan.sizes[0] < first && plan.sizes.len() >= IN_ORDER_PREFIX)
+            .max_by_key(|(_, plan)| plan.sizes[0])?;
+        let ratio = first as f64 / from.sizes[0] as f64;
+        (ratio <= MAX_TEMPLATE_SCALE).then(|| Template { plan, ratio, exponents: Vec::new(), in_bin: Vec::new() })
+    }
+
+    /// Follows a scope served online with a template ([`Planned::template`]) at its allocation
+    /// `n`, of `size`: through the template's first 1/[`IN_ORDER_PREFIX`] of allocations the
+    /// scope must have its sequence (each allocation at the template's position among the
+    /// scope's events; each free, [`Planned::follow_template_free`], too) and sizes that are the
+    /// template's times the ratio of the first sizes to the power 0 or 1 (a size squared, as
+    /// attention scores over a length are, is not predicted: the scope stays online). At the end
+    /// of that prefix the rest of the scope is predicted ([`Planned::predict_from_template`]).
+    fn follow_template(&mut self, n: usize, size: u64) {
+        let Some(template) = &mut self.template else { return };
+        let from = &self.plans[template.plan];
+        let prefix = from.sizes.len() / IN_ORDER_PREFIX;
+        // Online from the first allocation's serving on.
+        let follows = (n == 0 || self.online.is_some())
+            && template.exponents.len() == n.min(prefix)
+            && from.starts.get(n) == Some(&(self.events.len() as u32));
+        if n < prefix {
+            // The first size follows the ratio by definition.
+            let follows_power = |power| n == 0 || follows_power(from.sizes[n], size, template.ratio, power);
+            let power = match (follows_power(0) && n > 0, follows_power(1)) {
+                (true, true) => Some(None),
+                (true, false) => Some(Some(0)),
+                (false, true) => Some(Some(1)),
+                (false, false) => None,
+            };
+            match power {
+                Some(power) if follows => template.exponents.push(power),
+                _ => self.template = None,
+            }
+            return;
+        }
+        let template = self.template.take().expect("a template");
+        if follows {
+            self.predict_from_template(template);
+        }
+    }
+
+    /// Follows the free of the scope's allocation `index` under a template: at the template's
+    /// position, or the scope is not the template's sequence.
+    fn follow_template_free(&mut self, index: u32) {
+        if let Some(template) = &self.template
+            && self.plans[template.plan].ends.get(index as usize) != Some(&(self.events.len() as u32))
+        {
+            self.template = None;
+        }
+    }
+
+    /// Predicts the rest of a scope that followed its template through the template's prefix:
+    /// each later entry's size is the template's times the ratio to the power the scope showed
+    /// for that size of the template in the prefix (a weight's gradient has the weight's size),
+    /// else to the power 1; the prefix keeps the scope's own sizes. The prefix is laid out in
+    /// allocation order and the rest packed around it ([`plan::pack_after_prefix`]): best fit
+    /// from the empty range's start, which served the prefix, placed it so, and the scope goes
+    /// on from the packing where what it holds already lies (checked; if not, it stays online).
+    /// The plan is predicted, like [`Planned::predicted_plan`]'s: the scope's alone.
+    fn predict_from_template(&mut self, template: Template) {
+        let Some(slab) = self.slab.filter(|slab| slab.growable) else { return };
+        if self.online.is_none() || !self.pooled.is_empty() || !self.late.is_empty() {
+            return;
+        }
+        let from = &self.plans[template.plan];
+        let prefix = template.exponents.len();
+        let own: Vec<u64> = self
+            .events
+            .iter()
+            .filter_map(|event| match *event {
+                Event::Alloc(size) => Some(size),
+                Event::Free(_) => None,
+            })
+            .collect();
+        let mut powers: BTreeMap<u64, i32> = BTreeMap::new();
+        for (&size, &power) in from.sizes.iter().zip(&template.exponents) {
+            if let Some(power) = power {
+                let seen = powers.entry(size).or_insert(power);
+                *seen = (*seen).max(power);
+            }
+        }
+        let blocks: Vec<Block> = (0..from.sizes.len())
+            .map(|i| {
+                let size = own.get(i).copied().unwrap_or_else(|| {
+                    let power = powers.get(&from.sizes[i]).copied().unwrap_or(1);
+                    ((from.sizes[i] as f64 * template.ratio.powi(power)).ceil() as u64).next_multiple_of(ALIGNMENT)
+                });
+                Block { size, start: from.starts[i], end: from.ends[i] }
+            })
+            .collect();
+        // The slab's blocks: not those of the prefix served from the bin, whose entries the
+        // cursor has passed (their offsets in the plan are never used).
+        let in_slab: Vec<usize> = (0..blocks.len()).filter(|i| !template.in_bin.contains(&(*i as u32))).collect();
+        let slab_blocks: Vec<Block> = in_slab.iter().map(|&i| blocks[i]).collect();
+        let packing = plan::pack_after_prefix(&slab_blocks, prefix - template.in_bin.len());
+        if !plan::is_valid(&slab_blocks, &packing) {
+            debug_assert!(false, "the planner made an invalid packing");
+            return;
+        }
+        let mut offsets = vec![0; blocks.len()];
+        for (&i, &offset) in in_slab.iter().zip(&packing.offsets) {
+            offsets[i] = offset;
+        }
+        // Best fit from the empty range's start placed what is live where the packing does,
+        // unless the scope's frees or the bin made it otherwise: then it stays online.
+        if !self.slab_live.iter().all(|live| offsets[live.index as usize] == live.ptr - slab.base) {
+            return;
+        }
+        let sizes = blocks.iter().map(|block| block.size).collect();
+        let lower_bound = plan::lower_bound(&slab_blocks);
+        let plan = Plan::predicted(from, sizes, offsets, packing.size, lower_bound, self.clock);
+        let count = plan.sizes.len();
+        self.plans.push(plan);
+        self.plan = Some(self.plans.len() - 1);
+        self.cursor = prefix;
+        self.passed_ends = 0;
+        self.entries.clear();
+        self.entries.resize(count, Entry::Done);
+        let entries = &mut self.entries;
+        self.slab_live.for_each_mut(|live| {
+            live.entry = live.index;
+            entries[live.index as usize] = Entry::Live;
+        });
+        self.online = None;
+        self.bin_free = None;
     }
 
     /// Serves the rest of a scope without a plan from the slab's free ranges.
@@ -1297,6 +1504,9 @@ impl Planned {
                 let at = self.bin_free.as_mut().and_then(|free| free.take(size, None)).expect("a range that holds it");
                 let ptr = bin.ptr + at;
                 self.bin_live.insert(SlabAllocation { ptr, index, entry: FOREIGN, size });
+                if let Some(template) = &mut self.template {
+                    template.in_bin.push(index);
+                }
                 return Ok(Some(ptr));
             }
         }
@@ -1899,6 +2109,7 @@ impl Planned {
         self.entries.clear();
         self.late.clear();
         self.online = None;
+        self.template = None;
         self.slab_live.clear();
         self.bin_live.clear();
         self.bin_free = None;
@@ -1964,6 +2175,9 @@ impl Allocator for Planned {
                 self.follow_signature(n);
             }
         }
+        if self.template.is_some() {
+            self.follow_template(n, size);
+        }
         match self.serve(source, size) {
             Ok(ptr) => {
                 self.events.push(Event::Alloc(size));
@@ -1972,8 +2186,10 @@ impl Allocator for Planned {
                 Ok(Served { ptr, slot })
             }
             Err(error) => {
-                // Not an allocation of the scope: the caller may retry it after recovery.
+                // Not an allocation of the scope: the caller may retry it after recovery (and a
+                // scope that ran out of memory is not predicted).
                 self.first_sizes.truncate(n);
+                self.template = None;
                 Err(error)
             }
         }
@@ -1981,6 +2197,9 @@ impl Allocator for Planned {
 
     fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
         let ptr = served.ptr;
+        if self.template.is_some() {
+            self.follow_template_free(served.slot);
+        }
         if let Some(allocation) = self.slab_live.remove(served.slot, ptr) {
             self.events.push(Event::Free(allocation.index));
             if let Some(online) = &mut self.online {
@@ -3001,6 +3220,74 @@ mod tests {
         run_ops(&mut planned, &mut source, &batch(4));
         let stats = planned.plan_stats().unwrap();
         assert_eq!((stats.planned, stats.unplanned), (3, 0));
+    }
+
+    /// A scope of a batch of `k`, long enough to have a prefix ([`IN_ORDER_PREFIX`]): a first
+    /// buffer of 64k KiB and one of 512 B, each freed at once (the prefix), then [`batch`]'s
+    /// `a`, `b` and `c`, then 512 B allocations, each freed at once, to 32 in all.
+    fn long_batch(k: u64) -> Vec<Op> {
+        let mut ops = vec![Op::Alloc(k * (64 << 10)), Op::Free(0), Op::Alloc(512), Op::Free(1)];
+        ops.extend([Op::Alloc(2 * k * MIB), Op::Alloc(MIB), Op::Free(2), Op::Alloc(3 * k * MIB)]);
+        for index in 5..32 {
+            ops.extend([Op::Alloc(512), Op::Free(index)]);
+        }
+        ops
+    }
+
+    #[test]
+    fn a_batch_larger_than_the_one_plan_is_predicted_once_it_follows_that_plans_sequence() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
+        run_ops(&mut planned, &mut source, &long_batch(1));
+        let base = planned.slab.unwrap().base;
+        // Twice the batch, and one plan of the sequence: its prefix (two allocations) is served
+        // best fit and read against the plan, the rest from the plan predicted at its end.
+        let ptrs = run_ops(&mut planned, &mut source, &long_batch(2));
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (30, 2, 0), "the prefix online, then the plan");
+        let offsets: Vec<u64> = ptrs[2..5].iter().map(|&ptr| ptr - base).collect();
+        assert_eq!(offsets, [0, 6 * MIB, 0], "`c` where `a` was, `b` above: 7 MiB where best fit holds 11");
+        assert_eq!(source.mapped(), 8 * MIB);
+        assert_eq!(planned.plans.len(), 2, "the prediction went, the scope's own plan was made");
+        assert!(planned.plans.iter().all(|plan| !plan.predicted));
+        run_ops(&mut planned, &mut source, &long_batch(2));
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned), (32, 0), "served from its own plan the next time");
+    }
+
+    #[test]
+    fn a_larger_batch_that_leaves_the_one_plans_sequence_in_its_prefix_is_served_best_fit() {
+        let mut twice = long_batch(2);
+        // The second allocation of a size no power of the ratio explains.
+        let mut resized = twice.clone();
+        resized[2] = Op::Alloc(4096);
+        // The first allocation freed after the second is made.
+        twice.swap(1, 2);
+        // Where the plan frees the first two allocations in order, the scope frees them the
+        // other way round (its allocations keep their places among its events).
+        let in_order = |k: u64| {
+            let mut ops = long_batch(k);
+            ops.swap(1, 2);
+            ops
+        };
+        let mut reversed = in_order(2);
+        reversed.swap(2, 3);
+        // The first allocation past the prefix made before the prefix's last free.
+        let mut early = long_batch(2);
+        early.swap(3, 4);
+        for (first, scope, why) in [
+            (long_batch(1), resized, "a size that is not the plan's times the ratio"),
+            (long_batch(1), twice, "an allocation out of the plan's order"),
+            (in_order(1), reversed, "a free out of the plan's order"),
+            (long_batch(1), early, "the allocation past the prefix out of the plan's order"),
+            (long_batch(1), long_batch(3), "a ratio past the bound"),
+        ] {
+            let (mut source, mut planned) = (FakeSource::with_ranges(256 * MIB), planned());
+            run_ops(&mut planned, &mut source, &first);
+            run_ops(&mut planned, &mut source, &scope);
+            let stats = planned.plan_stats().unwrap();
+            assert_eq!((stats.planned, stats.unplanned, stats.deviations), (0, 32, 0), "{why}: best fit throughout");
+            assert!(planned.template.is_none() && planned.plans.iter().all(|plan| !plan.predicted), "{why}");
+        }
     }
 
     #[test]
