@@ -1121,8 +1121,8 @@ impl Planned {
             && from.starts.get(n) == Some(&(self.events.len() as u32));
         if n < prefix {
             // The first size follows the ratio by definition.
-            let follows_power = |power| n == 0 || follows_power(from.sizes[n], size, template.ratio, power);
-            let power = match (follows_power(0) && n > 0, follows_power(1)) {
+            let agrees = |power| n == 0 || follows_power(from.sizes[n], size, template.ratio, power);
+            let power = match (agrees(0) && n > 0, agrees(1)) {
                 (true, true) => Some(None),
                 (true, false) => Some(Some(0)),
                 (false, true) => Some(Some(1)),
