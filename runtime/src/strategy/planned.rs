@@ -613,6 +613,11 @@ fn size_exponent(a: u64, b: u64, ratio: f64) -> Option<i32> {
     (0..=2).rev().find(|&power| follows_power(a, b, ratio, power))
 }
 
+/// Size `size` times `ratio` to the power `power`, rounded up to the alignment: a predicted size.
+fn predicted_size(size: u64, ratio: f64, power: i32) -> u64 {
+    ((size as f64 * ratio.powi(power)).ceil() as u64).next_multiple_of(ALIGNMENT)
+}
+
 /// Whether size `b` is size `a` times `ratio` to the power `power`, within the alignment both
 /// were rounded to.
 fn follows_power(a: u64, b: u64, ratio: f64, power: i32) -> bool {
@@ -1069,9 +1074,10 @@ impl Planned {
             return None;
         }
         let blocks: Vec<Block> = (0..from.sizes.len())
-            .map(|i| {
-                let predicted = (from.sizes[i] as f64 * ratio.powi(exponents[i])).ceil() as u64;
-                Block { size: predicted.next_multiple_of(ALIGNMENT), start: from.starts[i], end: from.ends[i] }
+            .map(|i| Block {
+                size: predicted_size(from.sizes[i], ratio, exponents[i]),
+                start: from.starts[i],
+                end: from.ends[i],
             })
             .collect();
         let packing = plan::pack(&blocks);
@@ -1184,7 +1190,7 @@ impl Planned {
             .map(|i| {
                 let size = own.get(i).copied().unwrap_or_else(|| {
                     let power = powers.get(&from.sizes[i]).copied().unwrap_or(1);
-                    ((from.sizes[i] as f64 * template.ratio.powi(power)).ceil() as u64).next_multiple_of(ALIGNMENT)
+                    predicted_size(from.sizes[i], template.ratio, power)
                 });
                 Block { size, start: from.starts[i], end: from.ends[i] }
             })
