@@ -60,8 +60,10 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
 
 /// The repository's real traces replayed against the replay targets, with the debug build.
 fn targets(root: &Path) -> Result<()> {
+    // `--bin` without `-p` resolves features over the whole workspace, as `cargo test --workspace`
+    // did: the binary that run built is reused, not built again with its dependencies.
     status(
-        Command::new(cargo()).current_dir(root).args(["build", "--quiet", "-p", "steppool-cli", "--bin", "steppool"]),
+        Command::new(cargo()).current_dir(root).args(["build", "--quiet", "--bin", "steppool"]),
         "building steppool",
     )?;
     let mut traces = Vec::new();
