@@ -389,15 +389,22 @@ def bert_static(mark, steps, scale, loop):
                 pattern=f"static shapes: batch {batch} x 128 tokens every step, masked-LM head, AdamW")
 
 
-def gpt2_varlen(mark, steps, scale, loop):
-    dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(4)
+def gpt2_training(mark, scale, loop, shapes):
+    """The small GPT-2-style decoder trained with AdamW on one batch a step, of `shapes[step]`
+    (sequences, tokens); returns its manifest `model`."""
+    dim, ffn = scale.dim(256, 64), scale.dim(1024, 16)
     model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=512)
     opt = loop.optimizer(model.parameters(), adamw(1e-4), 1e-4)
     KEEP.append((model, opt))
-    lengths = [random.choice(range(64, 513, 32)) for _ in range(steps)]
-    batches = [[torch.randint(0, 8192, (batch, s))] for s in lengths]
+    batches = [[torch.randint(0, 8192, shape)] for shape in shapes]
     train_steps(model, opt, batches, mark, loop)
-    return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
+    return f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192"
+
+
+def gpt2_varlen(mark, steps, scale, loop):
+    batch = scale.batch(4)
+    lengths = [random.choice(range(64, 513, 32)) for _ in range(steps)]
+    return dict(model=gpt2_training(mark, scale, loop, [(batch, s) for s in lengths]),
                 pattern=f"variable sequence length per step (batch {batch}, lengths {lengths}), AdamW")
 
 
@@ -524,6 +531,47 @@ def curriculum_accum(mark, steps, scale, loop):
                 pattern=f"sequence-length curriculum {lengths} with 4x gradient accumulation (micro-batch {batch})")
 
 
+def gpt2_token_budget(mark, steps, scale, loop):
+    budget = scale.batch(2048)
+    # Batches bucketed by length and filled to a token budget, as fairseq's `max_tokens` and
+    # length-grouped samplers do: batch and length both change, their product about constant.
+    shapes = [(max(budget // s, 1), s) for s in (random.choice(range(64, 513, 32)) for _ in range(steps))]
+    return dict(model=gpt2_training(mark, scale, loop, shapes),
+                pattern=f"token-budget batching: {budget} tokens a step as (batch, length) {shapes}, AdamW")
+
+
+def rl_generate_train(mark, steps, scale, loop):
+    dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(4)
+    model = Transformer(vocab=8192, dim=dim, layers=4, heads=4, ffn=ffn, causal=True, max_len=512)
+    opt = loop.optimizer(model.parameters(), adamw(1e-5), 1e-5)
+    KEEP.append((model, opt))
+    rollouts = [(random.choice(range(32, 129, 16)), random.choice(range(16, 49, 16))) for _ in range(steps)]
+    for step, (prompt, new) in enumerate(rollouts):
+        with mark(step):
+            # On-policy fine-tuning: the model generates from a prompt with its KV cache, without
+            # gradients, then trains on its own sequences, all in one step.
+            model.eval()
+            with torch.no_grad(), loop.autocast():
+                caches = [dict() for _ in model.blocks]
+                sequence = torch.randint(0, 8192, (batch, prompt))
+                logits = model(sequence, caches, 0)
+                for offset in range(prompt, prompt + new):
+                    token = logits[:, -1:].argmax(-1)
+                    sequence = torch.cat([sequence, token], dim=1)
+                    logits = model(token, caches, offset)
+                del caches, logits, token
+            model.train()
+            loop.begin(opt)
+            with loop.autocast():
+                loss = lm_loss(model(sequence).float(), sequence)
+            loop.backward(loss)
+            del loss, sequence
+            loop.step(opt, model)
+    return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192",
+                pattern=f"generate then train in each step (on-policy fine-tuning), batch {batch}, "
+                        f"(prompt, new tokens) {rollouts}, AdamW")
+
+
 WORKLOADS = {
     "bert_static": (bert_static, 8),
     "gpt2_varlen": (gpt2_varlen, 8),
@@ -534,6 +582,8 @@ WORKLOADS = {
     "gpt2_kv_generate": (gpt2_kv_generate, 6),
     "train_eval": (train_eval, 9),
     "curriculum_accum": (curriculum_accum, 6),
+    "gpt2_token_budget": (gpt2_token_budget, 8),
+    "rl_generate_train": (rl_generate_train, 6),
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -96,7 +96,8 @@ enum Command {
     },
     /// Generate a trace of a workload pattern (steppool format) at the real models' sizes times
     /// --scale: bert_static, gpt2_varlen, llama_accum, resnet_varbatch, moe_routing,
-    /// llama_ckpt_bf16, gpt2_kv_generate, train_eval, curriculum_accum.
+    /// llama_ckpt_bf16, gpt2_kv_generate, train_eval, curriculum_accum, gpt2_token_budget,
+    /// rl_generate_train.
     Synth {
         /// The pattern.
         pattern: String,

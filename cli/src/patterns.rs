@@ -1,8 +1,9 @@
 //! Generated traces of the workload patterns steppool is judged on, at any size: static BERT,
 //! variable-length GPT-2, Llama-style with gradient accumulation, ResNet with variable batch,
 //! mixture-of-experts with variable routing, Llama-style with activation checkpointing under bf16
-//! autocast, GPT-2 KV-cache generation, training interleaved with evaluation, and a sequence-length
-//! curriculum with accumulation.
+//! autocast, GPT-2 KV-cache generation, training interleaved with evaluation, a sequence-length
+//! curriculum with accumulation, GPT-2 batched to a token budget, and generation then training in
+//! each step (on-policy fine-tuning).
 //!
 //! Each trace follows what PyTorch allocates for the real model's shapes (BERT-base, GPT-2 small
 //! and medium, TinyLlama's layers, ResNet-50, OLMoE's experts): weights before the first step,
@@ -45,11 +46,20 @@ pub enum Pattern {
     /// GPT-2 small training whose sequence length grows from 128 to 1024 tokens over the run,
     /// [`ACCUMULATION`] micro-batches a step.
     CurriculumAccum,
+    /// GPT-2 small training on batches filled to [`TOKEN_BUDGET`] tokens: 128 to 1024 tokens drawn
+    /// per step, and as many sequences as fit, so batch and length both change.
+    Gpt2TokenBudget,
+    /// GPT-2 small on-policy fine-tuning: each step generates from a drawn prompt with a KV cache,
+    /// without gradients, then trains on the sequences it generated.
+    RlGenerateTrain,
 }
+
+/// Tokens a step of [`Pattern::Gpt2TokenBudget`]: its batch is this over the step's length.
+pub const TOKEN_BUDGET: u64 = 4096;
 
 impl Pattern {
     /// Every pattern.
-    pub const ALL: [Pattern; 9] = [
+    pub const ALL: [Pattern; 11] = [
         Pattern::BertStatic,
         Pattern::Gpt2Varlen,
         Pattern::LlamaAccum,
@@ -59,6 +69,8 @@ impl Pattern {
         Pattern::Gpt2KvGenerate,
         Pattern::TrainEval,
         Pattern::CurriculumAccum,
+        Pattern::Gpt2TokenBudget,
+        Pattern::RlGenerateTrain,
     ];
 
     /// Its name on the command line (the recorded trace of the same pattern has it too).
@@ -73,6 +85,8 @@ impl Pattern {
             Pattern::Gpt2KvGenerate => "gpt2_kv_generate",
             Pattern::TrainEval => "train_eval",
             Pattern::CurriculumAccum => "curriculum_accum",
+            Pattern::Gpt2TokenBudget => "gpt2_token_budget",
+            Pattern::RlGenerateTrain => "rl_generate_train",
         }
     }
 
@@ -149,6 +163,8 @@ pub fn generate(pattern: Pattern, options: &PatternOptions) -> Result<Trace, Pat
         Pattern::Gpt2KvGenerate => gpt2_kv_generate(&mut g, options.steps),
         Pattern::TrainEval => train_eval(&mut g, options.steps),
         Pattern::CurriculumAccum => curriculum_accum(&mut g, options.steps),
+        Pattern::Gpt2TokenBudget => gpt2_token_budget(&mut g, options.steps),
+        Pattern::RlGenerateTrain => rl_generate_train(&mut g, options.steps),
     }
     Ok(g.trace)
 }
@@ -567,6 +583,79 @@ impl Transformer {
         g.free(norm);
         logits
     }
+
+    /// Generates with a KV cache that grows by concatenation: the prompt fills the caches and
+    /// gives the first token, then each of `new_tokens` more attends to all before it. With `ids`, the token ids so far (8 bytes each)
+    /// are concatenated with each new token, and the grown sequences returned.
+    fn generate(&self, g: &mut Gen, generation: Generation, mut ids: Option<Tensor>) -> Option<Tensor> {
+        let Generation { batch, prompt, new_tokens, a, micro_steps_of } = generation;
+        let kv_row = batch * self.kv_dim() * a;
+        let mut caches: Vec<(Tensor, Tensor)> = Vec::with_capacity(self.layers);
+        let append = |g: &mut Gen, ids: &mut Option<Tensor>, length: u64| {
+            if let Some(old) = *ids {
+                *ids = Some(g.alloc(batch * length * 8));
+                g.free(old);
+            }
+        };
+        if let Some(step) = micro_steps_of {
+            g.begin_micro(step, 0);
+        }
+        let mut x = g.alloc(batch * prompt * self.hidden * a);
+        for _ in 0..self.layers {
+            let k = g.alloc(prompt * kv_row);
+            let v = g.alloc(prompt * kv_row);
+            caches.push((k, v));
+            x = self.layer_forward(g, Mode::NoGrad, batch, prompt, prompt, a, x).1;
+        }
+        let logits = g.alloc(batch * prompt * self.vocab * a);
+        g.free(x);
+        let mut next = g.alloc(batch * 8);
+        g.free(logits);
+        append(g, &mut ids, prompt + 1);
+        if let Some(step) = micro_steps_of {
+            g.end_micro(step, 0);
+        }
+        // A micro-step per further token, where the generation has them.
+        for token in 0..new_tokens {
+            let (micro, context) = (token as u32 + 1, prompt + token + 1);
+            if let Some(step) = micro_steps_of {
+                g.begin_micro(step, micro);
+            }
+            let mut x = g.alloc(batch * self.hidden * a);
+            g.free(next);
+            for cache in caches.iter_mut() {
+                let k = g.alloc(context * kv_row);
+                g.free(cache.0);
+                let v = g.alloc(context * kv_row);
+                g.free(cache.1);
+                *cache = (k, v);
+                x = self.layer_forward(g, Mode::NoGrad, batch, 1, context, a, x).1;
+            }
+            let logits = g.alloc(batch * self.vocab * a);
+            g.free(x);
+            next = g.alloc(batch * 8);
+            g.free(logits);
+            append(g, &mut ids, context + 1);
+            if let Some(step) = micro_steps_of {
+                g.end_micro(step, micro);
+            }
+        }
+        g.free(next);
+        g.free_all(caches.into_iter().flat_map(|(k, v)| [k, v]));
+        ids
+    }
+}
+
+/// What [`Transformer::generate`] generates: `new_tokens` + 1 tokens after a `prompt`-token prompt
+/// for `batch` sequences, with activations and caches of `a` bytes an element; a micro-step per
+/// token within step `micro_steps_of`, where it names one.
+#[derive(Clone, Copy)]
+struct Generation {
+    batch: u64,
+    prompt: u64,
+    new_tokens: u64,
+    a: u64,
+    micro_steps_of: Option<u32>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -604,6 +693,13 @@ fn bert_static(g: &mut Gen, steps: u32) {
 
 fn gpt2_varlen(g: &mut Gen, steps: u32) {
     training(g, &GPT2_SMALL, steps, |g, _| (4, g.uniform(2, 16) * 64));
+}
+
+fn gpt2_token_budget(g: &mut Gen, steps: u32) {
+    training(g, &GPT2_SMALL, steps, |g, _| {
+        let seq = g.uniform(2, 16) * 64;
+        (TOKEN_BUDGET / seq, seq)
+    });
 }
 
 fn llama_accum(g: &mut Gen, steps: u32) {
@@ -674,8 +770,6 @@ fn llama_checkpoint_bf16(g: &mut Gen, steps: u32) {
 
 fn gpt2_kv_generate(g: &mut Gen, steps: u32) {
     let model = GPT2_MEDIUM;
-    let batch = 8u64;
-    let kv_row = batch * model.kv_dim() * BF16;
     // fp16 weights for inference, live to the end.
     for elements in model.params() {
         g.alloc(elements * BF16);
@@ -684,44 +778,26 @@ fn gpt2_kv_generate(g: &mut Gen, steps: u32) {
         g.begin_step(step);
         let prompt = g.uniform(1, 8) * 64;
         let new_tokens = g.uniform(2, 6) * 8;
-        let mut caches: Vec<(Tensor, Tensor)> = Vec::with_capacity(model.layers);
-        // Micro-step 0: the prompt fills the caches.
-        g.begin_micro(step, 0);
-        let mut x = g.alloc(batch * prompt * model.hidden * BF16);
-        for _ in 0..model.layers {
-            let k = g.alloc(prompt * kv_row);
-            let v = g.alloc(prompt * kv_row);
-            caches.push((k, v));
-            x = model.layer_forward(g, Mode::NoGrad, batch, prompt, prompt, BF16, x).1;
-        }
-        let logits = g.alloc(batch * prompt * model.vocab * BF16);
-        g.free(x);
-        let mut next = g.alloc(batch * 8);
-        g.free(logits);
-        g.end_micro(step, 0);
-        // A micro-step per new token: every layer's cache grows by concatenation.
-        for token in 0..new_tokens {
-            let micro = token as u32 + 1;
-            let context = prompt + token + 1;
-            g.begin_micro(step, micro);
-            let mut x = g.alloc(batch * model.hidden * BF16);
-            g.free(next);
-            for cache in caches.iter_mut() {
-                let k = g.alloc(context * kv_row);
-                g.free(cache.0);
-                let v = g.alloc(context * kv_row);
-                g.free(cache.1);
-                *cache = (k, v);
-                x = model.layer_forward(g, Mode::NoGrad, batch, 1, context, BF16, x).1;
-            }
-            let logits = g.alloc(batch * model.vocab * BF16);
-            g.free(x);
-            next = g.alloc(batch * 8);
-            g.free(logits);
-            g.end_micro(step, micro);
-        }
-        g.free(next);
-        g.free_all(caches.into_iter().flat_map(|(k, v)| [k, v]));
+        model.generate(g, Generation { batch: 8, prompt, new_tokens, a: BF16, micro_steps_of: Some(step) }, None);
+        g.end_step(step);
+    }
+}
+
+fn rl_generate_train(g: &mut Gen, steps: u32) {
+    let model = GPT2_SMALL;
+    let batch = 8u64;
+    let mut params = Params::load(g, &model.params());
+    for step in 0..steps {
+        g.begin_step(step);
+        let prompt = g.uniform(1, 4) * 64;
+        let new_tokens = g.uniform(2, 8) * 16;
+        // The prompts' token ids, then the sequences as they grow: what the training pass reads.
+        let ids = g.alloc(batch * prompt * 8);
+        let generation = Generation { batch, prompt, new_tokens, a: FP32, micro_steps_of: None };
+        let sequences = model.generate(g, generation, Some(ids)).expect("the sequences generated");
+        model.train_pass(g, &mut params, batch, prompt + new_tokens + 1, FP32);
+        g.free(sequences);
+        params.optimizer_step(g);
         g.end_step(step);
     }
 }

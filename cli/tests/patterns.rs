@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use steppool::sys::sim::SimConfig;
 use steppool::{Phase, Runtime, Scope};
-use steppool_cli::patterns::{ACCUMULATION, Pattern, PatternOptions, curriculum_length, generate, is_eval_step};
+use steppool_cli::patterns::{
+    ACCUMULATION, Pattern, PatternOptions, TOKEN_BUDGET, curriculum_length, generate, is_eval_step,
+};
 use steppool_cli::replay::{ReplayOptions, STRATEGIES, Silent, replay, select};
 use steppool_trace::analysis::{Analysis, Op, analyse};
 use steppool_trace::{EventKind, StepSource, Trace, TraceFormat, read};
@@ -460,6 +462,42 @@ fn kv_generation_grows_its_cache_one_token_a_micro_step() {
     }
     assert!(tokens.iter().all(|&t| t >= 17), "{tokens:?}");
     assert!(tokens.iter().any(|&t| t != tokens[0]), "requests generate different lengths: {tokens:?}");
+}
+
+#[test]
+fn token_budget_batches_change_batch_and_length_together() {
+    // GPT-2 small, fp32: logits of `tokens` rows, attention scores of 12 heads per token and key.
+    let (vocab_row, embedding) = (50257 * 4, 50257 * 768 * 4);
+    let mut shapes = Vec::new();
+    for (step, (sizes, _)) in steps_of(&full(Pattern::Gpt2TokenBudget, 8)).iter().enumerate() {
+        let tokens =
+            sizes.iter().filter(|&&b| b != embedding && b % vocab_row == 0).map(|b| b / vocab_row).max().unwrap();
+        let seq = (128..=1024)
+            .step_by(64)
+            .find(|&seq| tokens == TOKEN_BUDGET / seq * seq && sizes.contains(&(tokens * 12 * seq * 4)))
+            .unwrap_or_else(|| panic!("step {step}: {tokens} tokens fill no batch of the budget"));
+        shapes.push((tokens / seq, seq));
+    }
+    assert!(shapes.iter().any(|s| s.0 != shapes[0].0) && shapes.iter().any(|s| s.1 != shapes[0].1), "{shapes:?}");
+}
+
+#[test]
+fn on_policy_steps_generate_then_train_on_what_they_generated() {
+    let trace = full(Pattern::RlGenerateTrain, 6);
+    assert_eq!(analyse(&trace).unwrap().micro_steps, 0, "generation and training share the step");
+    let mut lengths = Vec::new();
+    for (step, (sizes, _)) in steps_of(&trace).iter().enumerate() {
+        // The sequences' token ids (8 sequences of 8-byte ids) grow by one token at a time, from
+        // the prompt's length on; the longest run of such sizes ends at the generated length.
+        let ids = |length: u64| sizes.contains(&(8 * length * 8));
+        let generated = (64..=512).rev().find(|&l| (l - 32..=l).all(ids)).expect("a generated sequence");
+        let prompt = (64..=256).step_by(64).find(|&p| (p..=generated).all(ids)).expect("a prompt");
+        // The training pass's fp32 logits are over the whole generated sequences.
+        assert!(sizes.contains(&(8 * generated * 50257 * 4)), "step {step}: no training over {generated} tokens");
+        assert!(generated - prompt > 32, "step {step}: {prompt} -> {generated}");
+        lengths.push((prompt, generated));
+    }
+    assert!(lengths.iter().any(|&l| l != lengths[0]), "{lengths:?}");
 }
 
 #[test]
