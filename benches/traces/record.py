@@ -102,15 +102,18 @@ class Loop:
       (factored second moments: little state).
     * `zero_grad`: "end", `zero_grad(set_to_none=True)` after the optimizer step; "start", the
       same call as the step's first statement, as most loops are written, so gradients stay live
-      from the backward pass of one step into the next; "keep", `set_to_none=False` after the
-      optimizer step, so gradients are allocated once and stay live.
+      from the backward pass of one step into the next; "backward", the same call after the
+      forward pass, just before the step's first `backward()`, as many tutorials write it, so
+      gradients stay live from one step's backward pass through the next step's forward pass;
+      "keep", `set_to_none=False` after the optimizer step, so gradients are allocated once and
+      stay live.
     * `clip`: `clip_grad_norm_(max_norm=1.0)` before the optimizer step (after unscaling).
     * `amp`: `None`, each workload's own (bf16 autocast for the checkpointed Llama, none else);
       "bf16" autocast to bfloat16; "fp16" autocast to float16 with a `GradScaler`; "off" none.
     """
 
     OPTIMIZERS = ("adamw", "adamw-fused", "adamw-nofore", "sgd", "adafactor")
-    ZERO_GRAD = ("end", "start", "keep")
+    ZERO_GRAD = ("end", "start", "backward", "keep")
     AMP = ("off", "bf16", "fp16")
 
     def __init__(self, optimizer=None, zero_grad="end", clip=False, amp=None):
@@ -122,6 +125,8 @@ class Loop:
             raise ValueError(f"--amp {amp}: one of {self.AMP}")
         self.optimizer_name, self.zero_grad, self.clip, self.amp = optimizer, zero_grad, clip, amp
         self.scaler = None
+        # The optimizer whose gradients "backward" zeroes before the step's first backward pass.
+        self.to_zero = None
 
     def is_default(self):
         return self.optimizer_name is None and self.zero_grad == "end" and not self.clip and self.amp is None
@@ -160,8 +165,13 @@ class Loop:
         """The step's first statement."""
         if self.zero_grad == "start":
             opt.zero_grad(set_to_none=True)
+        elif self.zero_grad == "backward":
+            self.to_zero = opt
 
     def backward(self, loss):
+        if self.to_zero is not None:
+            self.to_zero.zero_grad(set_to_none=True)
+            self.to_zero = None
         if self.amp == "fp16":
             if self.scaler is None:
                 self.scaler = torch.amp.GradScaler(DEVICE.type)
@@ -736,7 +746,7 @@ def main():
     parser.add_argument("--optimizer", choices=Loop.OPTIMIZERS,
                         help="optimizer of every training workload (default: each its own)")
     parser.add_argument("--zero-grad", choices=Loop.ZERO_GRAD, default="end",
-                        help="where gradients are set to None: end (after the step), start, keep (zeroed in place)")
+                        help="where gradients are set to None: end (after the step), start, backward (before the first backward pass), keep (zeroed in place)")
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_ before the optimizer step")
     parser.add_argument("--amp", choices=Loop.AMP, help="autocast (fp16 with a GradScaler; default: each workload's own)")
     parser.add_argument("--suffix", default="", help="appended to each trace's name (file and manifest entry)")
