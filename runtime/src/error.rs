@@ -477,10 +477,17 @@ impl ErrorSink {
     /// Passes `result` through, remembering a sticky error in it.
     #[inline]
     pub(crate) fn watch<T>(&self, result: Result<T>) -> Result<T> {
-        if let Err(error) = &result {
-            self.observe(error);
+        match result {
+            Ok(value) => Ok(value),
+            Err(error) => Err(self.observed(error)),
         }
-        result
+    }
+
+    /// [`ErrorSink::observe`], passing the error on.
+    #[cold]
+    fn observed(&self, error: Error) -> Error {
+        self.observe(&error);
+        error
     }
 
     /// Runs `operation` unless a sticky error was seen (then returns that), remembering a sticky

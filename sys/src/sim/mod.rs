@@ -359,6 +359,7 @@ impl Sim {
     /// it reads *n* — every call to this device goes through this `Sim`. `None` while a fault
     /// plan is set or a fault poisoned the driver: then every call must reach the plan. Read
     /// without the state's lock.
+    #[inline]
     pub fn capture_epoch(&self) -> Option<u64> {
         if self.faulting.load(Ordering::Acquire) {
             return None;
