@@ -585,8 +585,9 @@ impl Transformer {
     }
 
     /// Generates with a KV cache that grows by concatenation: the prompt fills the caches and
-    /// gives the first token, then each of `new_tokens` more attends to all before it. With `ids`, the token ids so far (8 bytes each)
-    /// are concatenated with each new token, and the grown sequences returned.
+    /// gives the first token, then each of `new_tokens` more attends to all before it. With
+    /// `ids`, the token ids so far (8 bytes each) are concatenated with each new token, and the
+    /// grown sequences returned.
     fn generate(&self, g: &mut Gen, generation: Generation, mut ids: Option<Tensor>) -> Option<Tensor> {
         let Generation { batch, prompt, new_tokens, a, micro_steps_of } = generation;
         let kv_row = batch * self.kv_dim() * a;
