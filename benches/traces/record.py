@@ -473,6 +473,25 @@ def llama_ckpt_bf16(mark, steps, scale, loop):
                 pattern=f"activation checkpointing per block (non-reentrant) under bf16 autocast, batch {batch} x 256")
 
 
+def decode(model, prompt, new, keep_sequence=False):
+    """Generates `new` tokens after the token ids `prompt` with a KV cache that grows by
+    concatenation; with `keep_sequence`, returns the ids with each token concatenated to them."""
+    caches = [dict() for _ in model.blocks]
+    sequence = prompt
+    logits = model(prompt, caches, 0)
+    del prompt
+    for offset in range(sequence.shape[1], sequence.shape[1] + new):
+        token = logits[:, -1:].argmax(-1)
+        if keep_sequence:
+            sequence = torch.cat([sequence, token], dim=1)
+        logits = model(token, caches, offset)
+    # Freed as the loops written out did: the caches and logits, the prompt, the last token.
+    del caches, logits
+    kept = sequence if keep_sequence else None
+    del sequence, token
+    return kept
+
+
 @torch.no_grad()
 def gpt2_kv_generate(mark, steps, scale, loop):
     dim, ffn, batch = scale.dim(256, 64), scale.dim(1024, 16), scale.batch(8)
@@ -481,16 +500,8 @@ def gpt2_kv_generate(mark, steps, scale, loop):
     requests = [(random.choice(range(32, 257, 16)), random.choice(range(16, 49, 8))) for _ in range(steps)]
     for step, (prompt, new) in enumerate(requests):
         with mark(step):
-            caches = [dict() for _ in model.blocks]
-            tokens = torch.randint(0, 8192, (batch, prompt))
             with loop.autocast():
-                logits = model(tokens, caches, 0)
-                offset = prompt
-                for _ in range(new):
-                    token = logits[:, -1:].argmax(-1)
-                    logits = model(token, caches, offset)
-                    offset += 1
-            del caches, logits, tokens, token
+                decode(model, torch.randint(0, 8192, (batch, prompt)), new)
     return dict(model=f"GPT-2-style decoder, 4 layers, d={dim}, ffn {ffn}, vocab 8192, inference",
                 pattern=f"KV-cache generation, batch {batch}, one request a step (prompt, new tokens): {requests}; "
                         "the cache grows by concatenation each token")
@@ -562,14 +573,7 @@ def rl_generate_train(mark, steps, scale, loop):
             # gradients, then trains on its own sequences, all in one step.
             model.eval()
             with torch.no_grad(), loop.autocast():
-                caches = [dict() for _ in model.blocks]
-                sequence = torch.randint(0, 8192, (batch, prompt))
-                logits = model(sequence, caches, 0)
-                for offset in range(prompt, prompt + new):
-                    token = logits[:, -1:].argmax(-1)
-                    sequence = torch.cat([sequence, token], dim=1)
-                    logits = model(token, caches, offset)
-                del caches, logits, token
+                sequence = decode(model, torch.randint(0, 8192, (batch, prompt)), new, keep_sequence=True)
             model.train()
             loop.begin(opt)
             with loop.autocast():
