@@ -261,6 +261,96 @@ fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
     Packing { offsets, size }
 }
 
+/// Memory that lives across the boundary between two scopes of one plan, as
+/// [`pack_around`] takes it: the block of its allocation (alive from its allocation to the
+/// scope's end, [`Block::NEVER_FREED`]) and a second block for the same memory in the next scope
+/// (alive from the scope's start to its free there), which must sit at the same offset, since a
+/// plan reused scope after scope hands the memory out at one place. `at` pins both where the
+/// memory already lives (an allocation carried into the scope that follows the packing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Carried {
+    /// The block of its allocation.
+    pub block: usize,
+    /// The block of its life in the next scope, up to its free.
+    pub next: usize,
+    /// Its offset where it is already placed.
+    pub at: Option<u64>,
+}
+
+/// [`pack`] for a plan reused scope after scope whose scopes hand memory to the next
+/// ([`Carried`]): each carried pair at one offset, clear of every block alive during either of
+/// its two lifetimes (so the plan is valid around the boundary as well as inside a scope); the
+/// pinned pairs first, where they are, then the rest in each of the packer's orderings, a pair
+/// by the block of its allocation, the best kept. A pair's `next` ends no later than its `block`
+/// starts (the memory is free before the plan hands it out again) and is the same size; a block
+/// is in one pair at most.
+pub fn pack_around(blocks: &[Block], carried: &[Carried]) -> Packing {
+    let ranked = compress(blocks);
+    let mut partner: Vec<Option<usize>> = vec![None; blocks.len()];
+    let mut second = vec![false; blocks.len()];
+    for pair in carried {
+        partner[pair.block] = Some(pair.next);
+        second[pair.next] = true;
+    }
+    let pinned: Vec<(usize, u64)> = carried.iter().filter_map(|pair| pair.at.map(|at| (pair.block, at))).collect();
+    let rest: Vec<usize> =
+        (0..blocks.len()).filter(|&id| !second[id] && !pinned.iter().any(|&(block, _)| block == id)).collect();
+    let mut best: Option<Packing> = None;
+    for key in ORDERINGS {
+        let mut order = rest.clone();
+        order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
+        let packing = place_pairs(&ranked, &order, &partner, &pinned);
+        if best.as_ref().is_none_or(|best| packing.size < best.size) {
+            best = Some(packing);
+        }
+    }
+    best.expect("three orderings")
+}
+
+/// [`place_in_order`] with pairs of blocks at one offset: `pinned` first at their offsets, then
+/// each block of `order` (and its partner, if it has one) in the smallest gap left by the
+/// blocks placed so far that are alive at the same time as either, else above them.
+fn place_pairs(blocks: &[Block], order: &[usize], partner: &[Option<usize>], pinned: &[(usize, u64)]) -> Packing {
+    let mut offsets = vec![0u64; blocks.len()];
+    let mut index = TimeIndex::new(blocks);
+    let mut size = 0u64;
+    let mut put = |id: usize, offset: u64, offsets: &mut Vec<u64>, index: &mut TimeIndex| {
+        for id in std::iter::once(id).chain(partner[id]) {
+            offsets[id] = offset;
+            size = size.max(offset + blocks[id].size);
+            index.insert(id as u32, &blocks[id]);
+        }
+    };
+    for &(id, offset) in pinned {
+        put(id, offset, &mut offsets, &mut index);
+    }
+    let mut near: Vec<(u64, u64)> = Vec::new();
+    for &id in order {
+        near.clear();
+        for of in std::iter::once(id).chain(partner[id]) {
+            index.for_each_overlapping(&blocks[of], |other| {
+                let offset = offsets[other as usize];
+                near.push((offset, offset + blocks[other as usize].size));
+            });
+        }
+        near.sort_unstable();
+        let need = blocks[id].size;
+        let mut best: Option<(u64, u64)> = None;
+        let mut top = 0u64;
+        for &(offset, end) in &near {
+            if offset > top {
+                let gap = offset - top;
+                if gap >= need && best.is_none_or(|(smallest, _)| gap < smallest) {
+                    best = Some((gap, top));
+                }
+            }
+            top = top.max(end);
+        }
+        put(id, best.map_or(top, |(_, offset)| offset), &mut offsets, &mut index);
+    }
+    Packing { offsets, size }
+}
+
 /// Lowers `packing` below granule boundaries while it can: the blocks that reach past the
 /// highest boundary under its size move, largest first, each into the smallest gap below that
 /// boundary between the time-overlapping blocks (the others keep their offsets), and when every
@@ -614,6 +704,42 @@ mod tests {
         })
     }
 
+    /// A gradient made late in a scope and freed early in the next, and activations: the
+    /// gradient's memory is theirs between its free and its next allocation.
+    fn carried_scope() -> (Vec<Block>, Vec<Carried>) {
+        let blocks = vec![
+            block(100, 1, 4),                 // activation, before the gradient's free
+            block(100, 5, 7),                 // activation, after it
+            block(60, 8, Block::NEVER_FREED), // the gradient, made at the end
+            block(60, 0, 3),                  // the same gradient, carried in, freed at 3
+        ];
+        (blocks, vec![Carried { block: 2, next: 3, at: None }])
+    }
+
+    #[test]
+    fn a_carried_pair_shares_one_offset_and_its_memory_between_the_scopes() {
+        let (blocks, carried) = carried_scope();
+        let packing = pack_around(&blocks, &carried);
+        assert!(is_valid(&blocks, &packing));
+        assert_eq!(packing.offsets[2], packing.offsets[3]);
+        // The activation alive with the carried-in gradient sits apart from it, the one after
+        // its free may not: 160 bytes, the peak of live bytes, not 220.
+        assert_eq!(packing.size, 160);
+        assert_eq!(lower_bound(&blocks), 160);
+    }
+
+    #[test]
+    fn a_pinned_pair_stays_where_it_lives_and_the_rest_packs_around_it() {
+        let (blocks, mut carried) = carried_scope();
+        carried[0].at = Some(40);
+        let packing = pack_around(&blocks, &carried);
+        assert!(is_valid(&blocks, &packing));
+        assert_eq!((packing.offsets[2], packing.offsets[3]), (40, 40));
+        // Below the gradient there is no room for the first activation: it goes above.
+        assert_eq!(packing.offsets[0], 100);
+        assert_eq!(packing.size, 200);
+    }
+
     #[test]
     fn the_lower_bound_is_the_peak_of_live_bytes() {
         let blocks = [block(100, 0, 3), block(50, 1, 2), block(70, 4, 5), block(10, 2, Block::NEVER_FREED)];
@@ -837,6 +963,36 @@ mod tests {
                 }
             }
             }
+        }
+
+        #[test]
+        fn carried_pairs_share_their_offset_and_nothing_alive_with_either_overlaps(
+            mut blocks in sequence(),
+            picks in prop::collection::vec((any::<bool>(), 0u32..400, any::<bool>()), 120),
+        ) {
+            // Blocks never freed, some of them carried into a next scope up to a free there, some
+            // of those pinned at a stretch of their own above everything else.
+            let mut carried = Vec::new();
+            let mut pin_at = blocks.iter().map(|b| b.size).sum::<u64>();
+            for id in 0..blocks.len() {
+                let (carry, free, pin) = picks[id];
+                // Freed in the next scope before it is made again, as a plan needs of memory it
+                // hands out at one place scope after scope.
+                if blocks[id].end == Block::NEVER_FREED && carry && blocks[id].start > 0 {
+                    blocks.push(Block { size: blocks[id].size, start: 0, end: 1 + free % blocks[id].start });
+                    let at = pin.then(|| { pin_at += blocks[id].size; pin_at - blocks[id].size });
+                    carried.push(Carried { block: id, next: blocks.len() - 1, at });
+                }
+            }
+            let packing = pack_around(&blocks, &carried);
+            prop_assert!(is_valid(&blocks, &packing), "{:?} {:?} -> {:?}", blocks, carried, packing);
+            for pair in &carried {
+                prop_assert_eq!(packing.offsets[pair.block], packing.offsets[pair.next]);
+                if let Some(at) = pair.at {
+                    prop_assert_eq!(packing.offsets[pair.block], at);
+                }
+            }
+            prop_assert!(packing.size >= lower_bound(&blocks));
         }
 
         #[test]
