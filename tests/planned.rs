@@ -89,13 +89,18 @@ impl Ranges {
 
 // ----- the spec and the key ---------------------------------------------------------------------
 
+/// Why `rt` refuses `spec`; panics if it does not.
+fn refused(rt: &Runtime, spec: PhaseSpec) -> String {
+    match rt.declare_phase(spec) {
+        Err(Error::InvalidPhaseSpec { reason, .. }) => reason,
+        other => panic!("expected an invalid spec, got {other:?}"),
+    }
+}
+
 #[test]
 fn planned_specs_are_checked_with_the_numbers() {
     let rt = runtime(GIB);
-    let refused = |spec: PhaseSpec| match rt.declare_phase(spec) {
-        Err(Error::InvalidPhaseSpec { reason, .. }) => reason,
-        other => panic!("expected an invalid spec, got {other:?}"),
-    };
+    let refused = |spec: PhaseSpec| refused(&rt, spec);
     let planned = |max_plans, signature_len| Allocation::Planned { max_plans, signature_len };
     assert!(refused(PhaseSpec::new("w", Scope::Persistent).strategy(Allocation::PLANNED)).contains("repeat"));
     assert!(refused(PhaseSpec::new("a", Scope::Step).strategy(planned(0, 4))).contains("0 plans"));
@@ -423,6 +428,95 @@ fn a_late_free_keeps_its_range_from_the_allocation_planned_over_it_on(vmm: bool)
     assert_eq!((plan.planned, plan.deviations), (1, 1), "B went to the pool");
     drop((a, b));
     step.end().unwrap();
+}
+
+#[test]
+fn carrying_is_for_step_scoped_pool_and_planned_phases() {
+    let rt = runtime(GIB);
+    let refused = |spec: PhaseSpec| refused(&rt, spec);
+    assert!(refused(PhaseSpec::new("p", Scope::Persistent).carry(true)).contains("persistent phase"));
+    assert!(refused(PhaseSpec::new("m", Scope::MicroStep).carry(true)).contains("step-scoped"));
+    let arena = refused(PhaseSpec::new("a", Scope::Step).strategy(Allocation::ARENA).carry(true));
+    assert!(arena.contains("arena strategy") && arena.contains("cannot carry"), "{arena}");
+    for strategy in [Allocation::Direct, Allocation::PLANNED] {
+        rt.declare_phase(PhaseSpec::new(strategy.name(), Scope::Step).strategy(strategy).carry(true)).unwrap();
+    }
+}
+
+#[test]
+fn memory_a_step_hands_to_the_next_lives_until_freed_there_and_is_planned_at_one_place() {
+    for vmm in [true, false] {
+        for strategy in [Allocation::PLANNED, Allocation::Direct] {
+            carried_on(vmm, strategy);
+        }
+    }
+}
+
+/// Steps of a loop that sets its gradients to `None` between its forward and backward passes:
+/// two 4 MiB activations, the step before's gradients freed, a 4 MiB temporary, then two 2 MiB
+/// gradients made as the activations go, left live at the step's end.
+fn carried_on(vmm: bool, strategy: Allocation) {
+    let rt = runtime_with(8 * GIB, vmm);
+    let phase = rt.declare_phase(PhaseSpec::new("step", Scope::Step).strategy(strategy).carry(true)).unwrap();
+    let stream = rt.device(0).unwrap().create_stream().unwrap();
+    let raw = rt.raw();
+    let mut live = Ranges::default();
+    let alloc = |live: &mut Ranges, bytes: u64| {
+        // SAFETY: the stream and phase are the runtime's; every pointer is freed once, below.
+        let ptr = unsafe { raw.alloc(phase, bytes, &stream) }.unwrap();
+        live.insert(ptr, bytes).unwrap_or_else(|overlap| panic!("{vmm} {strategy:?}: {overlap}"));
+        ptr
+    };
+    let free = |live: &mut Ranges, ptr: CUdeviceptr| {
+        live.remove(ptr);
+        // SAFETY: handed out by `alloc` and not freed before.
+        unsafe { raw.free(ptr) }.unwrap();
+    };
+    let mut carried: Vec<CUdeviceptr> = Vec::new();
+    let mut places = Vec::new();
+    for step in 0..6 {
+        raw.begin_step().unwrap();
+        let a1 = alloc(&mut live, 4 * MIB);
+        let a2 = alloc(&mut live, 4 * MIB);
+        for g in carried.drain(..) {
+            assert_eq!(raw.allocation(g).unwrap().bytes, 2 * MIB, "the step before's gradient is still the runtime's");
+            free(&mut live, g);
+        }
+        let t = alloc(&mut live, 4 * MIB);
+        free(&mut live, t);
+        free(&mut live, a2);
+        let g1 = alloc(&mut live, 2 * MIB);
+        free(&mut live, a1);
+        let g2 = alloc(&mut live, 2 * MIB);
+        carried = vec![g1, g2];
+        places.push(carried.clone());
+        // SAFETY: nothing of the step is used after its end but what it carries.
+        let report = unsafe { raw.end_step() }.unwrap();
+        let pool = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
+        assert_eq!((pool.used, pool.released), (4 * MIB, 0), "step {step}: the gradients carried, nothing released");
+        if strategy == Allocation::PLANNED && step == 5 {
+            let plan = plan_of(pool);
+            assert_eq!((plan.planned, plan.deviations), (5, 0), "{vmm}: the step served from its plan");
+            // The temporary takes the gradients' place once they are freed. Without virtual
+            // memory management the first step is recorded in chunks, apart from the slab, so
+            // the gradients are placed with the plan: 12 MiB, the peak of live bytes. In a range
+            // that grows in place it is recorded best-fit in the range, and the gradients stay
+            // where that put them, below the activations: 14 MiB. Apart from the rest they
+            // would need 16.
+            let planned = if vmm { 14 * MIB } else { 12 * MIB };
+            assert_eq!(plan.slab_bytes, slab_for(planned, vmm), "{vmm}");
+        }
+    }
+    if strategy == Allocation::PLANNED {
+        assert!(places.windows(2).skip(2).all(|w| w[0] == w[1]), "{vmm}: the gradients at one place: {places:x?}");
+    }
+    // Not freed in the step after their own: that step's end releases them.
+    raw.begin_step().unwrap();
+    // SAFETY: nothing is used after the step's end.
+    let report = unsafe { raw.end_step() }.unwrap();
+    let pool = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
+    assert_eq!((pool.used, pool.released), (0, 4 * MIB), "{vmm} {strategy:?}");
+    assert!(raw.allocation(carried[0]).is_err(), "released, no longer the runtime's");
 }
 
 #[test]

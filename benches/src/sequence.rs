@@ -67,8 +67,8 @@ pub struct Sequence {
 
 impl Sequence {
     /// The operations of `trace`, as its [analysis] lays them out: an
-    /// allocation's lifetime is `step` where its scope is step or micro-step (it is freed in the
-    /// step that made it), `persistent` otherwise; a step ends where the next one begins; failed
+    /// allocation's lifetime is `step` where its scope is step or micro-step and it is freed in
+    /// the step that made it, `persistent` otherwise (carried into the next step included); a step ends where the next one begins; failed
     /// allocations, and frees of memory the trace never allocated, are left out.
     pub fn from_trace(name: &str, description: String, trace: &Trace) -> Result<Self> {
         let analysis = analysis::analyse(trace)?;
@@ -78,12 +78,15 @@ impl Sequence {
             match op {
                 TraceOp::Alloc(id) => {
                     let allocation = &analysis.allocations[id as usize];
-                    // One released by a boundary after its step is freed later in the sequence.
-                    let lifetime = if allocation.scope == Scope::Persistent || allocation.released_at_boundary {
-                        Lifetime::Persistent
-                    } else {
-                        Lifetime::Step
-                    };
+                    // One released by a boundary after its step is freed later in the sequence,
+                    // and one carried into the next step is freed there.
+                    let carried = analysis.phases[usize::from(allocation.phase)].carried;
+                    let lifetime =
+                        if allocation.scope == Scope::Persistent || allocation.released_at_boundary || carried {
+                            Lifetime::Persistent
+                        } else {
+                            Lifetime::Step
+                        };
                     ops.push(Op::Alloc { id, bytes: allocation.bytes, lifetime });
                 }
                 TraceOp::Free(id) => ops.push(Op::Free { id }),

@@ -12,6 +12,9 @@
 //!   allocations packed with their lifetimes into one range, and beside it one range reused by
 //!   every step, as large as the largest packing of one step's step- and micro-step-scoped
 //!   allocations; the sum of the two, summed over devices. `None` for a trace without steps.
+//!   Memory a step hands to the next (the `carried` phase) is in both steps' packings: to the
+//!   end of the step that makes it, and from the start of the next to its free there, which is
+//!   where a plan reused by every step holds it.
 
 use steppool::Scope;
 use steppool_trace::analysis::{Analysis, Op};
@@ -40,11 +43,14 @@ pub fn limit(analysis: &Analysis) -> Result<Limit> {
     let mut step_of = vec![None; analysis.allocations.len()];
     let mut step: Option<usize> = None;
     let mut steps = 0usize;
-    for &(_, op) in &analysis.ops {
+    // Where each step begins, as a packing position.
+    let mut begins: Vec<u32> = Vec::new();
+    for &(event, op) in &analysis.ops {
         match op {
             Op::BeginStep => {
                 step = Some(steps);
                 steps += 1;
+                begins.push(position(event));
             }
             Op::EndStep => step = None,
             Op::Alloc(id) => step_of[id as usize] = step,
@@ -72,7 +78,17 @@ pub fn limit(analysis: &Analysis) -> Result<Limit> {
         let (mut persistent, mut by_step) = (Vec::new(), vec![Vec::new(); steps]);
         for &i in &ids {
             match (analysis.allocations[i].scope, step_of[i]) {
-                (Scope::Step | Scope::MicroStep, Some(s)) => by_step[s].push(block(i)),
+                (Scope::Step | Scope::MicroStep, Some(s)) => {
+                    let carried = analysis.phases[usize::from(analysis.allocations[i].phase)].carried;
+                    let mut made = block(i);
+                    if carried && s + 1 < steps {
+                        // To the end of its step there, from the next one's start to its free.
+                        let freed = made.end;
+                        made.end = Block::NEVER_FREED;
+                        by_step[s + 1].push(Block { start: begins[s + 1], end: freed, ..made });
+                    }
+                    by_step[s].push(made);
+                }
                 _ => persistent.push(block(i)),
             }
         }
@@ -170,5 +186,20 @@ mod tests {
         // Per step, the persistent weight and the 2 MiB, alive together, take 6 MiB apart, and
         // the region every step reuses is step 1's 5 MiB.
         assert_eq!(limit.per_step_bytes, Some(11 * MIB));
+    }
+
+    #[test]
+    fn memory_a_step_hands_to_the_next_is_in_both_steps_region() {
+        // Each step makes two 4 MiB activations, frees the 2 MiB gradient the step before made,
+        // frees an activation, makes its own gradient and frees the other: 10 MiB live at most,
+        // the activations with the gradient handed over. Counted only in the step that makes
+        // it, a gradient would be missing from the next step's region (8 MiB, below what is
+        // live).
+        let analysis =
+            analyse(&trace("[ +1:4 +2:4 -1 +3:2 -2 ] [ +4:4 +5:4 -3 -4 +6:2 -5 ] [ +7:4 +8:4 -6 -7 -8 ]")).unwrap();
+        let limit = limit(&analysis).unwrap();
+        assert_eq!(limit.lower_bound_bytes, 10 * MIB);
+        assert_eq!(analysis.phases[usize::from(analysis.allocations[2].phase)].name, "carried");
+        assert_eq!(limit.per_step_bytes, Some(10 * MIB));
     }
 }

@@ -251,7 +251,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .phases
                     .iter()
                     .zip(&analysis.facts)
-                    .filter(|(p, _)| p.scope != steppool::Scope::Persistent)
+                    .filter(|(p, _)| p.scope != steppool::Scope::Persistent && !p.carried)
                     .map(|(p, f)| {
                         format!("{} {}", p.name, Bytes(arena_slab.unwrap_or_else(|| replay::default_slab(f))))
                     })

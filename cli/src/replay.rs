@@ -96,7 +96,7 @@ pub const STRATEGIES: &[StrategyDef] = &[
 /// `planned`: persistent allocations in chunks, the rest in one plan per step.
 pub const PLANNED: StrategyDef = StrategyDef {
     name: "planned",
-    summary: "persistent allocations packed end to end (one range grown in place, or chunks); every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
+    summary: "persistent allocations (and memory a step hands to the next) packed end to end (one range grown in place, or chunks); every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
     layout: planned,
 };
 
@@ -107,13 +107,15 @@ fn default_pool(_: &ReplayPhase, _: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec
 }
 
 fn phase_pools(phase: &ReplayPhase, _: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
-    PhaseSpec::new(phase.name.clone(), phase.scope)
+    PhaseSpec::new(phase.name.clone(), phase.scope).carry(phase.carried)
 }
 
 fn arena(phase: &ReplayPhase, facts: &PhaseFacts, options: &ReplayOptions) -> PhaseSpec {
     let spec = PhaseSpec::new(phase.name.clone(), phase.scope);
     match phase.scope {
         Scope::Persistent => spec,
+        // Memory a step hands to the next outlives the arena's reset: a pool of its own.
+        Scope::Step if phase.carried => spec.carry(true),
         Scope::Step | Scope::MicroStep => {
             spec.strategy(Strategy::Arena { slab_bytes: options.arena_slab.unwrap_or_else(|| default_slab(facts)) })
         }
@@ -143,12 +145,24 @@ fn planned_loaded(phase: &ReplayPhase, facts: &PhaseFacts, options: &ReplayOptio
 fn planned(phase: &ReplayPhase, facts: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
     match phase.scope {
         // Long-lived allocations of every persistent phase share one pool, packed in chunks.
-        Scope::Persistent => PhaseSpec::new("persistent", Scope::Persistent)
-            .strategy(Strategy::Chunked { chunk_bytes: default_chunk(facts) }),
+        //
+        // So does memory a step hands to the next (the `carried` phase). A planned phase can
+        // carry it (`PhaseSpec::carry`), but then its first planned step finds it where the
+        // recording step put it, which is where the plan wants that step's first allocations:
+        // on ten recordings of loops that call `zero_grad()` between their forward and backward
+        // passes, carrying it in the step's plan reserved 0.5 to 4.6 % of peak live more on
+        // eight and 2.8 % less on one (`benches/results/2026-11-28-carried-simulated.md`).
+        Scope::Persistent => persistent_chunks(facts),
+        Scope::Step if phase.carried => persistent_chunks(facts),
         // One plan for the whole step: every step- and micro-step-scoped allocation (each freed
         // within its micro-step, which the trace does) in one lifetime-aware packing.
         Scope::Step | Scope::MicroStep => PhaseSpec::new(STEP_PHASE, Scope::Step).strategy(Strategy::PLANNED),
     }
+}
+
+/// The long-lived allocations of `planned`: one pool, packed in chunks.
+fn persistent_chunks(facts: &PhaseFacts) -> PhaseSpec {
+    PhaseSpec::new("persistent", Scope::Persistent).strategy(Strategy::Chunked { chunk_bytes: default_chunk(facts) })
 }
 
 /// The chunk of a persistent phase when planned: a sixteenth of its peak of live bytes, rounded

@@ -223,6 +223,7 @@ fn the_recorded_loop_variants_meet_the_targets_under_the_planned_strategy() {
         ("llama_accum_sgd.jsonl", true, 188),
         ("resnet_varbatch_s41.csv", false, 30),
         ("resnet_varbatch_s16fp16.csv", false, 26),
+        ("gpt2_varlen_zero_grad_backward.csv", false, 478),
     ] {
         let (name, _) = file.split_once('.').unwrap();
         let steps = manifest[name]["steps"].as_u64().unwrap();
@@ -250,6 +251,24 @@ fn the_recorded_loop_variants_meet_the_targets_under_the_planned_strategy() {
             assert!(steady <= target * limit as f64 + (2 * MIB) as f64, "{file}: {steady} against {limit}");
         }
     }
+}
+
+#[test]
+fn gradients_set_to_none_between_forward_and_backward_are_carried_into_the_next_step() {
+    // `zero_grad()` after the forward pass: a step's 61 gradients are made in its backward pass
+    // and freed in the next step's, after that step's forward pass. They are the `carried`
+    // phase (the last step's, never freed, are released by its end, in `step`), and the
+    // per-step limit holds them in both steps' region: at the peak of live bytes (473.7 MiB),
+    // where counted as persistent memory, apart from the step's region, it was 502.2 MiB.
+    let trace = read::read_trace(recorded("gpt2_varlen_zero_grad_backward.csv")).unwrap();
+    let analysis = analyse(&trace).unwrap();
+    let carried = analysis.phases.iter().position(|p| p.carried).expect("a carried phase");
+    assert_eq!(analysis.phases[carried].name, steppool_trace::analysis::CARRIED_PHASE);
+    let facts = analysis.facts[carried];
+    assert_eq!((facts.allocations, facts.never_freed), (61 * 7, 0));
+    let limit = steppool_cli::limit::limit(&analysis).unwrap();
+    let per_step = limit.per_step_bytes.unwrap();
+    assert!(per_step >= limit.lower_bound_bytes && per_step < limit.lower_bound_bytes + MIB, "{limit:?}");
 }
 
 #[test]

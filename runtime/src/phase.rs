@@ -163,6 +163,15 @@ pub struct PhaseSpec {
     /// no recording scope. Checked by [`PhaseSpec::validate`]; the phase name they carry is not
     /// compared with the spec's.
     pub plans: Option<Arc<PhasePlans>>,
+    /// Raw allocations still live when a step ends are kept for the next step, which frees them,
+    /// instead of released: memory a training loop hands from one step to the next, such as the
+    /// gradients of a loop that calls `zero_grad()` between its forward and backward passes
+    /// (made in one step's backward pass, set to `None` in the next). The end of that next step
+    /// releases what it still holds. A [`Planned`](Strategy::Planned) phase plans such memory at
+    /// one place in every step, clear of what the next step makes before freeing it. For
+    /// step-scoped phases of the [`Pool`](Strategy::Direct) and planned strategies; off by
+    /// default.
+    pub carry: bool,
 }
 
 impl PhaseSpec {
@@ -182,7 +191,34 @@ impl PhaseSpec {
             trim,
             budget: None,
             plans: None,
+            carry: false,
         }
+    }
+
+    /// Keeping the raw allocations a step leaves live for the next step
+    /// ([`PhaseSpec::carry`](PhaseSpec#structfield.carry)).
+    ///
+    /// ```
+    /// use steppool::{PhaseSpec, Runtime, Scope, Strategy};
+    /// # fn main() -> Result<(), steppool::Error> {
+    /// # let runtime = Runtime::builder().simulated(steppool_sys::sim::SimConfig::with_capacity(1 << 30)).build()?;
+    /// let stream = runtime.device(0)?.create_stream()?;
+    /// let spec = PhaseSpec::new("grads", Scope::Step).strategy(Strategy::PLANNED).carry(true);
+    /// let grads = runtime.declare_phase(spec)?;
+    /// let raw = runtime.raw();
+    /// raw.begin_step()?;
+    /// // SAFETY: the memory is used by nothing, and freed once.
+    /// let grad = unsafe { raw.alloc(grads, 4 << 20, &stream)? };
+    /// let report = unsafe { raw.end_step()? };
+    /// assert_eq!(report.pools[0].used, 4 << 20, "kept for the next step");
+    /// raw.begin_step()?;
+    /// unsafe { raw.free(grad)? };
+    /// unsafe { raw.end_step()? };
+    /// # Ok(()) }
+    /// ```
+    pub fn carry(mut self, carry: bool) -> Self {
+        self.carry = carry;
+        self
     }
 
     /// Starting with these saved plans (see [`PhaseSpec::plans`](PhaseSpec#structfield.plans)).
@@ -219,7 +255,8 @@ impl PhaseSpec {
     /// phases that are step- or micro-step-scoped, with 1 to 1024 plans selected by 1 to 64 sizes;
     /// saved plans only on a planned phase, no more than it keeps, each keyed by as many sizes as
     /// the phase's signature reads (or by a user key), and each valid and overlap-free
-    /// ([`PhasePlans::validate`]).
+    /// ([`PhasePlans::validate`]); carrying only on step-scoped phases of the pool or planned
+    /// strategy.
     pub fn validate(&self) -> Result<(), InvalidPhaseSpec> {
         let invalid = |reason: String| Err(InvalidPhaseSpec { phase: self.name.clone(), reason });
         if self.name.is_empty() {
@@ -254,6 +291,20 @@ impl PhaseSpec {
             if !(1..=MAX_SIGNATURE).contains(&signature_len) {
                 return invalid(format!(
                     "planned strategy with a signature of {signature_len} sizes: use 1 to {MAX_SIGNATURE}"
+                ));
+            }
+        }
+        if self.carry {
+            if self.scope != Scope::Step {
+                return invalid(format!(
+                    "a {} phase cannot carry allocations into the next step: make it step-scoped",
+                    self.scope
+                ));
+            }
+            if !matches!(self.strategy, Strategy::Direct | Strategy::Planned { .. }) {
+                return invalid(format!(
+                    "the {} strategy reclaims its memory at the step's end and cannot carry allocations into the next step: use the pool or planned strategy",
+                    self.strategy.name()
                 ));
             }
         }

@@ -36,6 +36,11 @@ pub(crate) struct RawAllocation {
     pub(crate) slot: u32,
     /// Other streams it was used on; its free waits for them.
     pub(crate) uses: Vec<Arc<StreamCore>>,
+    /// Kept live past the end of the step that made it ([`PhaseSpec::carry`]): the next
+    /// boundary releases it if it is still live.
+    ///
+    /// [`PhaseSpec::carry`]: crate::PhaseSpec::carry
+    pub(crate) carried: bool,
 }
 
 /// Counters of the current step (since the last `begin_step`).
@@ -498,7 +503,7 @@ impl PoolGuard<'_> {
 
     /// Keeps a raw allocation for the boundary of its scope.
     pub(crate) fn insert_raw(&mut self, served: Served, bytes: u64) {
-        self.state.raw.insert(served.ptr, RawAllocation { bytes, slot: served.slot, uses: Vec::new() });
+        self.state.raw.insert(served.ptr, RawAllocation { bytes, slot: served.slot, uses: Vec::new(), carried: false });
     }
 
     /// Takes a raw allocation out, if the pool has it.
@@ -556,14 +561,26 @@ impl PoolGuard<'_> {
     }
 
     /// Ends the phase's scope: frees the raw allocations still live (in stream order, after the
-    /// other streams they were used on), resets the strategy, and trims by the phase's policy.
-    /// A failure does not stop the rest: every step runs and the first error is reported.
+    /// other streams they were used on) but those a carrying phase keeps for the next step
+    /// (made in this one, [`PhaseSpec::carry`](crate::PhaseSpec::carry)), resets the strategy,
+    /// and trims by the phase's policy. A failure does not stop the rest: every step runs and
+    /// the first error is reported.
     pub(crate) fn end_scope(&mut self) -> Released {
         let pool = self.pool;
         let mut released = Released::default();
         let raw: Vec<(CUdeviceptr, RawAllocation)> = self.state.raw.drain().collect();
+        let (mut kept, mut kept_bytes, mut kept_served) = (Vec::new(), 0u64, 0u64);
         for (ptr, allocation) in raw {
             let served = Served { ptr, slot: allocation.slot };
+            if pool.entry.spec.carry
+                && !allocation.carried
+                && let Some(slot) = self.state.allocator.carry(served, allocation.bytes)
+            {
+                kept_bytes += allocation.bytes;
+                kept_served += allocation.bytes.next_multiple_of(ALIGNMENT);
+                kept.push((ptr, RawAllocation { slot, carried: true, ..allocation }));
+                continue;
+            }
             let freed = self.free_inner(served, allocation.bytes, &allocation.uses, true);
             if freed.is_ok() {
                 released.bytes += allocation.bytes;
@@ -600,16 +617,18 @@ impl PoolGuard<'_> {
         };
         let PoolState { allocator, source, counters, totals, .. } = state;
         // A strategy that carves its own memory reclaims everything it handed out, buffers
-        // leaked with `forget` included.
-        if allocator.reclaims_live() && counters.used > 0 {
-            released.bytes += counters.used;
+        // leaked with `forget` included, but what it carries into the next scope.
+        let leaked = counters.used - kept_bytes;
+        if allocator.reclaims_live() && leaked > 0 {
+            released.bytes += leaked;
             if pool.entry.spec.budget.is_some() {
-                pool.entry.live.fetch_sub(counters.used, Ordering::Relaxed);
+                pool.entry.live.fetch_sub(leaked, Ordering::Relaxed);
             }
-            totals.used -= counters.used;
-            counters.used = 0;
-            counters.served = 0;
-            pool.recorder.release_pool(pool.id());
+            totals.used -= leaked;
+            counters.used = kept_bytes;
+            counters.served = kept_served;
+            let kept: Vec<CUdeviceptr> = kept.iter().map(|&(ptr, _)| ptr).collect();
+            pool.recorder.release_pool(pool.id(), &kept);
         }
         released.note(allocator.reset(source, keep));
         counters.released += released.bytes;
@@ -618,6 +637,7 @@ impl PoolGuard<'_> {
             released.note(source.trim(keep, false).map(drop));
         }
         source.record_reserved();
+        state.raw.extend(kept);
         released
     }
 

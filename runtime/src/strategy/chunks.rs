@@ -440,6 +440,25 @@ impl Chunks {
         }
     }
 
+    /// Takes back every hand-out still live but those in `kept` (address, aligned size):
+    /// allocations carried into the next scope, which stay live where they are.
+    pub(crate) fn reclaim_keeping(&mut self, kept: &[(CUdeviceptr, u64)]) {
+        if kept.is_empty() {
+            return self.reclaim();
+        }
+        self.live.clear();
+        self.ranges.clear();
+        let inside =
+            |base: u64, len: u64| kept.iter().copied().filter(|&(at, _)| at >= base && at < base + len).collect();
+        for (&base, &len) in &self.chunks {
+            self.ranges.add_region(base, len, inside(base, len));
+        }
+        if let Some((base, mapped)) = self.range {
+            self.ranges.add_region(base, mapped, inside(base, mapped));
+        }
+        self.live.extend(kept.iter().copied());
+    }
+
     /// Gives back chunks with nothing handed out, largest first, while more than `keep` bytes
     /// are held. Returns the bytes given back.
     pub(crate) fn release_empty(&mut self, source: &mut dyn Source, keep: u64) -> Result<u64> {

@@ -22,6 +22,12 @@ impl Allocator for Direct {
         Ok(())
     }
 
+    /// The source holds each allocation as its own, so it lives until its free whatever the
+    /// boundaries between.
+    fn carry(&mut self, served: Served, _: u64) -> Option<u32> {
+        Some(served.slot)
+    }
+
     /// The source holds each allocation as its own: one leaked with `mem::forget` stays leaked.
     fn reclaims_live(&self) -> bool {
         false

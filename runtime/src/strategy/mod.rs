@@ -77,6 +77,15 @@ pub(crate) trait Allocator: Send + fmt::Debug {
     /// takes back what is still handed out; the others find every allocation already freed.
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()>;
 
+    /// Keeps an allocation of the scope that is ending live into the next scope (a phase that
+    /// carries, [`PhaseSpec::carry`](crate::PhaseSpec::carry)), before [`Allocator::reset`]:
+    /// its free comes in the next scope, or the pool releases it at that scope's end. Returns the
+    /// slot its free passes from now on, or `None` where the strategy cannot keep memory past its
+    /// scope (then the pool releases it now, as it releases any other phase's).
+    fn carry(&mut self, _served: Served, _bytes: u64) -> Option<u32> {
+        None
+    }
+
     /// Whether [`Allocator::reset`] takes back allocations still handed out (buffers leaked with
     /// `mem::forget`): true for strategies that carve their own memory (arena, planned slab).
     fn reclaims_live(&self) -> bool {

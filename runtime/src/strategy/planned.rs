@@ -292,6 +292,33 @@
 //! lowest hole up go back (nothing lives in the slab then), and the next scope maps again what its
 //! plan's cursor, or best fit, reaches.
 //!
+//! # Memory carried into the next scope
+//!
+//! A phase that carries ([`PhaseSpec::carry`](crate::PhaseSpec::carry)) keeps what a scope
+//! leaves live for the next scope, which frees it: the gradients of a loop that calls
+//! `zero_grad()` between its forward and backward passes are made in one step's backward pass
+//! and set to `None` in the next step's. The pool hands such an allocation over at the boundary
+//! ([`Allocator::carry`]): it leaves the scope's records for a list of its own, under a slot with
+//! [`CARRIED_SLOT`] set, stays where it is (in the slab, or in a fallback chunk kept for it),
+//! and no reset, shrink, hole, loan or bin goes under it. While the next scope runs, its range in
+//! the slab is on the late list, so no entry is handed out over it, and its free is recorded in
+//! the scope's sequence ([`Event::Carried`]). A scope that carries is planned with what it
+//! carries ([`Planned::replan_carried`]): each such allocation at one offset in both its lives,
+//! its allocation to the scope's end and, in the next scope, the start to its free
+//! ([`plan::pack_around`]), pinned where it lies, so a plan served scope after scope hands the
+//! memory out at the place where the next scope finds it, and the memory is the next scope's
+//! between its free and its next allocation.
+//!
+//! Where the recording scope puts the carried memory decides the plan: it is pinned there, and
+//! best fit puts gradients into the holes the backward pass leaves among the activations, where
+//! the next forward pass needs its room. On ten recordings of such loops (`steppool replay`,
+//! `benches/results/2026-11-28-carried-simulated.md`) a plan that carries reserved 0.5 to 4.6 %
+//! of peak live more than one whose carried memory sat with the long-lived allocations on eight,
+//! the same on one, and 2.8 % less on the accumulating Llama: packed unpinned the same static
+//! BERT step needs 193.4 MiB, pinned where its recording left the gradients 222.4 MiB. A
+//! recording step cannot know which of its allocations the next step frees, so the replay's
+//! `planned` layout keeps carried memory with the long-lived allocations for now.
+//!
 //! # Why a hand-out never overlaps a live allocation
 //!
 //! Planned entries are handed out in increasing order, each at most once per scope (the cursor
@@ -382,13 +409,21 @@ struct Plan {
     /// Predicted for one scope of a new shape from plans of its sequence at other shapes
     /// ([`Planned::predicted_plan`]); never kept past that scope, saved or reported.
     predicted: bool,
+    /// Packed with the allocations its scope carried into the next ([`plan::pack_around`]):
+    /// its layout holds for the boundary too, so nothing lays it out again another way (no
+    /// bin, no prediction from it).
+    carries: bool,
 }
 
 impl Plan {
     /// Whether a plan of another shape may be predicted from this one: a recorded plan (not a
     /// prediction) of one scope's sizes, which do not vary from scope to scope, selected by them.
     fn predicts(&self) -> bool {
-        !self.predicted && !self.varies && matches!(self.key, PlanKey::Sizes(_)) && !self.sizes.is_empty()
+        !self.predicted
+            && !self.carries
+            && !self.varies
+            && matches!(self.key, PlanKey::Sizes(_))
+            && !self.sizes.is_empty()
     }
 
     /// A plan predicted from `from` for one scope: `from`'s sequence at `sizes`, laid out at
@@ -412,6 +447,7 @@ impl Plan {
             new_sequence: false,
             binned: None,
             predicted: true,
+            carries: false,
         }
     }
 }
@@ -423,6 +459,9 @@ enum Event {
     Alloc(u64),
     /// The free of the scope's allocation with this index.
     Free(u32),
+    /// The free of an allocation the scope before carried into this one
+    /// ([`Allocator::carry`]), by its index in that scope.
+    Carried(u32),
 }
 
 /// The one plan a scope of a new, larger shape may be predicted from, while the scope, served
@@ -463,6 +502,25 @@ struct SlabAllocation {
 }
 
 const FOREIGN: u32 = u32::MAX;
+
+/// The slots of carried allocations ([`Allocator::carry`]) have this bit set: a scope's own
+/// slots are its allocations' indices, far below it.
+const CARRIED_SLOT: u32 = 1 << 31;
+
+/// An allocation a scope carried into the next ([`Allocator::carry`]), live until freed there.
+#[derive(Clone, Copy, Debug)]
+struct CarriedAllocation {
+    ptr: CUdeviceptr,
+    size: u64,
+    /// The slot its free passes.
+    slot: u32,
+    /// Its index among the allocations of the scope that made it.
+    index: u32,
+    /// In the slab (else in a fallback chunk).
+    in_slab: bool,
+    /// Carried out of the scope now ending (else into the current one).
+    out: bool,
+}
 
 /// The offset in the slab of entry `entry` of plan `index`: the plan's own, or its layout's
 /// around the bin held.
@@ -829,6 +887,11 @@ pub(crate) struct Planned {
     bin_live: SlabLive,
     /// The bin's free ranges while the scope is served online.
     bin_free: Option<FreeRanges>,
+    /// Allocations carried into the current scope, and at its end out of it
+    /// ([`Allocator::carry`]). Those in the slab are on the late list while the scope runs.
+    carried: Vec<CarriedAllocation>,
+    /// Carried allocations so far: the next one's slot.
+    carried_count: u32,
 }
 
 impl Planned {
@@ -872,6 +935,8 @@ impl Planned {
             bin: None,
             bin_live: SlabLive::default(),
             bin_free: None,
+            carried: Vec::new(),
+            carried_count: 0,
         }
     }
 
@@ -906,6 +971,7 @@ impl Planned {
                 new_sequence: false,
                 binned: None,
                 predicted: false,
+                carries: false,
             });
         }
         planned
@@ -937,6 +1003,12 @@ impl Planned {
     fn open_scope(&mut self) {
         self.clock += 1;
         self.fallback.start_scope();
+        // What the scope before carried into the slab is live where it lies, which only a plan
+        // packed with it keeps clear of (hand-outs are checked against the late list).
+        if let Some(slab) = self.slab {
+            let carried = self.carried.iter().filter(|c| c.in_slab).map(|c| (c.ptr - slab.base, c.size));
+            self.late.extend(carried);
+        }
         self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(key) = self.user_key {
             let found = self.plans.iter().position(|plan| plan.key == PlanKey::User(key));
@@ -1166,7 +1238,8 @@ impl Planned {
     /// The plan is predicted, like [`Planned::predicted_plan`]'s: the scope's alone.
     fn predict_from_template(&mut self, template: Template) {
         let Some(slab) = self.slab.filter(|slab| slab.growable) else { return };
-        if self.online.is_none() || !self.pooled.is_empty() || !self.late.is_empty() {
+        // Allocations carried into the slab lie where no prediction placed them.
+        if self.online.is_none() || !self.pooled.is_empty() || !self.late.is_empty() || self.carried_top() > 0 {
             return;
         }
         let from = &self.plans[template.plan];
@@ -1176,7 +1249,7 @@ impl Planned {
             .iter()
             .filter_map(|event| match *event {
                 Event::Alloc(size) => Some(size),
-                Event::Free(_) => None,
+                Event::Free(_) | Event::Carried(_) => None,
             })
             .collect();
         let mut powers: BTreeMap<u64, i32> = BTreeMap::new();
@@ -1235,7 +1308,12 @@ impl Planned {
     /// Serves the rest of a scope without a plan from the slab's free ranges.
     fn go_online(&mut self, slab: Slab) {
         let from_empty = self.slab_live.is_empty() && self.late.is_empty();
-        let live = self.slab_live.iter().map(|allocation| (allocation.ptr - slab.base, allocation.size)).collect();
+        let live = self
+            .slab_live
+            .iter()
+            .map(|allocation| (allocation.ptr - slab.base, allocation.size))
+            .chain(self.carried_in_slab(slab))
+            .collect();
         self.slab_live.for_each_mut(|allocation| allocation.entry = FOREIGN);
         self.bin_live.for_each_mut(|allocation| allocation.entry = FOREIGN);
         self.late.clear();
@@ -1375,6 +1453,43 @@ impl Planned {
         Some(bin.ptr + at)
     }
 
+    /// The ranges (offset, length) of the carried allocations in the slab at `slab`.
+    fn carried_in_slab(&self, slab: Slab) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.carried.iter().filter(|c| c.in_slab).map(move |c| (c.ptr - slab.base, c.size))
+    }
+
+    /// The end of the highest carried allocation in the slab: what no resize may cut.
+    fn carried_top(&self) -> u64 {
+        self.slab.map_or(0, |slab| self.carried_in_slab(slab).map(|(offset, len)| offset + len).max().unwrap_or(0))
+    }
+
+    /// Frees an allocation carried in from the scope before: its range goes back to the scope
+    /// served online, or off the late list; the free's place in the scope is recorded, which is
+    /// where the next plan keeps its memory clear until.
+    #[cold]
+    fn free_carried(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+        let Some(at) = self.carried.iter().position(|c| c.slot == served.slot && c.ptr == served.ptr) else {
+            debug_assert!(false, "free of {:#x}, which this strategy did not carry", served.ptr);
+            return source.free(served.ptr, bytes);
+        };
+        let carried = self.carried.swap_remove(at);
+        self.events.push(Event::Carried(carried.index));
+        if !carried.in_slab {
+            self.fallback.free(carried.ptr);
+            self.given_back += self.fallback.release_if_empty(source, carried.ptr)?;
+            return Ok(());
+        }
+        let offset = carried.ptr - self.slab.expect("a carried allocation in the slab has a slab").base;
+        if let Some(online) = &mut self.online {
+            online.give(offset, carried.size);
+            self.freed_unpunched += carried.size;
+            self.hold_freed(source, true);
+        } else if let Some(late) = self.late.iter().position(|&(late, _)| late == offset) {
+            self.late.swap_remove(late);
+        }
+        Ok(())
+    }
+
     /// The slab a plan needs: less than its packing where the bin holds its top entries.
     fn slab_bytes(&self, plan: &Plan) -> u64 {
         match (&plan.binned, self.bin) {
@@ -1490,6 +1605,7 @@ impl Planned {
     /// Unmaps the growable slab's pages past `bytes` (rounded up to a page), waiting for the
     /// stream first; nothing may live there.
     fn shrink_slab(&mut self, source: &mut dyn Source, bytes: u64) -> Result<()> {
+        let bytes = bytes.max(self.carried_top());
         let Some(slab) = self.slab.filter(|slab| slab.growable && slab.size > bytes) else { return Ok(()) };
         let size = source.resize_range(slab.base, bytes)?;
         self.slab = Some(Slab { size, ..slab });
@@ -1623,6 +1739,7 @@ impl Planned {
                 .iter()
                 .map(|allocation| allocation.ptr - slab.base + allocation.size)
                 .chain(self.late.iter().map(|&(offset, len)| offset + len))
+                .chain(self.carried_in_slab(slab).map(|(offset, len)| offset + len))
                 .max()
                 .unwrap_or(0);
             let keep = top.max(slab.size.saturating_sub(limit));
@@ -1761,7 +1878,7 @@ impl Planned {
             }
             return Ok(());
         }
-        if !self.slab_live.is_empty() || !self.late.is_empty() {
+        if !self.slab_live.is_empty() || !self.late.is_empty() || self.carried_top() > 0 {
             return Ok(());
         }
         if let Some(slab) = self.slab {
@@ -1812,6 +1929,16 @@ impl Planned {
         if need > 0 && self.slab.is_none_or(|slab| slab.size < need) && !self.growable_slab(source)? {
             let desired = need.max(self.desired_slab());
             self.ensure_slab(source, desired)?;
+        }
+        // Holes left between scopes (pages under memory carried into the scope could not be
+        // mapped again at its start): no plan promises a hand-out there is mapped, so the scope
+        // is served online, which maps a hole before handing it out.
+        if self.online.is_none()
+            && !self.holes.is_empty()
+            && let Some(slab) = self.slab
+        {
+            self.deviated |= self.plan.is_some();
+            self.go_online(slab);
         }
         // A scope with no plan from its first allocation, nothing mapped (a first scope, or one
         // after the slab went back): recorded best-fit in a growable slab, which maps pages at its
@@ -1969,6 +2096,7 @@ impl Planned {
             match *event {
                 Event::Alloc(size) => blocks.push(Block { size, start: position, end: Block::NEVER_FREED }),
                 Event::Free(index) => blocks[index as usize].end = position,
+                Event::Carried(_) => {}
             }
         }
         Some(blocks)
@@ -1982,6 +2110,9 @@ impl Planned {
             Some(key) => PlanKey::User(key),
             None => PlanKey::Sizes(self.first_sizes.clone()),
         };
+        if self.carried.iter().any(|c| c.out) {
+            return self.replan_carried(blocks, key);
+        }
         // The same sequence as the plan of its key, sizes aside (routed tokens, a ragged
         // batch): each entry is sized to the largest size seen in its place, so the sizes the
         // scopes vary between all fit the next plan instead of deviating scope after scope —
@@ -2078,9 +2209,105 @@ impl Planned {
             new_sequence,
             binned: None,
             predicted: false,
+            carries: false,
         };
         let plan = self.fit_bin(plan);
         self.counters.replans += 1;
+        self.keep_plan(plan);
+    }
+
+    /// [`Planned::replan`] for a scope that carries allocations into the next: each is packed
+    /// with its life in the next scope, at one offset ([`plan::pack_around`]), pinned where it
+    /// lies in the slab now, since the next scope finds it there. Its life there ends where the
+    /// allocation of the same index carried into this scope was freed, or, where none was (the
+    /// first scope that carries), at a guess: where this scope's own live bytes first peak (a
+    /// loop frees the gradients the step before handed it before its backward pass, where its
+    /// peak is), or where the allocation is made again if that is sooner. A carried allocation
+    /// freed later than planned finds the plan's entries laid over it refused (the late list),
+    /// and that scope deviates and is planned again from what it saw.
+    fn replan_carried(&mut self, mut blocks: Vec<Block>, key: PlanKey) {
+        let entries = blocks.len();
+        let base = self.slab.map_or(0, |slab| slab.base);
+        let out: Vec<CarriedAllocation> = self.carried.iter().filter(|c| c.out).copied().collect();
+        let peak_at = self.own_peak_position();
+        let freed_at = |index: u32| {
+            self.events.iter().position(|event| matches!(event, Event::Carried(i) if *i == index)).map(|p| p as u32)
+        };
+        let mut pairs = Vec::with_capacity(out.len());
+        for carried in &out {
+            let block = blocks[carried.index as usize];
+            let until = freed_at(carried.index).unwrap_or(peak_at.min(block.start));
+            if until == 0 || until > block.start {
+                // Freed before anything else in the next scope, or only after its own index is
+                // made again: no life there to pack.
+                continue;
+            }
+            blocks.push(Block { size: block.size, start: 0, end: until });
+            pairs.push(plan::Carried {
+                block: carried.index as usize,
+                next: blocks.len() - 1,
+                at: carried.in_slab.then(|| carried.ptr - base),
+            });
+        }
+        let packing = plan::pack_around(&blocks, &pairs);
+        let paired = pairs.iter().all(|pair| packing.offsets[pair.block] == packing.offsets[pair.next]);
+        if !paired || !plan::is_valid(&blocks, &packing) {
+            debug_assert!(false, "the planner made an invalid packing of a carrying scope");
+            return;
+        }
+        let lower_bound = plan::lower_bound(&blocks);
+        blocks.truncate(entries);
+        let mut by_end: Vec<u32> =
+            (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
+        by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
+        let sizes: Vec<u64> = blocks.iter().map(|b| b.size).collect();
+        let plan = Plan {
+            key,
+            largest: sizes.clone(),
+            sizes,
+            starts: blocks.iter().map(|b| b.start).collect(),
+            ends: blocks.iter().map(|b| b.end).collect(),
+            offsets: packing.offsets[..entries].to_vec(),
+            by_end,
+            bytes: packing.size,
+            lower_bound,
+            last_used: self.clock,
+            scopes: 0,
+            varies: false,
+            in_order: false,
+            own_peak: packing.size,
+            new_sequence: false,
+            binned: None,
+            predicted: false,
+            carries: true,
+        };
+        self.counters.replans += 1;
+        self.keep_plan(plan);
+    }
+
+    /// The position of the scope's first event at which its own allocations' live bytes peak.
+    fn own_peak_position(&self) -> u32 {
+        let mut sizes: Vec<u64> = Vec::new();
+        let (mut live, mut peak, mut at) = (0u64, 0u64, 0u32);
+        for (position, event) in self.events.iter().enumerate() {
+            match *event {
+                Event::Alloc(size) => {
+                    sizes.push(size);
+                    live += size;
+                    if live > peak {
+                        (peak, at) = (live, position as u32);
+                    }
+                }
+                Event::Free(index) => live -= sizes[index as usize],
+                Event::Carried(_) => {}
+            }
+        }
+        at
+    }
+
+    /// Keeps `plan` in place of the plan of its key or, at the bound, of the least recently
+    /// used one.
+    fn keep_plan(&mut self, plan: Plan) {
         if let Some(same) = self.plans.iter().position(|p| p.key == plan.key) {
             // The scopes it served in this step stay counted.
             let plan = Plan { scopes: self.plans[same].scopes, ..plan };
@@ -2144,7 +2371,7 @@ impl Planned {
     /// captured step; its base, or `None` when it cannot be lent: lent already, an allocation of
     /// the scope lives in it, or the device refused the memory.
     fn lend_slab(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Option<CUdeviceptr>> {
-        if self.lent.is_some() || !self.slab_live.is_empty() || !self.late.is_empty() {
+        if self.lent.is_some() || !self.slab_live.is_empty() || !self.late.is_empty() || self.carried_top() > 0 {
             return Ok(None);
         }
         self.ensure_slab(source, bytes)?;
@@ -2202,6 +2429,9 @@ impl Allocator for Planned {
     }
 
     fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+        if served.slot & CARRIED_SLOT != 0 && served.slot != Served::NO_SLOT {
+            return self.free_carried(source, served, bytes);
+        }
         let ptr = served.ptr;
         if self.template.is_some() {
             self.follow_template_free(served.slot);
@@ -2268,9 +2498,32 @@ impl Allocator for Planned {
     /// slab is taken now, so the next scope finds it; it is given back when no plan is left, or
     /// when `keep` is smaller than it (the trim policy asks for the memory back; the next scope
     /// that has a plan takes it again).
+    /// Keeps a slab or fallback allocation where it lies; one in the bin is not kept (a phase
+    /// that carries takes no bin: [`Allocator::bin`]).
+    fn carry(&mut self, served: Served, bytes: u64) -> Option<u32> {
+        if served.slot & CARRIED_SLOT != 0 {
+            return None;
+        }
+        let (index, size, in_slab) = if let Some(allocation) = self.slab_live.remove(served.slot, served.ptr) {
+            (allocation.index, allocation.size, true)
+        } else {
+            (self.pooled.remove(&served.ptr)?, bytes.next_multiple_of(ALIGNMENT), false)
+        };
+        // Below `Served::NO_SLOT`, which has the bit set too.
+        let slot = CARRIED_SLOT | (self.carried_count % (CARRIED_SLOT - 1));
+        self.carried_count = self.carried_count.wrapping_add(1);
+        self.carried.push(CarriedAllocation { ptr: served.ptr, size, slot, index, in_slab, out: true });
+        Some(slot)
+    }
+
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
+        // What the scope before carried in and is still live the pool has released; what this
+        // scope carries out stays where it is.
+        self.carried.retain(|c| c.out);
         self.pooled.clear();
-        self.fallback.reclaim();
+        let kept: Vec<(CUdeviceptr, u64)> =
+            self.carried.iter().filter(|c| !c.in_slab).map(|c| (c.ptr, c.size)).collect();
+        self.fallback.reclaim_keeping(&kept);
         // The fallback chunks go back whole: the scope that needed them is over, and the pool
         // must not hold them idle while the slab (or another phase) takes its own peak.
         let outcome = self.fallback.release_empty(source, 0);
@@ -2309,6 +2562,9 @@ impl Allocator for Planned {
             self.drop_predicted_plan();
         }
         self.close_scope();
+        for carried in &mut self.carried {
+            carried.out = false;
+        }
         self.slab_refused = false;
         let desired = self.desired_slab();
         // Holes given back in the scope: those under what the plans need are mapped again, so
@@ -2318,11 +2574,21 @@ impl Allocator for Planned {
         // refuses the pages, the pages from the lowest hole on go back (nothing lives in the slab
         // now), and the slab grows again below as the plans need.
         if let (Some(slab), Some(lowest)) = (self.slab, self.holes.iter().map(|&(at, _)| at).min()) {
-            let keep = desired.next_multiple_of(GRANULE).min(slab.size);
+            // Nothing of the scope lives in the slab now but what it carries: the pages under
+            // that are mapped again whatever the plans need.
+            let carried = self.carried_top();
+            let keep = desired.next_multiple_of(GRANULE).min(slab.size).max(carried);
             let refilled = lowest < keep && source.fill_range(slab.base, 0, keep).is_ok();
-            self.holes.clear();
-            self.unmapped = 0;
-            let end = if refilled { keep } else { lowest };
+            let end = if refilled { keep } else { lowest.max(carried) };
+            if refilled {
+                self.holes.clear();
+                self.unmapped = 0;
+            } else {
+                // Refused with carried memory above the lowest hole: the holes under it stay,
+                // and the next scope is served online, which maps a hole again before it hands
+                // it out (`serve`).
+                self.clip_holes(end);
+            }
             if end < slab.size {
                 match source.resize_range(slab.base, end) {
                     Ok(size) => self.slab = Some(Slab { size, ..slab }),
@@ -2344,7 +2610,7 @@ impl Allocator for Planned {
         } else if let Some(slab) = self.slab {
             let unfit = slab.size < desired || slab.size > desired + desired / 8;
             kept = slab.size <= keep;
-            if unfit || !kept {
+            if (unfit || !kept) && self.carried_top() == 0 {
                 // Smaller or larger than the recent plans need, or larger than the trim policy
                 // keeps.
                 self.slab = None;
@@ -2367,7 +2633,7 @@ impl Allocator for Planned {
         }
         // Between scopes nothing lives in a growable slab: its mapped pages wait for the next
         // scope, and go back first if another pool on the device needs memory meanwhile.
-        let idle_pages = self.slab.is_some_and(|slab| slab.growable && slab.size > 0) && self.slab_live.is_empty();
+        let idle_pages = self.slab.is_some_and(|slab| slab.growable && slab.size > 0) && self.carried_top() == 0;
         self.hold_freed(source, idle_pages);
         outcome
     }
@@ -2383,8 +2649,12 @@ impl Allocator for Planned {
             // A lent slab is the captured step's: only the fallback chunks' free space is the pool's.
             return self.lent.map(|_| self.fallback.free_space());
         };
-        let mut live: Vec<(u64, u64)> =
-            self.slab_live.iter().map(|allocation| (allocation.ptr - slab.base, allocation.size)).collect();
+        let mut live: Vec<(u64, u64)> = self
+            .slab_live
+            .iter()
+            .map(|allocation| (allocation.ptr - slab.base, allocation.size))
+            .chain(self.carried_in_slab(slab))
+            .collect();
         live.sort_unstable();
         let mut space = FreeSpace::default();
         let mut top = 0;
@@ -2412,7 +2682,7 @@ impl Allocator for Planned {
         self.freed_unpunched = 0;
         self.hold_freed(source, false);
         let chunks = self.fallback.release_empty(source, 0)?;
-        if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() {
+        if !self.slab_live.is_empty() || !self.late.is_empty() || self.online.is_some() || self.carried_top() > 0 {
             return Ok(chunks + self.give_back_free_pages(source, u64::MAX)?);
         }
         let Some(slab) = self.slab.take() else { return Ok(chunks) };
@@ -2488,7 +2758,12 @@ impl Allocator for Planned {
     /// while the slab is lent to a captured step (whose graph is laid out at the plan's own
     /// offsets, and outlives any loan).
     fn bin(&self) -> Option<(Option<Bin>, bool)> {
-        let wants = self.lent.is_none() && self.slab.is_some_and(|slab| slab.growable) && !self.plans.is_empty();
+        // A phase that carries takes none: the bin goes back at each step's start, and what it
+        // held could not outlive the step.
+        let wants = self.lent.is_none()
+            && !self.entry.spec.carry
+            && self.slab.is_some_and(|slab| slab.growable)
+            && !self.plans.is_empty();
         Some((self.bin, wants))
     }
 
@@ -3071,6 +3346,69 @@ mod tests {
         assert_eq!(slab.size, 10 * MIB, "the plan's 9 MiB, rounded up to a page");
         assert_eq!(source.held(), 10 * MIB, "and kept mapped for the next scope of the plan");
         assert!(again.iter().all(|&p| p >= slab.base && p < slab.base + slab.size));
+    }
+
+    /// A planned allocator of a phase that carries allocations into the next step.
+    fn carrying() -> Planned {
+        let spec = PhaseSpec::new("p", Scope::Step).strategy(Strategy::PLANNED).carry(true);
+        Planned::new(PhaseEntry::new(Phase(0), spec), 8, 2)
+    }
+
+    /// One training step whose gradients (2 MiB each) are made in its backward pass and set to
+    /// `None` in the next step between its forward and backward passes: activations `a1`, `a2`
+    /// (4 MiB each), the gradients `carried_in` of the step before freed, a 4 MiB temporary, then
+    /// the gradients made as the activations go. Every hand-out is checked clear of the
+    /// carried-in gradients still live. Returns this step's gradients, carried out.
+    fn carrying_step(planned: &mut Planned, source: &mut FakeSource, carried_in: &[Served]) -> Vec<Served> {
+        let clear_of = |ptr: CUdeviceptr, size: u64, live: &[Served]| {
+            live.iter().all(|g| g.ptr + 2 * MIB <= ptr || ptr + size <= g.ptr)
+        };
+        planned.begin_step();
+        let a1 = planned.allocate(source, 4 * MIB).unwrap();
+        let a2 = planned.allocate(source, 4 * MIB).unwrap();
+        assert!(clear_of(a1.ptr, 4 * MIB, carried_in) && clear_of(a2.ptr, 4 * MIB, carried_in));
+        for &g in carried_in {
+            planned.free(source, g, 2 * MIB).unwrap();
+        }
+        let t = planned.allocate(source, 4 * MIB).unwrap();
+        planned.free(source, t, 4 * MIB).unwrap();
+        planned.free(source, a2, 4 * MIB).unwrap();
+        let g1 = planned.allocate(source, 2 * MIB).unwrap();
+        planned.free(source, a1, 4 * MIB).unwrap();
+        let g2 = planned.allocate(source, 2 * MIB).unwrap();
+        let out = [g1, g2].map(|g| Served { ptr: g.ptr, slot: planned.carry(g, 2 * MIB).expect("carried") });
+        planned.reset(source, u64::MAX).unwrap();
+        out.to_vec()
+    }
+
+    #[test]
+    fn memory_carried_into_the_next_step_is_planned_at_one_place_and_shared_once_freed() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        let mut carried = carrying_step(&mut planned, &mut source, &[]);
+        assert!(carried.iter().all(|g| g.slot & CARRIED_SLOT != 0));
+        let mut places = Vec::new();
+        for _ in 0..4 {
+            carried = carrying_step(&mut planned, &mut source, &carried);
+            places.push(carried.iter().map(|g| g.ptr).collect::<Vec<_>>());
+        }
+        let stats = planned.plan_stats().unwrap();
+        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (5, 0, 0), "the last step all from its plan");
+        assert!(places.windows(2).skip(1).all(|w| w[0] == w[1]), "the gradients at one place: {places:x?}");
+        // The gradients are pinned where the recording put them (best fit: the second at 0, in
+        // the first activation's hole, the first at 4 MiB, in the second's), so the activations
+        // go above them, and the temporary takes the gradients' place once they are freed: 14
+        // MiB, where the gradients apart from the rest need 16 (12 MiB live at most).
+        let plan = &planned.plans[0];
+        let (temporary, gradient) = (plan.offsets[2], plan.offsets[4]);
+        assert!(temporary < gradient + 2 * MIB && gradient < temporary + 4 * MIB, "{plan:?}");
+        assert_eq!(plan.bytes, 14 * MIB, "{plan:?}");
+        assert_eq!(source.held(), 14 * MIB);
+        // The next step's end would release them; freed here, nothing is left.
+        for g in carried {
+            planned.free(&mut source, g, 2 * MIB).unwrap();
+        }
+        planned.reset(&mut source, 0).unwrap();
+        assert!(planned.carried.is_empty());
     }
 
     /// Where a bin lent by another pool lies in the tests: far from any range of the fake source.

@@ -415,13 +415,20 @@ impl Recorder {
         state.events.push_back(Event { t_ns, kind });
     }
 
-    /// Records as released by a boundary every allocation of `pool` still live in the history:
-    /// a strategy that reclaims what its scope handed out (an arena) releases them all.
-    pub(crate) fn release_pool(&self, pool: PoolId) {
+    /// Records as released by a boundary every allocation of `pool` still live in the history
+    /// but those at `kept` (carried into the next step): a strategy that reclaims what its scope
+    /// handed out (an arena) releases them all.
+    pub(crate) fn release_pool(&self, pool: PoolId, kept: &[CUdeviceptr]) {
         if !self.is_on() {
             return;
         }
-        let live: Vec<LiveBlock> = self.lock().blocks.values().filter(|block| block.pool == pool).cloned().collect();
+        let live: Vec<LiveBlock> = self
+            .lock()
+            .blocks
+            .values()
+            .filter(|block| block.pool == pool && !kept.contains(&block.ptr))
+            .cloned()
+            .collect();
         let (step, thread) = (self.step(), thread_number());
         for block in live {
             self.record(EventKind::Free { pool, ptr: block.ptr, bytes: block.bytes, step, thread, release: true });

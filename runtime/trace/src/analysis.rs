@@ -3,8 +3,10 @@
 //!
 //! Scopes come from real lifetimes, so a replay never has a boundary release memory the trace
 //! still uses: an allocation freed inside the micro-step it was made in is micro-step-scoped;
-//! freed inside its step, step-scoped; anything else (made outside a step, freed in a later step,
-//! never freed) persistent. A tagged trace's phases keep their declared scope where the lifetime
+//! freed inside its step, step-scoped; freed in the step after the one it was made in,
+//! step-scoped in the phase [`CARRIED_PHASE`], which carries it across the boundary
+//! ([`ReplayPhase::carried`]); anything else (made outside a step, freed two steps later or
+//! after, never freed) persistent. A tagged trace's phases keep their declared scope where the lifetime
 //! fits it; where it does not, the allocation's scope is inferred and a warning counted.
 //!
 //! One exception: memory the trace's last step makes and never frees, when nothing is allocated
@@ -22,6 +24,9 @@ use std::collections::{HashMap, HashSet};
 use crate::error::{Location, Result, TraceError};
 use crate::scope::Scope;
 use crate::trace::{EventKind, Trace, WarningKind, Warnings};
+
+/// The name of the phase inferred for allocations made in one step and freed in the next.
+pub const CARRIED_PHASE: &str = "carried";
 
 /// The most streams a trace may use: a replay creates one runtime stream per trace stream.
 pub const MAX_STREAMS: usize = 4096;
@@ -67,6 +72,10 @@ pub struct ReplayPhase {
     pub scope: Scope,
     /// Whether the trace tagged it (otherwise it is inferred).
     pub tagged: bool,
+    /// Its allocations are made in one step and freed in the next (step scope, carried across
+    /// the boundary: the `carried` phase inferred for gradients a loop sets to `None` between
+    /// its forward and backward passes). Only an inferred phase carries.
+    pub carried: bool,
 }
 
 /// The numbers of one replay phase.
@@ -331,9 +340,9 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
     let mut phases: Vec<ReplayPhase> = trace
         .phases
         .iter()
-        .map(|phase| ReplayPhase { name: phase.name.clone(), scope: phase.scope, tagged: true })
+        .map(|phase| ReplayPhase { name: phase.name.clone(), scope: phase.scope, tagged: true, carried: false })
         .collect();
-    let mut inferred: [Option<u16>; 3] = [None; 3];
+    let mut inferred: [Option<u16>; 4] = [None; 4];
     for (id, allocation) in allocations.iter_mut().enumerate() {
         let at = &pending[id];
         let lifetime = freed[id].as_ref();
@@ -344,6 +353,9 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
             lifetime.is_none() && at.step.is_some_and(|step| step + 1 == b.steps) && !b.allocated_after_step;
         let released_after_step =
             held_by_last_step || (at.step.is_some() && lifetime.is_some_and(|f| f.released && f.step != at.step));
+        // Made in a step, freed (not released) in the next.
+        let carried = !released_after_step
+            && at.step.is_some_and(|step| lifetime.is_some_and(|f| !f.released && f.step == Some(step + 1)));
         let fits = |scope: Scope| match scope {
             Scope::Persistent => true,
             Scope::Step => same_step || released_after_step,
@@ -351,7 +363,7 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
         };
         let inferred_scope = if same_micro {
             Scope::MicroStep
-        } else if same_step || released_after_step {
+        } else if same_step || released_after_step || carried {
             Scope::Step
         } else {
             Scope::Persistent
@@ -371,18 +383,19 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
                 }
                 let slot = match inferred_scope {
                     Scope::Persistent => 0,
+                    Scope::Step if carried => 3,
                     Scope::Step => 1,
                     Scope::MicroStep => 2,
                 };
                 let phase = match inferred[slot] {
                     Some(phase) => phase,
                     None => {
-                        let base = inferred_scope.name();
+                        let base = if carried { CARRIED_PHASE } else { inferred_scope.name() };
                         let mut name = base.to_owned();
                         if phases.iter().any(|p| p.name == name) {
                             name = format!("{base} (inferred)");
                         }
-                        phases.push(ReplayPhase { name, scope: inferred_scope, tagged: false });
+                        phases.push(ReplayPhase { name, scope: inferred_scope, tagged: false, carried });
                         let phase = (phases.len() - 1) as u16;
                         inferred[slot] = Some(phase);
                         phase
@@ -494,24 +507,71 @@ mod tests {
         event
     }
 
-    /// Weights, then steps of an activation (freed in the step) and a gradient freed at the top of
-    /// the next iteration, before its first allocation; the last step's gradient is never freed.
-    fn zero_grad_at_the_top(steps: u32) -> Trace {
+    /// A weight, then `steps` steps of an activation and a gradient (pointers `10 + 2s` and
+    /// `11 + 2s`), each step's events in between its marks as `body(step, events)` pushes them.
+    fn training_loop(steps: u32, body: impl Fn(u64, &mut Vec<Event>)) -> Trace {
         let mut trace = Trace::new("loop", TraceFormat::Rmm);
-        let free = EventKind::Free { released: false };
         trace.events.push(event(EventKind::Alloc, 1));
         for step in 0..u64::from(steps) {
-            let (activation, gradient) = (10 + 2 * step, 11 + 2 * step);
             trace.events.push(event(EventKind::StepBegin(step), 0));
-            trace.events.push(event(EventKind::Alloc, activation));
-            trace.events.push(event(EventKind::Alloc, gradient));
-            trace.events.push(event(free, activation));
-            if step + 1 < u64::from(steps) {
-                trace.events.push(event(free, gradient));
-            }
+            body(step, &mut trace.events);
             trace.events.push(event(EventKind::StepEnd(step), 0));
         }
         trace
+    }
+
+    const FREE: EventKind = EventKind::Free { released: false };
+
+    /// Steps of an activation (freed in the step) and a gradient freed at the top of the next
+    /// iteration, before its first allocation; the last step's gradient is never freed.
+    fn zero_grad_at_the_top(steps: u32) -> Trace {
+        training_loop(steps, |step, events| {
+            let (activation, gradient) = (10 + 2 * step, 11 + 2 * step);
+            events.extend([
+                event(EventKind::Alloc, activation),
+                event(EventKind::Alloc, gradient),
+                event(FREE, activation),
+            ]);
+            if step + 1 < u64::from(steps) {
+                events.push(event(FREE, gradient));
+            }
+        })
+    }
+
+    /// Steps that make an activation, free the step before's gradient, make their own gradient
+    /// and free the activation: `zero_grad()` between the forward and backward passes. The last
+    /// step's gradient is never freed.
+    fn zero_grad_before_backward(steps: u32) -> Trace {
+        training_loop(steps, |step, events| {
+            let (activation, gradient) = (10 + 2 * step, 11 + 2 * step);
+            events.push(event(EventKind::Alloc, activation));
+            if step > 0 {
+                events.push(event(FREE, gradient - 2));
+            }
+            events.extend([event(EventKind::Alloc, gradient), event(FREE, activation)]);
+        })
+    }
+
+    #[test]
+    fn memory_freed_in_the_step_after_its_own_is_carried_across_the_boundary() {
+        let analysis = analyse(&zero_grad_before_backward(3)).unwrap();
+        let step = (Scope::Step, false);
+        assert_eq!(scopes(&analysis), [(Scope::Persistent, false), step, step, step, step, step, (Scope::Step, true)]);
+        let phase = |id: usize| &analysis.phases[usize::from(analysis.allocations[id].phase)];
+        assert_eq!((phase(2).name.as_str(), phase(2).carried), (CARRIED_PHASE, true), "the gradients made in a step");
+        assert_eq!(phase(4).name, CARRIED_PHASE);
+        assert!(!phase(1).carried && !phase(6).carried, "activations, and what the last step holds at the end");
+        assert!(analysis.warnings.is_empty(), "{:?}", analysis.warnings);
+
+        // Freed two steps later: no boundary carries it, it is persistent.
+        let mut trace = zero_grad_before_backward(4);
+        let free_of_first_gradient = trace.events.iter().position(|e| e.ptr == 11 && e.kind != EventKind::Alloc);
+        let free = trace.events.remove(free_of_first_gradient.unwrap());
+        let in_third_step = trace.events.iter().position(|e| e.ptr == 14).unwrap();
+        trace.events.insert(in_third_step + 1, free);
+        let analysis = analyse(&trace).unwrap();
+        assert_eq!(scopes(&analysis)[2], (Scope::Persistent, false));
+        assert_eq!(analysis.phases[usize::from(analysis.allocations[4].phase)].name, CARRIED_PHASE);
     }
 
     fn scopes(analysis: &Analysis) -> Vec<(Scope, bool)> {
