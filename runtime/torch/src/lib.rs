@@ -31,7 +31,9 @@
 //! process (PyTorch's pooled streams and the default stream do), or the special handles. Memory
 //! is used in its stream's order, or on other streams recorded with the record-stream hook. A
 //! tensor of a step-scoped phase does not outlive its step: the step's end releases it (in
-//! checked mode, on by default, its late free is reported as a use after release, not a crash).
+//! checked mode, on by default, its late free is reported as a use after release, not a crash),
+//! unless the phase carries (`steppool_torch_phase_declare`): then it may live until the next
+//! step's end.
 //!
 //! # Errors
 //!
@@ -53,6 +55,7 @@ use std::ffi::{CStr, CString, c_char, c_double, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use steppool::sys::CUstream;
+use steppool::{Scope, Strategy};
 
 use crate::error::{Result, TorchError};
 use crate::state::{Config, Threads, Torch, parse_scope, parse_strategy};
@@ -224,13 +227,52 @@ pub unsafe extern "C" fn steppool_torch_phase_enter_all_threads(
 unsafe fn enter_phase(name: *const c_char, scope: *const c_char, strategy: *const c_char, threads: Threads) -> c_int {
     boundary(-1, || {
         // SAFETY: the caller's contract, for the three strings.
-        let (name, scope) = unsafe { (text(name, "the phase name")?, text(scope, "the scope")?) };
-        let strategy = match strategy.is_null() {
-            true => None,
-            // SAFETY: the caller's contract.
-            false => Some(parse_strategy(unsafe { text(strategy, "the strategy") }?)?),
-        };
-        Torch::get()?.phase_enter(name, parse_scope(scope)?, strategy, threads).map(|_| 0)
+        let (name, scope, strategy) = unsafe { phase_args(name, scope, strategy) }?;
+        Torch::get()?.phase_enter(name, scope, strategy, threads).map(|_| 0)
+    })
+}
+
+/// A phase's name, scope and strategy (NULL: none) as the C functions take them.
+///
+/// # Safety
+///
+/// `name` and `scope` are NUL-terminated strings; `strategy` is NULL or one.
+unsafe fn phase_args<'a>(
+    name: *const c_char,
+    scope: *const c_char,
+    strategy: *const c_char,
+) -> Result<(&'a str, Scope, Option<Strategy>)> {
+    // SAFETY: the caller's contract, for the three strings.
+    let (name, scope) = unsafe { (text(name, "the phase name")?, text(scope, "the scope")?) };
+    let strategy = match strategy.is_null() {
+        true => None,
+        // SAFETY: the caller's contract.
+        false => Some(parse_strategy(unsafe { text(strategy, "the strategy") }?)?),
+    };
+    Ok((name, parse_scope(scope)?, strategy))
+}
+
+/// Declares phase `name` without entering it, or changes an existing one's spec before its first
+/// allocation: `scope` and `strategy` as [`steppool_torch_phase_enter`] takes them, and `carry`
+/// (non-zero: the allocations a step leaves live are kept for the next step, which frees them;
+/// gradients set to `None` by a `zero_grad()` between the forward and backward passes, or at the
+/// loop's top). Returns 0 or -1 (a scope other than the existing one's, a phase that allocated
+/// already, carrying asked of a phase that is not step-scoped).
+///
+/// # Safety
+///
+/// As for [`steppool_torch_phase_enter`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn steppool_torch_phase_declare(
+    name: *const c_char,
+    scope: *const c_char,
+    strategy: *const c_char,
+    carry: c_int,
+) -> c_int {
+    boundary(-1, || {
+        // SAFETY: the caller's contract, for the three strings.
+        let (name, scope, strategy) = unsafe { phase_args(name, scope, strategy) }?;
+        Torch::get()?.declare_phase(name, scope, strategy, Some(carry != 0)).map(|_| 0)
     })
 }
 

@@ -459,7 +459,27 @@ impl Torch {
         strategy: Option<Strategy>,
         threads: Threads,
     ) -> Result<Phase> {
-        let phase = match self.runtime.phase_named(name) {
+        let phase = self.declare_phase(name, scope, strategy, None)?;
+        PHASES.with(|phases| phases.borrow_mut().push((phase, threads)));
+        if threads == Threads::All {
+            lock(&self.shared.stack).push((phase, std::thread::current().id()));
+            self.shared.open.fetch_add(1, Ordering::AcqRel);
+        }
+        Ok(phase)
+    }
+
+    /// The phase `name`, declared with `scope`, `strategy` (else the one `init` chose for the
+    /// scope) and `carry` (else not carrying) if it is new. One that exists must have `scope`;
+    /// it takes a different `strategy` or `carry` asked for before its first allocation (a
+    /// built-in phase keeps its spec otherwise).
+    pub(crate) fn declare_phase(
+        &self,
+        name: &str,
+        scope: Scope,
+        strategy: Option<Strategy>,
+        carry: Option<bool>,
+    ) -> Result<Phase> {
+        match self.runtime.phase_named(name) {
             Some(phase) => {
                 let spec = self.runtime.phase_spec(phase)?;
                 if spec.scope != scope {
@@ -469,22 +489,19 @@ impl Torch {
                         requested: scope.name(),
                     });
                 }
-                if let Some(strategy) = strategy.filter(|strategy| *strategy != spec.strategy) {
-                    self.runtime.set_phase_spec(phase, spec.strategy(strategy))?;
+                let wanted =
+                    spec.clone().strategy(strategy.unwrap_or(spec.strategy)).carry(carry.unwrap_or(spec.carry));
+                if wanted != spec {
+                    self.runtime.set_phase_spec(phase, wanted)?;
                 }
-                phase
+                Ok(phase)
             }
             None => {
                 let strategy = strategy.unwrap_or_else(|| self.config.strategy_for(scope));
-                self.runtime.declare_phase(PhaseSpec::new(name, scope).strategy(strategy))?
+                let spec = PhaseSpec::new(name, scope).strategy(strategy).carry(carry.unwrap_or(false));
+                Ok(self.runtime.declare_phase(spec)?)
             }
-        };
-        PHASES.with(|phases| phases.borrow_mut().push((phase, threads)));
-        if threads == Threads::All {
-            lock(&self.shared.stack).push((phase, std::thread::current().id()));
-            self.shared.open.fetch_add(1, Ordering::AcqRel);
         }
-        Ok(phase)
     }
 
     /// Leaves the innermost phase this thread entered.

@@ -1,7 +1,8 @@
 //! The C ABI through its exported symbols: the built `libsteppool_torch.so` opened with
 //! libloading, as PyTorch opens it, on the simulated device. Allocation and free, bad sizes,
 //! null and unknown pointers, frees on another stream, out of memory and its verdict, steps,
-//! several threads in their own phases, and the telemetry, snapshot and metrics exports.
+//! phases that carry memory into the next step, several threads in their own phases, and the
+//! telemetry, snapshot and metrics exports.
 //!
 //! The library is one process-wide runtime, so the tests take turns (`serial`) and read the
 //! counters as differences.
@@ -23,6 +24,7 @@ struct Lib {
     free: Free,
     phase_enter: unsafe extern "C" fn(*const c_char, *const c_char, *const c_char) -> c_int,
     phase_enter_all_threads: unsafe extern "C" fn(*const c_char, *const c_char, *const c_char) -> c_int,
+    phase_declare: unsafe extern "C" fn(*const c_char, *const c_char, *const c_char, c_int) -> c_int,
     phase_leave: unsafe extern "C" fn() -> c_int,
     current_phase: unsafe extern "C" fn() -> *mut c_char,
     step: unsafe extern "C" fn() -> i64,
@@ -71,6 +73,7 @@ fn lib() -> &'static Lib {
             free: symbol!("steppool_torch_free"),
             phase_enter: symbol!("steppool_torch_phase_enter"),
             phase_enter_all_threads: symbol!("steppool_torch_phase_enter_all_threads"),
+            phase_declare: symbol!("steppool_torch_phase_declare"),
             phase_leave: symbol!("steppool_torch_phase_leave"),
             current_phase: symbol!("steppool_torch_current_phase"),
             step: symbol!("steppool_torch_step"),
@@ -150,6 +153,20 @@ impl Lib {
         // SAFETY: NUL-terminated strings and a NULL strategy.
         let code = unsafe { (self.phase_enter_all_threads)(name.as_ptr(), scope.as_ptr(), std::ptr::null()) };
         assert_eq!(code, 0, "phase_enter_all_threads: {:?}", self.last_error());
+    }
+
+    /// Declares `name` carrying (or not); the call's return value.
+    fn declare(&self, name: &str, scope: &str, carry: bool) -> c_int {
+        let (name, scope) = (CString::new(name).unwrap(), CString::new(scope).unwrap());
+        // SAFETY: NUL-terminated strings and a NULL strategy.
+        unsafe { (self.phase_declare)(name.as_ptr(), scope.as_ptr(), std::ptr::null(), c_int::from(carry)) }
+    }
+
+    /// The released bytes of `phase` in the last step's report.
+    fn released(&self, phase: &str) -> Option<u64> {
+        let report = &self.telemetry()["last_step"];
+        let phases = report["phases"].as_array()?;
+        phases.iter().find(|p| p["phase"] == phase)?["released_bytes"].as_u64()
     }
 
     /// The calling thread's phase.
@@ -292,6 +309,37 @@ fn null_unknown_and_released_pointers_are_defined() {
     let error = lib.last_error().unwrap();
     assert_eq!(error["kind"], "use_after_release");
     assert_eq!((error["phase"].as_str(), error["step"].as_i64()), (Some("abi_step"), Some(step)));
+}
+
+#[test]
+fn a_carrying_phase_keeps_what_a_step_leaves_until_the_next_one_ends() {
+    let (_serial, lib) = serial();
+    // Carrying is for step-scoped phases, before their first allocation.
+    assert_eq!(lib.declare("abi_carry_persistent", "persistent", true), -1);
+    let error = lib.last_error().unwrap();
+    assert!(error["message"].as_str().unwrap().contains("cannot carry"), "{error}");
+    assert_eq!(lib.declare("abi_carry", "step", true), 0, "{:?}", lib.last_error());
+    // SAFETY: no arguments.
+    let first = unsafe { (lib.step)() };
+    assert!(first >= 0, "{:?}", lib.last_error());
+    lib.enter("abi_carry", "step");
+    let (gradient, kept) = (lib.alloc(4 * MIB, STREAM_A), lib.alloc(2 * MIB, STREAM_A));
+    assert!(!gradient.is_null() && !kept.is_null(), "{:?}", lib.last_error());
+    lib.leave();
+    // SAFETY: no arguments.
+    assert_eq!(unsafe { (lib.step)() }, first + 1);
+    assert_eq!((lib.released("abi_carry"), lib.used("abi_carry")), (Some(0), 6 << 20), "kept for this step");
+    // Freed in the next step, as a `zero_grad()` sets gradients to None: an ordinary free.
+    lib.free(gradient, 4 * MIB, STREAM_A);
+    assert_eq!(lib.last_error(), None);
+    // What the next step does not free, its end releases.
+    // SAFETY: no arguments.
+    assert_eq!(unsafe { (lib.step)() }, first + 2);
+    assert_eq!((lib.released("abi_carry"), lib.used("abi_carry")), (Some(2 << 20), 0));
+    lib.free(kept, 2 * MIB, STREAM_A);
+    assert_eq!(lib.last_error().unwrap()["kind"], "use_after_release");
+    // The phase has allocated: its spec stays.
+    assert_eq!(lib.declare("abi_carry", "step", false), -1);
 }
 
 #[test]

@@ -55,6 +55,7 @@ class Native:
             "steppool_torch_record_stream": (None, [c.c_void_p, c.c_void_p]),
             "steppool_torch_phase_enter": (c.c_int, [c.c_char_p, c.c_char_p, c.c_char_p]),
             "steppool_torch_phase_enter_all_threads": (c.c_int, [c.c_char_p, c.c_char_p, c.c_char_p]),
+            "steppool_torch_phase_declare": (c.c_int, [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int]),
             "steppool_torch_phase_leave": (c.c_int, []),
             "steppool_torch_current_phase": (c.c_void_p, []),
             "steppool_torch_step": (c.c_int64, []),
@@ -137,6 +138,12 @@ class Native:
         encoded = None if strategy is None else strategy.encode()
         enter = self.lib.steppool_torch_phase_enter_all_threads if all_threads else self.lib.steppool_torch_phase_enter
         self._check(enter(name.encode(), scope.encode(), encoded), "phase_enter")
+
+    def phase_declare(self, name: str, scope: str, strategy: Optional[str], carry: bool) -> None:
+        encoded = None if strategy is None else strategy.encode()
+        self._check(
+            self.lib.steppool_torch_phase_declare(name.encode(), scope.encode(), encoded, int(carry)), "phase_declare"
+        )
 
     def phase_leave(self) -> None:
         self._check(self.lib.steppool_torch_phase_leave(), "phase_leave")

@@ -270,10 +270,18 @@ def _mempool(name: str) -> Any:
 class _Phase:
     """The context manager :func:`phase` returns."""
 
-    def __init__(self, name: str, scope: str, strategy: Optional[str], all_threads: bool = False) -> None:
+    def __init__(
+        self, name: str, scope: str, strategy: Optional[str], all_threads: bool = False, carry: bool = False
+    ) -> None:
         _check_choice(scope, SCOPES, "scope")
         _check_choice(strategy, STRATEGIES, "strategy")
+        if carry and scope != "step":
+            raise InvalidArgumentError(
+                f"phase {name!r} is {scope}-scoped: only a step-scoped phase carries memory into the next step",
+                "invalid",
+            )
         self.name, self.scope, self.strategy, self.all_threads = name, scope, strategy, all_threads
+        self.carry = carry
         self._pool_context: Any = None
 
     def __enter__(self) -> "_Phase":
@@ -293,6 +301,8 @@ class _Phase:
             )
         if _State.allocator is not None and self.scope != "persistent":
             _make_blas_workspace(backward=self.all_threads)
+        if self.carry:
+            native().phase_declare(self.name, self.scope, self.strategy, True)
         native().phase_enter(self.name, self.scope, self.strategy, self.all_threads)
         if mempool:
             torch = _torch()
@@ -318,7 +328,9 @@ class _Phase:
             native().phase_leave()
 
 
-def phase(name: str, scope: str = "persistent", strategy: Optional[str] = None, threads: str = "current") -> _Phase:
+def phase(
+    name: str, scope: str = "persistent", strategy: Optional[str] = None, threads: str = "current", carry: bool = False
+) -> _Phase:
     """Routes the current thread's allocations to the steppool phase ``name`` inside a ``with``.
 
     Args:
@@ -335,9 +347,14 @@ def phase(name: str, scope: str = "persistent", strategy: Optional[str] = None, 
             ``untagged``, with ``all`` to this phase. Use ``all`` only where no other thread
             allocates tensors that outlive the step meanwhile (a thread prefetching the next
             batch, say): a step-scoped phase's memory is released at the step's end.
+        carry: for a step-scoped phase, keep what a step leaves live for the next step, whose
+            end releases what is still held: the gradients of a loop that calls
+            ``optimizer.zero_grad()`` at its top or between its forward and backward passes live
+            from one step's backward pass into the next step. Set before the phase's first
+            allocation.
     """
     _check_choice(threads, THREADS, "threads")
-    return _Phase(name, scope, strategy, threads == "all")
+    return _Phase(name, scope, strategy, threads == "all", carry)
 
 
 class Step:

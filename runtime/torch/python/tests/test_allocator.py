@@ -100,6 +100,21 @@ def test_a_step_releases_its_phases_and_late_frees_are_caught():
     assert sp.telemetry()["active_step"] is None
 
 
+def test_a_carrying_phase_keeps_what_a_step_leaves_for_the_next():
+    # Gradients made in one step's backward pass and set to None in the next step.
+    with pytest.raises(steppool.InvalidArgumentError, match="only a step-scoped phase carries"):
+        sp.phase("py_carry", carry=True)
+    sp.step()
+    with sp.phase("py_carry", scope="step", carry=True):
+        gradient = sp.alloc(4 * MIB)
+    sp.step()
+    report = sp.last_step_report()
+    assert next(p for p in report["phases"] if p["phase"] == "py_carry")["released_bytes"] == 0
+    assert used("py_carry") == 4 * MIB
+    sp.free(gradient, 4 * MIB)
+    assert used("py_carry") == 0
+
+
 def test_a_phase_for_all_threads_routes_a_thread_without_its_own():
     # As autograd's backward thread allocates while loss.backward() runs inside the phase.
     def on_a_thread():
