@@ -1004,9 +1004,12 @@ impl Planned {
         self.clock += 1;
         self.fallback.start_scope();
         // What the scope before carried into the slab is live where it lies, which only a plan
-        // packed with it keeps clear of (hand-outs are checked against the late list).
-        if let Some(slab) = self.slab {
-            let carried = self.carried.iter().filter(|c| c.in_slab).map(|c| (c.ptr - slab.base, c.size));
+        // packed with it keeps clear of (hand-outs are checked against the late list). A first
+        // allocation retried after out-of-memory recovery opens the scope again: nothing twice,
+        // and nothing once the scope is online, whose free ranges leave carried memory out.
+        if let Some(slab) = self.slab.filter(|_| self.online.is_none()) {
+            let carried: Vec<(u64, u64)> =
+                self.carried_in_slab(slab).filter(|range| !self.late.contains(range)).collect();
             self.late.extend(carried);
         }
         self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1609,6 +1612,8 @@ impl Planned {
         let Some(slab) = self.slab.filter(|slab| slab.growable && slab.size > bytes) else { return Ok(()) };
         let size = source.resize_range(slab.base, bytes)?;
         self.slab = Some(Slab { size, ..slab });
+        // Holes left under memory carried across the boundary went with the pages past the end.
+        self.clip_holes(size);
         Ok(())
     }
 

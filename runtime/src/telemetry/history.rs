@@ -422,6 +422,7 @@ impl Recorder {
         if !self.is_on() {
             return;
         }
+        let kept: std::collections::HashSet<CUdeviceptr> = kept.iter().copied().collect();
         let live: Vec<LiveBlock> = self
             .lock()
             .blocks
