@@ -346,7 +346,7 @@
 //! take the memory the activations' chunks held instead of adding to it. Only a scope the slab
 //! did not serve in full (a recording, a new shape, a deviation) pays these waits.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, PoisonError};
 
@@ -530,6 +530,14 @@ fn planned_offset(plans: &[Plan], bin: Option<Bin>, index: usize, entry: usize) 
         (Some(binned), Some(_)) => binned.offsets[entry],
         _ => plans[index].offsets[entry],
     }
+}
+
+/// The blocks freed in their scope, by the position of their free: a plan's `by_end`.
+fn freed_by_end(blocks: &[Block]) -> Vec<u32> {
+    let mut by_end: Vec<u32> =
+        (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
+    by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
+    by_end
 }
 
 /// A plan's entries as the packer's blocks.
@@ -950,9 +958,7 @@ impl Planned {
         let mut planned = Self::new(entry, max_plans, signature_len);
         for saved in saved.iter().take(planned.max_plans) {
             let blocks = saved.packer_blocks();
-            let mut by_end: Vec<u32> =
-                (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
-            by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
+            let by_end = freed_by_end(&blocks);
             planned.plans.push(Plan {
                 key: saved.key.clone(),
                 sizes: blocks.iter().map(|b| b.size).collect(),
@@ -2193,9 +2199,7 @@ impl Planned {
             debug_assert!(false, "the planner made an invalid packing");
             return;
         }
-        let mut by_end: Vec<u32> =
-            (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
-        by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
+        let by_end = freed_by_end(&blocks);
         let plan = Plan {
             key,
             sizes: blocks.iter().map(|b| b.size).collect(),
@@ -2235,13 +2239,20 @@ impl Planned {
         let base = self.slab.map_or(0, |slab| slab.base);
         let out: Vec<CarriedAllocation> = self.carried.iter().filter(|c| c.out).copied().collect();
         let peak_at = self.own_peak_position();
-        let freed_at = |index: u32| {
-            self.events.iter().position(|event| matches!(event, Event::Carried(i) if *i == index)).map(|p| p as u32)
-        };
+        // Where each allocation the scope before carried in was freed, by its index there.
+        let freed_at: HashMap<u32, u32> = self
+            .events
+            .iter()
+            .enumerate()
+            .filter_map(|(position, event)| match *event {
+                Event::Carried(index) => Some((index, position as u32)),
+                _ => None,
+            })
+            .collect();
         let mut pairs = Vec::with_capacity(out.len());
         for carried in &out {
             let block = blocks[carried.index as usize];
-            let until = freed_at(carried.index).unwrap_or(peak_at.min(block.start));
+            let until = freed_at.get(&carried.index).copied().unwrap_or(peak_at.min(block.start));
             if until == 0 || until > block.start {
                 // Freed before anything else in the next scope, or only after its own index is
                 // made again: no life there to pack.
@@ -2262,9 +2273,7 @@ impl Planned {
         }
         let lower_bound = plan::lower_bound(&blocks);
         blocks.truncate(entries);
-        let mut by_end: Vec<u32> =
-            (0..blocks.len() as u32).filter(|&b| blocks[b as usize].end != Block::NEVER_FREED).collect();
-        by_end.sort_unstable_by_key(|&b| blocks[b as usize].end);
+        let by_end = freed_by_end(&blocks);
         let sizes: Vec<u64> = blocks.iter().map(|b| b.size).collect();
         let plan = Plan {
             key,

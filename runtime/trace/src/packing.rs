@@ -229,36 +229,7 @@ impl TimeIndex {
 /// Places the blocks in `order`, each in the smallest gap among the time-overlapping blocks
 /// already placed (the lowest such gap on ties), else right above the highest of them.
 fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
-    let mut offsets = vec![0u64; blocks.len()];
-    let mut index = TimeIndex::new(blocks);
-    // The time-overlapping placed blocks as (offset, end), sorted by offset for the gap scan.
-    let mut near: Vec<(u64, u64)> = Vec::new();
-    let mut size = 0u64;
-    for &id in order {
-        let block = &blocks[id];
-        near.clear();
-        index.for_each_overlapping(block, |other| {
-            let offset = offsets[other as usize];
-            near.push((offset, offset + blocks[other as usize].size));
-        });
-        near.sort_unstable();
-        let mut best: Option<(u64, u64)> = None;
-        let mut top = 0u64;
-        for &(offset, end) in &near {
-            if offset > top {
-                let gap = offset - top;
-                if gap >= block.size && best.is_none_or(|(smallest, _)| gap < smallest) {
-                    best = Some((gap, top));
-                }
-            }
-            top = top.max(end);
-        }
-        let offset = best.map_or(top, |(_, offset)| offset);
-        offsets[id] = offset;
-        size = size.max(offset + block.size);
-        index.insert(id as u32, block);
-    }
-    Packing { offsets, size }
+    place_pairs(blocks, order, &vec![None; blocks.len()], &[])
 }
 
 /// Memory that lives across the boundary between two scopes of one plan, as
