@@ -229,7 +229,7 @@ impl TimeIndex {
 /// Places the blocks in `order`, each in the smallest gap among the time-overlapping blocks
 /// already placed (the lowest such gap on ties), else right above the highest of them.
 fn place_in_order(blocks: &[Block], order: &[usize]) -> Packing {
-    place_pairs(blocks, order, &vec![None; blocks.len()], &[])
+    place_pairs(blocks, order, &vec![None; blocks.len()], &[], &[])
 }
 
 /// Memory that lives across the boundary between two scopes of one plan, as
@@ -270,7 +270,7 @@ pub fn pack_around(blocks: &[Block], carried: &[Carried]) -> Packing {
     for key in ORDERINGS {
         let mut order = rest.clone();
         order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
-        let packing = place_pairs(&ranked, &order, &partner, &pinned);
+        let packing = place_pairs(&ranked, &order, &partner, &pinned, &[]);
         if best.as_ref().is_none_or(|best| packing.size < best.size) {
             best = Some(packing);
         }
@@ -278,10 +278,103 @@ pub fn pack_around(blocks: &[Block], carried: &[Carried]) -> Packing {
     best.expect("three orderings")
 }
 
+/// [`pack_around`] for a plan whose carried memory is not yet where the plan hands it out: the
+/// first scope served from it finds the memory carried into it elsewhere (a range the plan
+/// moved away from, a chunk), while the plan's own range maps its pages as hand-outs reach
+/// them. Each unpinned pair goes above every other block allocated before its life in the next
+/// scope ends, so that such a scope, until it has freed what was carried in, reaches no higher
+/// in the plan than the blocks it has made: what it holds elsewhere and what it has mapped stay
+/// within the plan's size where they can ([`handover_peak`]). Pinned pairs are placed first,
+/// where they are; then the other blocks in each of the packer's orderings, then the unpinned
+/// pairs, largest first, the best kept.
+pub fn pack_around_above(blocks: &[Block], carried: &[Carried]) -> Packing {
+    let ranked = compress(blocks);
+    let mut partner: Vec<Option<usize>> = vec![None; blocks.len()];
+    let mut paired = vec![false; blocks.len()];
+    for pair in carried {
+        partner[pair.block] = Some(pair.next);
+        paired[pair.block] = true;
+        paired[pair.next] = true;
+    }
+    let pinned: Vec<(usize, u64)> = carried.iter().filter_map(|pair| pair.at.map(|at| (pair.block, at))).collect();
+    let others: Vec<usize> = (0..blocks.len()).filter(|&id| !paired[id]).collect();
+    let mut free_pairs: Vec<&Carried> = carried.iter().filter(|pair| pair.at.is_none()).collect();
+    free_pairs.sort_by(|a, b| {
+        let (a, b) = (&blocks[a.block], &blocks[b.block]);
+        b.size.cmp(&a.size).then(a.start.cmp(&b.start))
+    });
+    let pairs: Vec<usize> = free_pairs.iter().map(|pair| pair.block).collect();
+    let mut best: Option<Packing> = None;
+    for key in ORDERINGS {
+        let mut order = others.clone();
+        order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
+        let first = place_pairs(&ranked, &order, &partner, &pinned, &[]);
+        let mut floor = vec![0u64; blocks.len()];
+        for pair in &free_pairs {
+            let until = blocks[pair.next].end;
+            floor[pair.block] = others
+                .iter()
+                .filter(|&&id| blocks[id].start < until)
+                .map(|&id| first.offsets[id] + blocks[id].size)
+                .max()
+                .unwrap_or(0);
+        }
+        let placed: Vec<(usize, u64)> =
+            pinned.iter().copied().chain(others.iter().map(|&id| (id, first.offsets[id]))).collect();
+        let packing = place_pairs(&ranked, &pairs, &partner, &placed, &floor);
+        if best.as_ref().is_none_or(|best| packing.size < best.size) {
+            best = Some(packing);
+        }
+    }
+    best.expect("three orderings")
+}
+
+/// The most a scope served from `packing` holds when the memory carried into it (the `next`
+/// block of each pair) lies outside the packing's range until freed, and the range is mapped
+/// as hand-outs reach it: at each allocation, the carried-in bytes not yet freed plus the
+/// highest end among the other blocks allocated so far. The scope that first follows a plan
+/// made by [`pack_around_above`] pays this once; the plan's size is its least.
+pub fn handover_peak(blocks: &[Block], carried: &[Carried], packing: &Packing) -> u64 {
+    let mut incoming = vec![false; blocks.len()];
+    for pair in carried {
+        incoming[pair.next] = true;
+    }
+    let mut events: Vec<(u32, bool, usize)> = Vec::with_capacity(blocks.len() * 2);
+    for (id, block) in blocks.iter().enumerate() {
+        events.push((block.start, true, id));
+        if block.end != Block::NEVER_FREED {
+            events.push((block.end, false, id));
+        }
+    }
+    // Frees first at one position, as in `lower_bound`.
+    events.sort_unstable_by_key(|&(position, allocation, _)| (position, allocation));
+    let mut outside: u64 = carried.iter().map(|pair| blocks[pair.next].size).sum();
+    let (mut reach, mut peak) = (0u64, outside);
+    for (_, allocation, id) in events {
+        match (incoming[id], allocation) {
+            (true, false) => outside -= blocks[id].size,
+            (true, true) => {}
+            (false, true) => {
+                reach = reach.max(packing.offsets[id] + blocks[id].size);
+                peak = peak.max(reach + outside);
+            }
+            (false, false) => {}
+        }
+    }
+    peak
+}
+
 /// [`place_in_order`] with pairs of blocks at one offset: `pinned` first at their offsets, then
 /// each block of `order` (and its partner, if it has one) in the smallest gap left by the
-/// blocks placed so far that are alive at the same time as either, else above them.
-fn place_pairs(blocks: &[Block], order: &[usize], partner: &[Option<usize>], pinned: &[(usize, u64)]) -> Packing {
+/// blocks placed so far that are alive at the same time as either, else above them, and no
+/// lower than its `floor` (none where `floor` is empty).
+fn place_pairs(
+    blocks: &[Block],
+    order: &[usize],
+    partner: &[Option<usize>],
+    pinned: &[(usize, u64)],
+    floor: &[u64],
+) -> Packing {
     let mut offsets = vec![0u64; blocks.len()];
     let mut index = TimeIndex::new(blocks);
     let mut size = 0u64;
@@ -303,6 +396,9 @@ fn place_pairs(blocks: &[Block], order: &[usize], partner: &[Option<usize>], pin
                 let offset = offsets[other as usize];
                 near.push((offset, offset + blocks[other as usize].size));
             });
+        }
+        if let Some(&floor) = floor.get(id).filter(|&&floor| floor > 0) {
+            near.push((0, floor));
         }
         near.sort_unstable();
         let need = blocks[id].size;
@@ -712,6 +808,22 @@ mod tests {
     }
 
     #[test]
+    fn carried_memory_placed_above_is_handed_over_within_the_plans_size() {
+        let (blocks, carried) = carried_scope();
+        // As small, the gradient at the bottom and the first activation above it: a scope that
+        // finds the gradient carried in elsewhere holds it there while it reaches the
+        // activation's end, 60 + 160 bytes.
+        let low = Packing { offsets: vec![60, 0, 0, 0], size: 160 };
+        assert!(is_valid(&blocks, &low));
+        assert_eq!(handover_peak(&blocks, &carried, &low), 220);
+        // Above what is made before its free, it costs that scope nothing.
+        let above = pack_around_above(&blocks, &carried);
+        assert!(is_valid(&blocks, &above));
+        assert_eq!((above.offsets[2], above.offsets[3], above.offsets[0], above.size), (100, 100, 0, 160));
+        assert_eq!(handover_peak(&blocks, &carried, &above), 160);
+    }
+
+    #[test]
     fn the_lower_bound_is_the_peak_of_live_bytes() {
         let blocks = [block(100, 0, 3), block(50, 1, 2), block(70, 4, 5), block(10, 2, Block::NEVER_FREED)];
         // Positions 1..2: 150 live; at 2 the 50 goes and the 10 comes: 110; at 4: 10 + 70 = 80.
@@ -964,6 +1076,27 @@ mod tests {
                 }
             }
             prop_assert!(packing.size >= lower_bound(&blocks));
+            // Above: the same, and each unpinned pair above every block outside the pairs made
+            // before its free in the next scope.
+            let above = pack_around_above(&blocks, &carried);
+            prop_assert!(is_valid(&blocks, &above), "{:?} {:?} -> {:?}", blocks, carried, above);
+            let mut paired = vec![false; blocks.len()];
+            for pair in &carried {
+                paired[pair.block] = true;
+                paired[pair.next] = true;
+            }
+            for pair in &carried {
+                prop_assert_eq!(above.offsets[pair.block], above.offsets[pair.next]);
+                match pair.at {
+                    Some(at) => prop_assert_eq!(above.offsets[pair.block], at),
+                    None => {
+                        for id in (0..blocks.len()).filter(|&id| !paired[id] && blocks[id].start < blocks[pair.next].end) {
+                            prop_assert!(above.offsets[id] + blocks[id].size <= above.offsets[pair.block]);
+                        }
+                    }
+                }
+            }
+            prop_assert!(handover_peak(&blocks, &carried, &above) >= above.size.max(lower_bound(&blocks)));
         }
 
         #[test]
