@@ -42,7 +42,7 @@
 //! [`TorchAllocator`], one per device of the same capacity, with
 //! no step boundaries (PyTorch has none); they are compared, never recommended.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use steppool::sys::sim::{DEFAULT_GRANULE, MAX_CAPACITY, SimConfig};
@@ -96,7 +96,7 @@ pub const STRATEGIES: &[StrategyDef] = &[
 /// `planned`: persistent allocations in chunks, the rest in one plan per step.
 pub const PLANNED: StrategyDef = StrategyDef {
     name: "planned",
-    summary: "persistent allocations (and memory a step hands to the next) packed end to end (one range grown in place, or chunks); every step- and micro-step-scoped allocation in one plan per step, packed offline from its recording",
+    summary: "persistent allocations packed end to end (one range grown in place, or chunks); every step- and micro-step-scoped allocation, and memory a step hands to the next, in one plan per step, packed offline from its recording",
     layout: planned,
 };
 
@@ -145,19 +145,36 @@ fn planned_loaded(phase: &ReplayPhase, facts: &PhaseFacts, options: &ReplayOptio
 fn planned(phase: &ReplayPhase, facts: &PhaseFacts, _: &ReplayOptions) -> PhaseSpec {
     match phase.scope {
         // Long-lived allocations of every persistent phase share one pool, packed in chunks.
-        //
-        // So does memory a step hands to the next (the `carried` phase). A planned phase can
-        // carry it (`PhaseSpec::carry`), but then its first planned step finds it where the
-        // recording step put it, which is where the plan wants that step's first allocations:
-        // on ten recordings of loops that call `zero_grad()` between their forward and backward
-        // passes, carrying it in the step's plan reserved 0.5 to 4.6 % of peak live more on
-        // eight and 2.8 % less on one (`benches/results/2026-11-28-carried-simulated.md`).
         Scope::Persistent => persistent_chunks(facts),
-        Scope::Step if phase.carried => persistent_chunks(facts),
         // One plan for the whole step: every step- and micro-step-scoped allocation (each freed
-        // within its micro-step, which the trace does) in one lifetime-aware packing.
-        Scope::Step | Scope::MicroStep => PhaseSpec::new(STEP_PHASE, Scope::Step).strategy(Strategy::PLANNED),
+        // within its micro-step, which the trace does) in one lifetime-aware packing, and the
+        // memory a step hands to the next (the `carried` phase), which the step phase then
+        // carries (`PhaseSpec::carry`): packed with both its lives, its allocation to the step's
+        // end and the next step's start to its free there, at one offset.
+        Scope::Step if phase.carried => step_phase().carry(true),
+        Scope::Step | Scope::MicroStep => step_phase(),
     }
+}
+
+/// The spec `def` gives each phase of `analysis`, in order: a runtime phase per distinct name,
+/// declared by the first spec of that name, which carries memory into the next step where the
+/// layout routes any carrying phase to it.
+pub fn phase_specs(def: &StrategyDef, analysis: &Analysis, options: &ReplayOptions) -> Vec<PhaseSpec> {
+    let specs: Vec<PhaseSpec> =
+        analysis.phases.iter().zip(&analysis.facts).map(|(phase, facts)| (def.layout)(phase, facts, options)).collect();
+    let carrying: HashSet<String> = specs.iter().filter(|spec| spec.carry).map(|spec| spec.name.clone()).collect();
+    specs
+        .into_iter()
+        .map(|spec| {
+            let carries = carrying.contains(&spec.name);
+            spec.carry(carries)
+        })
+        .collect()
+}
+
+/// The phase of `planned` every step- and micro-step-scoped allocation is served from.
+fn step_phase() -> PhaseSpec {
+    PhaseSpec::new(STEP_PHASE, Scope::Step).strategy(Strategy::PLANNED)
 }
 
 /// The long-lived allocations of `planned`: one pool, packed in chunks.
@@ -770,8 +787,7 @@ fn run_steppool(
     // Phases: one runtime phase per distinct spec name.
     let mut by_name: HashMap<String, Phase> = HashMap::new();
     let mut phases: Vec<Phase> = Vec::with_capacity(analysis.phases.len());
-    for (phase, facts) in analysis.phases.iter().zip(&analysis.facts) {
-        let spec = (def.layout)(phase, facts, options);
+    for spec in phase_specs(def, analysis, options) {
         let runtime_phase = match by_name.get(&spec.name) {
             Some(&existing) => existing,
             None => {

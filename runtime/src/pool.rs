@@ -635,6 +635,10 @@ impl PoolGuard<'_> {
         totals.released_bytes += released.bytes;
         if keep != u64::MAX {
             released.note(source.trim(keep, false).map(drop));
+        } else {
+            // Pages the reset gave back in stream order go back now where the stream's work is
+            // done (a host that waited for its step), not at the next step's first growth.
+            released.note(source.poll_given_back());
         }
         source.record_reserved();
         state.raw.extend(kept);

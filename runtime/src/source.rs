@@ -389,6 +389,12 @@ impl DeviceSource {
         }
     }
 
+    /// Unmaps the pages given back in stream order whose work the host has seen complete,
+    /// without waiting for any.
+    pub(crate) fn poll_given_back(&mut self) -> Result<()> {
+        self.poll_retirements(Look::Query, |_| false)
+    }
+
     /// Records the source's reservation in the history, if it records.
     pub(crate) fn record_reserved(&self) {
         if self.recorder.is_on() {

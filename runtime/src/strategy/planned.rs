@@ -309,15 +309,26 @@
 //! memory out at the place where the next scope finds it, and the memory is the next scope's
 //! between its free and its next allocation.
 //!
-//! Where the recording scope puts the carried memory decides the plan: it is pinned there, and
+//! Where the recording scope puts the carried memory decides the plan if it is pinned there:
 //! best fit puts gradients into the holes the backward pass leaves among the activations, where
-//! the next forward pass needs its room. On ten recordings of such loops (`steppool replay`,
-//! `benches/results/2026-11-28-carried-simulated.md`) a plan that carries reserved 0.5 to 4.6 %
-//! of peak live more than one whose carried memory sat with the long-lived allocations on eight,
-//! the same on one, and 2.8 % less on the accumulating Llama: packed unpinned the same static
-//! BERT step needs 193.4 MiB, pinned where its recording left the gradients 222.4 MiB. A
-//! recording step cannot know which of its allocations the next step frees, so the replay's
-//! `planned` layout keeps carried memory with the long-lived allocations for now.
+//! the next forward pass needs its room (the static BERT of the repository's traces: its step
+//! packed with the gradients free needs 193.4 MiB, its peak of live bytes; pinned where its
+//! recording left them, 222.4 MiB). So a plan whose carried memory sits in a growable slab may
+//! *move* ([`Planned::carried_layout`]): it is packed with every carried pair above what the next
+//! scope makes before freeing it ([`plan::pack_around_above`]), and at the reset the slab retires
+//! ([`Planned::retire_slab`]), keeping only the carried memory's pages, while the next scope maps
+//! a new range as its plan's cursor reaches it. That scope holds the carried memory in the old
+//! range until it frees it, beside what it has mapped in the new one, which stays below the
+//! plan's size where the pairs sit above ([`plan::handover_peak`]); its frees give the old
+//! range's pages back, and from its end on the memory lies where the plan hands it out. A plan
+//! moves where it is smaller than the pinned plan by more than a [`MOVE_MARGIN`]th and that
+//! scope holds no more than the pinned plan would, and only
+//! where the next scope is likely to follow it (the phase's first plan, or a sequence that
+//! repeated at the same sizes): the next scope of a shape that varies from step to step would be
+//! served best fit beside the carried memory, for nothing. The empty range stays reserved and is
+//! the next move's new one. On ten recordings of loops that call `zero_grad()` between their
+//! forward and backward passes (`benches/results/2026-11-28-carried-moves-simulated.md`) the
+//! static BERT's whole run went from 308 to 288 MiB (steady 280, its peak of live bytes).
 //!
 //! # Why a hand-out never overlaps a live allocation
 //!
@@ -503,6 +514,11 @@ struct SlabAllocation {
 
 const FOREIGN: u32 = u32::MAX;
 
+/// A carrying plan moves to a new range ([`Planned::carried_layout`]) when it is smaller than the
+/// plan pinned where the carried memory lies by more than this fraction of it: a move costs
+/// driver calls and a scope's pages in two ranges.
+const MOVE_MARGIN: u64 = 64;
+
 /// The slots of carried allocations ([`Allocator::carry`]) have this bit set: a scope's own
 /// slots are its allocations' indices, far below it.
 const CARRIED_SLOT: u32 = 1 << 31;
@@ -516,10 +532,21 @@ struct CarriedAllocation {
     slot: u32,
     /// Its index among the allocations of the scope that made it.
     index: u32,
-    /// In the slab (else in a fallback chunk).
-    in_slab: bool,
+    /// Where it lies.
+    place: CarriedIn,
     /// Carried out of the scope now ending (else into the current one).
     out: bool,
+}
+
+/// Where a carried allocation lies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CarriedIn {
+    /// The slab.
+    Slab,
+    /// The range the slab was before a plan moved to a new one ([`Planned::retire_slab`]).
+    Retired,
+    /// A fallback chunk.
+    Chunk,
 }
 
 /// The offset in the slab of entry `entry` of plan `index`: the plan's own, or its layout's
@@ -823,6 +850,7 @@ struct Counters {
     missing: u64,
     deviated_scopes: u64,
     replans: u64,
+    moves: u64,
 }
 
 /// The `Planned` strategy's state in one phase pool.
@@ -900,6 +928,14 @@ pub(crate) struct Planned {
     carried: Vec<CarriedAllocation>,
     /// Carried allocations so far: the next one's slot.
     carried_count: u32,
+    /// The growable slab a plan moved away from ([`Planned::retire_slab`]): it holds the memory
+    /// carried into the current scope, and nothing else is mapped there. Empty (nothing mapped)
+    /// once that memory is freed, it is the next slab's range.
+    retired: Option<Slab>,
+    /// Bytes mapped in the retired range.
+    retired_mapped: u64,
+    /// The plan just made moves to a new range at the reset ([`Planned::replan_carried`]).
+    moving: bool,
 }
 
 impl Planned {
@@ -945,6 +981,9 @@ impl Planned {
             bin_free: None,
             carried: Vec::new(),
             carried_count: 0,
+            retired: None,
+            retired_mapped: 0,
+            moving: false,
         }
     }
 
@@ -1464,7 +1503,7 @@ impl Planned {
 
     /// The ranges (offset, length) of the carried allocations in the slab at `slab`.
     fn carried_in_slab(&self, slab: Slab) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.carried.iter().filter(|c| c.in_slab).map(move |c| (c.ptr - slab.base, c.size))
+        self.carried.iter().filter(|c| c.place == CarriedIn::Slab).map(move |c| (c.ptr - slab.base, c.size))
     }
 
     /// The end of the highest carried allocation in the slab: what no resize may cut.
@@ -1483,10 +1522,14 @@ impl Planned {
         };
         let carried = self.carried.swap_remove(at);
         self.events.push(Event::Carried(carried.index));
-        if !carried.in_slab {
-            self.fallback.free(carried.ptr);
-            self.given_back += self.fallback.release_if_empty(source, carried.ptr)?;
-            return Ok(());
+        match carried.place {
+            CarriedIn::Slab => {}
+            CarriedIn::Chunk => {
+                self.fallback.free(carried.ptr);
+                self.given_back += self.fallback.release_if_empty(source, carried.ptr)?;
+                return Ok(());
+            }
+            CarriedIn::Retired => return self.free_retired(source, carried),
         }
         let offset = carried.ptr - self.slab.expect("a carried allocation in the slab has a slab").base;
         if let Some(online) = &mut self.online {
@@ -1497,6 +1540,92 @@ impl Planned {
             self.late.swap_remove(late);
         }
         Ok(())
+    }
+
+    /// Frees a carried allocation in the retired range: the pages between its neighbours still
+    /// live there go back (in stream order, without a wait), and the whole range's once it held
+    /// the last; the empty range stays reserved for the next slab ([`Planned::growable_slab`]).
+    fn free_retired(&mut self, source: &mut dyn Source, carried: CarriedAllocation) -> Result<()> {
+        let Some(retired) = self.retired else {
+            debug_assert!(false, "a carried allocation in a retired range with none");
+            return Ok(());
+        };
+        let offset = carried.ptr - retired.base;
+        let live =
+            self.carried.iter().filter(|c| c.place == CarriedIn::Retired).map(|c| (c.ptr - retired.base, c.size));
+        let (mut below, mut above, mut any) = (0u64, retired.size, false);
+        for (at, len) in live {
+            any = true;
+            if at + len <= offset {
+                below = below.max(at + len);
+            } else if at >= offset + carried.size {
+                above = above.min(at);
+            }
+        }
+        if !any {
+            source.resize_range(retired.base, 0)?;
+            self.retired = Some(Slab { size: 0, ..retired });
+            self.retired_mapped = 0;
+            return Ok(());
+        }
+        let given = source.punch_range(retired.base, below, above - below)?;
+        self.retired_mapped = self.retired_mapped.saturating_sub(given);
+        Ok(())
+    }
+
+    /// Moves the plans to a new range at a reset ([`Planned::replan_carried`]): the growable
+    /// slab keeps only what the scope carries out, as the retired range, whose other pages go
+    /// back now (in stream order, without a wait); the next scope maps a new range as its
+    /// plan's cursor reaches it, while what it frees of the carried memory leaves the retired
+    /// range ([`Planned::free_retired`]).
+    fn retire_slab(&mut self, source: &mut dyn Source) -> Result<()> {
+        let Some(slab) = self.slab.filter(|slab| slab.growable && self.retired.is_none_or(|r| r.size == 0)) else {
+            return Ok(());
+        };
+        if let Some(spare) = self.retired.take() {
+            // An empty range from an earlier move: the new slab would have taken it.
+            source.free_range(spare.base)?;
+        }
+        let mut live: Vec<(u64, u64)> = self.carried_in_slab(slab).collect();
+        live.sort_unstable();
+        for carried in &mut self.carried {
+            if carried.place == CarriedIn::Slab {
+                carried.place = CarriedIn::Retired;
+            }
+        }
+        self.slab = None;
+        self.online = None;
+        self.holes.clear();
+        self.unmapped = 0;
+        self.freed_unpunched = 0;
+        let top = live.iter().map(|&(at, len)| at + len).max().unwrap_or(0);
+        let size = source.resize_range(slab.base, top)?;
+        self.retired = Some(Slab { size, ..slab });
+        self.retired_mapped = size;
+        let mut at = 0;
+        for (offset, len) in live {
+            if offset > at {
+                let given = source.punch_range(slab.base, at, offset - at)?;
+                self.retired_mapped = self.retired_mapped.saturating_sub(given);
+            }
+            at = at.max(offset + len);
+        }
+        Ok(())
+    }
+
+    /// Bytes of the pages the carried allocations in the slab touch beyond their own: what a
+    /// retired range holds more than they.
+    fn carried_page_slack(&self) -> u64 {
+        let Some(slab) = self.slab else { return 0 };
+        let mut pages: Vec<u64> = Vec::new();
+        let mut bytes = 0;
+        for (offset, len) in self.carried_in_slab(slab) {
+            bytes += len;
+            pages.extend(offset / GRANULE..(offset + len).div_ceil(GRANULE));
+        }
+        pages.sort_unstable();
+        pages.dedup();
+        (pages.len() as u64 * GRANULE).saturating_sub(bytes)
     }
 
     /// The slab a plan needs: less than its packing where the bin holds its top entries.
@@ -1567,6 +1696,10 @@ impl Planned {
         match self.slab {
             Some(slab) => Ok(slab.growable),
             None if self.no_ranges || self.lent.is_some() => Ok(false),
+            None if self.retired.is_some_and(|retired| retired.size == 0) => {
+                self.slab = self.retired.take().map(|retired| Slab { size: 0, ..retired });
+                Ok(true)
+            }
             None => match source.reserve_range()? {
                 Some((base, _)) => {
                     self.slab = Some(Slab { base, size: 0, growable: true });
@@ -2262,10 +2395,10 @@ impl Planned {
             pairs.push(plan::Carried {
                 block: carried.index as usize,
                 next: blocks.len() - 1,
-                at: carried.in_slab.then(|| carried.ptr - base),
+                at: (carried.place == CarriedIn::Slab).then(|| carried.ptr - base),
             });
         }
-        let packing = plan::pack_around(&blocks, &pairs);
+        let (packing, pairs) = self.carried_layout(&blocks, pairs, &key);
         let paired = pairs.iter().all(|pair| packing.offsets[pair.block] == packing.offsets[pair.next]);
         if !paired || !plan::is_valid(&blocks, &packing) {
             debug_assert!(false, "the planner made an invalid packing of a carrying scope");
@@ -2297,6 +2430,57 @@ impl Planned {
         };
         self.counters.replans += 1;
         self.keep_plan(plan);
+    }
+
+    /// The layout of a carrying scope's plan, and its pairs as placed. Pinned where the carried
+    /// memory lies ([`plan::pack_around`]), unless moving pays: where that memory sits in the
+    /// way of what the next scope makes before freeing it (best fit put the gradients of the
+    /// recording scope into the holes its backward pass left among the activations, where the
+    /// next forward pass needs its room), the plan is packed with every pair above what is made
+    /// before its free ([`plan::pack_around_above`]) and moves to a new range at the reset
+    /// ([`Planned::retire_slab`]). The next scope then holds the carried memory in the old range
+    /// until it frees it, beside what its plan has reached in the new one
+    /// ([`plan::handover_peak`], plus the pages the carried memory shares), once; the scopes
+    /// after it find the memory where the plan puts it. It moves when that scope holds no more
+    /// than the pinned plan and the moved plan is smaller than it by more than a
+    /// [`MOVE_MARGIN`]th, and only a growable slab with no carried memory in a retired range
+    /// moves. Where no carried memory is in the slab (a recording
+    /// served from chunks), every scope that follows the plan starts so: the pairs go above.
+    fn carried_layout(
+        &mut self,
+        blocks: &[Block],
+        pairs: Vec<plan::Carried>,
+        key: &PlanKey,
+    ) -> (plan::Packing, Vec<plan::Carried>) {
+        let free: Vec<plan::Carried> = pairs.iter().map(|pair| plan::Carried { at: None, ..*pair }).collect();
+        if pairs.iter().all(|pair| pair.at.is_none()) {
+            return (plan::pack_around_above(blocks, &free), free);
+        }
+        let pinned = plan::pack_around(blocks, &pairs);
+        let movable = self.slab.is_some_and(|slab| slab.growable) && self.retired.is_none_or(|r| r.size == 0);
+        if !movable {
+            return (pinned, pairs);
+        }
+        // Only where the next scope is likely to follow the plan: the phase's first plan, or the
+        // same sequence at the same sizes as the plan of its key. A shape that varies from step
+        // to step (a batch, a length) makes the next scope another shape, served best fit in the
+        // new range beside the carried memory, for nothing.
+        let repeats = |plan: &Plan| {
+            plan.key == *key && !plan.predicted && plan.sizes.iter().copied().eq(blocks.iter().map(|b| b.size))
+        };
+        let first = self.plans.iter().all(|plan| plan.predicted);
+        if !first && !self.plans.iter().any(repeats) {
+            return (pinned, pairs);
+        }
+        let above = plan::pack_around_above(blocks, &free);
+        let handover = plan::handover_peak(blocks, &free, &above) + self.carried_page_slack();
+        if handover <= pinned.size && above.size + above.size / MOVE_MARGIN < pinned.size {
+            self.moving = true;
+            self.counters.moves += 1;
+            (above, free)
+        } else {
+            (pinned, pairs)
+        }
     }
 
     /// The position of the scope's first event at which its own allocations' live bytes peak.
@@ -2518,15 +2702,15 @@ impl Allocator for Planned {
         if served.slot & CARRIED_SLOT != 0 {
             return None;
         }
-        let (index, size, in_slab) = if let Some(allocation) = self.slab_live.remove(served.slot, served.ptr) {
-            (allocation.index, allocation.size, true)
+        let (index, size, place) = if let Some(allocation) = self.slab_live.remove(served.slot, served.ptr) {
+            (allocation.index, allocation.size, CarriedIn::Slab)
         } else {
-            (self.pooled.remove(&served.ptr)?, bytes.next_multiple_of(ALIGNMENT), false)
+            (self.pooled.remove(&served.ptr)?, bytes.next_multiple_of(ALIGNMENT), CarriedIn::Chunk)
         };
         // Below `Served::NO_SLOT`, which has the bit set too.
         let slot = CARRIED_SLOT | (self.carried_count % (CARRIED_SLOT - 1));
         self.carried_count = self.carried_count.wrapping_add(1);
-        self.carried.push(CarriedAllocation { ptr: served.ptr, size, slot, index, in_slab, out: true });
+        self.carried.push(CarriedAllocation { ptr: served.ptr, size, slot, index, place, out: true });
         Some(slot)
     }
 
@@ -2536,7 +2720,7 @@ impl Allocator for Planned {
         self.carried.retain(|c| c.out);
         self.pooled.clear();
         let kept: Vec<(CUdeviceptr, u64)> =
-            self.carried.iter().filter(|c| !c.in_slab).map(|c| (c.ptr, c.size)).collect();
+            self.carried.iter().filter(|c| c.place == CarriedIn::Chunk).map(|c| (c.ptr, c.size)).collect();
         self.fallback.reclaim_keeping(&kept);
         // The fallback chunks go back whole: the scope that needed them is over, and the pool
         // must not hold them idle while the slab (or another phase) takes its own peak.
@@ -2578,6 +2762,10 @@ impl Allocator for Planned {
         self.close_scope();
         for carried in &mut self.carried {
             carried.out = false;
+        }
+        let moved = std::mem::take(&mut self.moving);
+        if moved {
+            outcome = outcome.and(self.retire_slab(source));
         }
         self.slab_refused = false;
         let desired = self.desired_slab();
@@ -2639,10 +2827,11 @@ impl Allocator for Planned {
             // slab did not serve in full (a recording, a new shape, a deviation) or a resize.
             outcome = outcome.and(source.synchronize());
         }
-        if kept && !self.slab.is_some_and(|slab| slab.growable) {
+        if kept && !moved && !self.slab.is_some_and(|slab| slab.growable) {
             // A slab of the pool is taken now, so the next scope finds it (and a new shape has its
             // free space). A growable slab is not grown here: the next scope's plan maps what its
-            // cursor reaches, and a scope of a new shape maps what best fit needs (module docs).
+            // cursor reaches, and a scope of a new shape maps what best fit needs (module docs);
+            // nor is a new range for a plan that just moved.
             outcome = outcome.and(self.ensure_slab(source, desired));
         }
         // Between scopes nothing lives in a growable slab: its mapped pages wait for the next
@@ -2655,7 +2844,7 @@ impl Allocator for Planned {
     /// The slab (lent or not): what the plans need. The fallback chunks are given back at the
     /// reset, so the pool keeps nothing for them.
     fn touched(&self) -> Option<u64> {
-        Some(self.slab.or(self.lent).map_or(0, |slab| slab.size) + self.fallback.held())
+        Some(self.slab.or(self.lent).map_or(0, |slab| slab.size) + self.fallback.held() + self.retired_mapped)
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
@@ -2737,7 +2926,8 @@ impl Allocator for Planned {
         self.unmapped = 0;
         // A lent slab's lease holds the pool, so the pool goes only after it came back; were it
         // still out, nothing could launch on it any more.
-        for slab in [self.slab.take(), self.lent.take()].into_iter().flatten() {
+        self.retired_mapped = 0;
+        for slab in [self.slab.take(), self.lent.take(), self.retired.take()].into_iter().flatten() {
             outcome = outcome.and(if slab.growable {
                 source.free_range(slab.base)
             } else {
@@ -2806,6 +2996,7 @@ impl Allocator for Planned {
             missing: c.missing,
             deviated_scopes: c.deviated_scopes,
             replans: c.replans,
+            moves: c.moves,
             slab_bytes: self.slab.or(self.lent).map_or(0, |slab| slab.size),
             bin_bytes: self.bin.map_or(0, |bin| bin.len),
             plans: plans
@@ -3397,32 +3588,62 @@ mod tests {
 
     #[test]
     fn memory_carried_into_the_next_step_is_planned_at_one_place_and_shared_once_freed() {
+        // Without ranges the recording is served from chunks, so the carried gradients are in
+        // none of the plan's way: it packs them freely. With ranges, the recording's best fit
+        // puts them where the next forward pass needs room (the second at 0, in the first
+        // activation's hole, the first at 4 MiB, in the second's): pinned there the plan needs
+        // 14 MiB, so it moves to a new range (below) and packs them above the activations.
+        for vmm in [false, true] {
+            let mut source = if vmm { FakeSource::with_ranges(64 * MIB) } else { FakeSource::new(64 * MIB) };
+            let mut planned = carrying();
+            let mut carried = carrying_step(&mut planned, &mut source, &[]);
+            assert!(carried.iter().all(|g| g.slot & CARRIED_SLOT != 0));
+            assert_eq!(planned.plan_stats().unwrap().moves, u64::from(vmm));
+            let mut places = Vec::new();
+            for _ in 0..4 {
+                carried = carrying_step(&mut planned, &mut source, &carried);
+                places.push(carried.iter().map(|g| g.ptr).collect::<Vec<_>>());
+            }
+            let stats = planned.plan_stats().unwrap();
+            assert_eq!((stats.planned, stats.unplanned, stats.deviations, stats.moves), (5, 0, 0, 0), "vmm {vmm}");
+            assert!(places.windows(2).all(|w| w[0] == w[1]), "the gradients at one place: {places:x?}");
+            // The temporary takes the gradients' place once they are freed: 12 MiB, the peak of
+            // live bytes, where the gradients apart from the rest need 16.
+            let plan = &planned.plans[0];
+            let (temporary, gradient) = (plan.offsets[2], plan.offsets[4]);
+            assert!(temporary < gradient + 2 * MIB && gradient < temporary + 4 * MIB, "{plan:?}");
+            assert!(plan.offsets[3] >= 8 * MIB && plan.offsets[4] >= 8 * MIB, "above the activations: {plan:?}");
+            assert_eq!(plan.bytes, 12 * MIB, "{plan:?}");
+            assert_eq!(source.held(), 12 * MIB, "vmm {vmm}");
+            // The next step's end would release them; freed here, nothing is left.
+            for g in carried {
+                planned.free(&mut source, g, 2 * MIB).unwrap();
+            }
+            planned.reset(&mut source, 0).unwrap();
+            assert!(planned.carried.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_plan_moves_to_a_new_range_leaving_the_carried_memory_where_it_lies_until_freed() {
         let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
-        let mut carried = carrying_step(&mut planned, &mut source, &[]);
-        assert!(carried.iter().all(|g| g.slot & CARRIED_SLOT != 0));
-        let mut places = Vec::new();
-        for _ in 0..4 {
-            carried = carrying_step(&mut planned, &mut source, &carried);
-            places.push(carried.iter().map(|g| g.ptr).collect::<Vec<_>>());
-        }
-        let stats = planned.plan_stats().unwrap();
-        assert_eq!((stats.planned, stats.unplanned, stats.deviations), (5, 0, 0), "the last step all from its plan");
-        assert!(places.windows(2).skip(1).all(|w| w[0] == w[1]), "the gradients at one place: {places:x?}");
-        // The gradients are pinned where the recording put them (best fit: the second at 0, in
-        // the first activation's hole, the first at 4 MiB, in the second's), so the activations
-        // go above them, and the temporary takes the gradients' place once they are freed: 14
-        // MiB, where the gradients apart from the rest need 16 (12 MiB live at most).
-        let plan = &planned.plans[0];
-        let (temporary, gradient) = (plan.offsets[2], plan.offsets[4]);
-        assert!(temporary < gradient + 2 * MIB && gradient < temporary + 4 * MIB, "{plan:?}");
-        assert_eq!(plan.bytes, 14 * MIB, "{plan:?}");
-        assert_eq!(source.held(), 14 * MIB);
-        // The next step's end would release them; freed here, nothing is left.
-        for g in carried {
-            planned.free(&mut source, g, 2 * MIB).unwrap();
-        }
-        planned.reset(&mut source, 0).unwrap();
-        assert!(planned.carried.is_empty());
+        let carried = carrying_step(&mut planned, &mut source, &[]);
+        // The recording's range keeps the gradients' pages only (4 MiB), and nothing serves
+        // from it: the next step maps a new one as its plan reaches.
+        let old = planned.retired.expect("the slab retired");
+        assert!(planned.slab.is_none() && carried.iter().all(|g| g.ptr >= old.base && g.ptr < old.base + old.size));
+        assert_eq!((planned.retired_mapped, source.held()), (4 * MIB, 4 * MIB));
+        let next = carrying_step(&mut planned, &mut source, &carried);
+        let new = planned.slab.expect("a new range");
+        assert_ne!(new.base, old.base);
+        assert!(next.iter().all(|g| g.ptr >= new.base + 8 * MIB && g.ptr + 2 * MIB <= new.base + new.size));
+        // Freed in that step, the gradients took the old range's pages with them; the range stays
+        // reserved, empty, and the next move's new range is it.
+        assert_eq!(planned.retired.map(|r| (r.base, r.size)), Some((old.base, 0)));
+        assert_eq!((planned.retired_mapped, source.ranges[&old.base]), (0, 0));
+        assert_eq!(source.held(), 12 * MIB);
+        planned.release_all(&mut source).unwrap();
+        assert!(source.ranges.is_empty(), "both ranges given back: {:?}", source.ranges);
     }
 
     /// Where a bin lent by another pool lies in the tests: far from any range of the fake source.

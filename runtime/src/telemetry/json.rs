@@ -86,6 +86,7 @@ pub fn step_json(report: &StepReport) -> Value {
                     "deviations": plan.deviations,
                     "missing": plan.missing,
                     "replans": plan.replans,
+                    "moves": plan.moves,
                     "slab_bytes": plan.slab_bytes,
                     "bin_bytes": plan.bin_bytes,
                     "plans": plan.plans.len(),
