@@ -1582,10 +1582,6 @@ impl Planned {
         let Some(slab) = self.slab.filter(|slab| slab.growable && self.retired.is_none_or(|r| r.size == 0)) else {
             return Ok(());
         };
-        if let Some(spare) = self.retired.take() {
-            // An empty range from an earlier move: the new slab would have taken it.
-            source.free_range(spare.base)?;
-        }
         let mut live: Vec<(u64, u64)> = self.carried_in_slab(slab).collect();
         live.sort_unstable();
         for carried in &mut self.carried {
@@ -1593,15 +1589,20 @@ impl Planned {
                 carried.place = CarriedIn::Retired;
             }
         }
-        self.slab = None;
+        // The empty range of an earlier move, if any, is the new slab: nothing mapped yet.
+        self.slab = self.retired.take().map(|spare| Slab { size: 0, ..spare });
         self.online = None;
+        let top = live.iter().map(|&(at, len)| at + len).max().unwrap_or(0);
+        // Pages punched in the scope stay holes.
+        let holes: u64 = self.holes.iter().map(|&(at, len)| len.min(top.saturating_sub(at))).sum();
         self.holes.clear();
         self.unmapped = 0;
         self.freed_unpunched = 0;
-        let top = live.iter().map(|&(at, len)| at + len).max().unwrap_or(0);
+        self.retired = Some(slab);
+        self.retired_mapped = slab.size;
         let size = source.resize_range(slab.base, top)?;
         self.retired = Some(Slab { size, ..slab });
-        self.retired_mapped = size;
+        self.retired_mapped = size.saturating_sub(holes);
         let mut at = 0;
         for (offset, len) in live {
             if offset > at {
@@ -2444,8 +2445,8 @@ impl Planned {
     /// after it find the memory where the plan puts it. It moves when that scope holds no more
     /// than the pinned plan and the moved plan is smaller than it by more than a
     /// [`MOVE_MARGIN`]th, and only a growable slab with no carried memory in a retired range
-    /// moves. Where no carried memory is in the slab (a recording
-    /// served from chunks), every scope that follows the plan starts so: the pairs go above.
+    /// moves. Where no carried memory is in the slab (a recording served from chunks), every
+    /// scope that first follows the plan finds it elsewhere: the pairs go above.
     fn carried_layout(
         &mut self,
         blocks: &[Block],
