@@ -322,10 +322,10 @@
 //! plan's size where the pairs sit above ([`plan::handover_peak`]); its frees give the old
 //! range's pages back, and from its end on the memory lies where the plan hands it out. A plan
 //! moves where it is smaller than the pinned plan by more than a [`MOVE_MARGIN`]th and that
-//! scope holds no more than the pinned plan would, and only
-//! where the next scope is likely to follow it (the phase's first plan, or a sequence that
-//! repeated at the same sizes): the next scope of a shape that varies from step to step would be
-//! served best fit beside the carried memory, for nothing. The empty range stays reserved and is
+//! scope holds no more pages than the pinned plan would, and only where the next scope is
+//! likely to follow it (the phase's first plan, or a sequence that repeated at the same sizes):
+//! the next scope of a shape that varies from step to step would be served best fit beside the
+//! carried memory, for nothing. The empty range stays reserved and is
 //! the next move's new one. On ten recordings of loops that call `zero_grad()` between their
 //! forward and backward passes (`benches/results/2026-11-28-carried-moves-simulated.md`) the
 //! static BERT's whole run went from 308 to 288 MiB (steady 280, its peak of live bytes).
@@ -2443,7 +2443,7 @@ impl Planned {
     /// until it frees it, beside what its plan has reached in the new one
     /// ([`plan::handover_peak`], plus the pages the carried memory shares), once; the scopes
     /// after it find the memory where the plan puts it. It moves when that scope holds no more
-    /// than the pinned plan and the moved plan is smaller than it by more than a
+    /// pages than the pinned plan and the moved plan is smaller than it by more than a
     /// [`MOVE_MARGIN`]th, and only a growable slab with no carried memory in a retired range
     /// moves. Where no carried memory is in the slab (a recording served from chunks), every
     /// scope that first follows the plan finds it elsewhere: the pairs go above.
@@ -2475,7 +2475,9 @@ impl Planned {
         }
         let above = plan::pack_around_above(blocks, &free);
         let handover = plan::handover_peak(blocks, &free, &above) + self.carried_page_slack();
-        if handover <= pinned.size && above.size + above.size / MOVE_MARGIN < pinned.size {
+        if handover.next_multiple_of(GRANULE) <= pinned.size.next_multiple_of(GRANULE)
+            && above.size + above.size / MOVE_MARGIN < pinned.size
+        {
             self.moving = true;
             self.counters.moves += 1;
             (above, free)
