@@ -322,13 +322,14 @@
 //! plan's size where the pairs sit above ([`plan::handover_peak`]); its frees give the old
 //! range's pages back, and from its end on the memory lies where the plan hands it out. A plan
 //! moves where it is smaller than the pinned plan by more than a [`MOVE_MARGIN`]th and that
-//! scope holds no more pages than the pinned plan would, and only where the next scope is
-//! likely to follow it (the phase's first plan, or a sequence that repeated at the same sizes):
-//! the next scope of a shape that varies from step to step would be served best fit beside the
-//! carried memory, for nothing. The empty range stays reserved and is
-//! the next move's new one. On ten recordings of loops that call `zero_grad()` between their
-//! forward and backward passes (`benches/results/2026-11-28-carried-moves-simulated.md`) the
-//! static BERT's whole run went from 308 to 288 MiB (steady 280, its peak of live bytes).
+//! scope holds no more pages than the pinned plan would, and only the phase's first plan, made
+//! at the end of its recording scope: later scopes put the carried memory where a plan did, or
+//! serve shapes that vary from step to step, whose next scope, another shape, would be served
+//! best fit in the new range beside the carried memory, for nothing. The old range's addresses
+//! stay reserved, nothing mapped, until the pool goes. On eighteen recordings of loops that call
+//! `zero_grad()` between their forward and backward passes
+//! (`benches/results/2026-11-28-carried-moves-simulated.md`) the static BERT's whole run went
+//! from 308 to 288 MiB (steady 280, its peak of live bytes).
 //!
 //! # Why a hand-out never overlaps a live allocation
 //!
@@ -515,8 +516,8 @@ struct SlabAllocation {
 const FOREIGN: u32 = u32::MAX;
 
 /// A carrying plan moves to a new range ([`Planned::carried_layout`]) when it is smaller than the
-/// plan pinned where the carried memory lies by more than this fraction of it: a move costs
-/// driver calls and a scope's pages in two ranges.
+/// plan pinned where the carried memory lies by more than this fraction of its own size: a move
+/// costs driver calls and a scope's pages in two ranges.
 const MOVE_MARGIN: u64 = 64;
 
 /// The slots of carried allocations ([`Allocator::carry`]) have this bit set: a scope's own
@@ -929,8 +930,8 @@ pub(crate) struct Planned {
     /// Carried allocations so far: the next one's slot.
     carried_count: u32,
     /// The growable slab a plan moved away from ([`Planned::retire_slab`]): it holds the memory
-    /// carried into the current scope, and nothing else is mapped there. Empty (nothing mapped)
-    /// once that memory is freed, it is the next slab's range.
+    /// carried into the current scope, and nothing else is mapped there; nothing once that
+    /// memory is freed. A phase moves once.
     retired: Option<Slab>,
     /// Bytes mapped in the retired range.
     retired_mapped: u64,
@@ -1544,7 +1545,7 @@ impl Planned {
 
     /// Frees a carried allocation in the retired range: the pages between its neighbours still
     /// live there go back (in stream order, without a wait), and the whole range's once it held
-    /// the last; the empty range stays reserved for the next slab ([`Planned::growable_slab`]).
+    /// the last ([`Planned::empty_retired`]).
     fn free_retired(&mut self, source: &mut dyn Source, carried: CarriedAllocation) -> Result<()> {
         let Some(retired) = self.retired else {
             debug_assert!(false, "a carried allocation in a retired range with none");
@@ -1563,13 +1564,23 @@ impl Planned {
             }
         }
         if !any {
-            source.resize_range(retired.base, 0)?;
-            self.retired = Some(Slab { size: 0, ..retired });
-            self.retired_mapped = 0;
-            return Ok(());
+            return self.empty_retired(source);
         }
         let given = source.punch_range(retired.base, below, above - below)?;
         self.retired_mapped = self.retired_mapped.saturating_sub(given);
+        Ok(())
+    }
+
+    /// Gives back the retired range's pages (in stream order, without a wait) once nothing
+    /// carried lives there; its addresses stay reserved until the pool goes
+    /// ([`Allocator::release_all`]), giving them back would wait for the stream.
+    fn empty_retired(&mut self, source: &mut dyn Source) -> Result<()> {
+        let Some(retired) = self.retired.filter(|retired| retired.size > 0) else { return Ok(()) };
+        let size = source.resize_range(retired.base, 0)?;
+        self.retired = Some(Slab { size, ..retired });
+        if size == 0 {
+            self.retired_mapped = 0;
+        }
         Ok(())
     }
 
@@ -1579,9 +1590,7 @@ impl Planned {
     /// plan's cursor reaches it, while what it frees of the carried memory leaves the retired
     /// range ([`Planned::free_retired`]).
     fn retire_slab(&mut self, source: &mut dyn Source) -> Result<()> {
-        let Some(slab) = self.slab.filter(|slab| slab.growable && self.retired.is_none_or(|r| r.size == 0)) else {
-            return Ok(());
-        };
+        let Some(slab) = self.slab.filter(|slab| slab.growable && self.retired.is_none()) else { return Ok(()) };
         let mut live: Vec<(u64, u64)> = self.carried_in_slab(slab).collect();
         live.sort_unstable();
         for carried in &mut self.carried {
@@ -1589,12 +1598,12 @@ impl Planned {
                 carried.place = CarriedIn::Retired;
             }
         }
-        // The empty range of an earlier move, if any, is the new slab: nothing mapped yet.
-        self.slab = self.retired.take().map(|spare| Slab { size: 0, ..spare });
+        self.slab = None;
         self.online = None;
         let top = live.iter().map(|&(at, len)| at + len).max().unwrap_or(0);
         // Pages punched in the scope stay holes.
-        let holes: u64 = self.holes.iter().map(|&(at, len)| len.min(top.saturating_sub(at))).sum();
+        self.clip_holes(top);
+        let holes = self.unmapped;
         self.holes.clear();
         self.unmapped = 0;
         self.freed_unpunched = 0;
@@ -1697,10 +1706,6 @@ impl Planned {
         match self.slab {
             Some(slab) => Ok(slab.growable),
             None if self.no_ranges || self.lent.is_some() => Ok(false),
-            None if self.retired.is_some_and(|retired| retired.size == 0) => {
-                self.slab = self.retired.take().map(|retired| Slab { size: 0, ..retired });
-                Ok(true)
-            }
             None => match source.reserve_range()? {
                 Some((base, _)) => {
                     self.slab = Some(Slab { base, size: 0, growable: true });
@@ -2399,11 +2404,15 @@ impl Planned {
                 at: (carried.place == CarriedIn::Slab).then(|| carried.ptr - base),
             });
         }
-        let (packing, pairs) = self.carried_layout(&blocks, pairs, &key);
+        let (packing, pairs, moves) = self.carried_layout(&blocks, pairs);
         let paired = pairs.iter().all(|pair| packing.offsets[pair.block] == packing.offsets[pair.next]);
         if !paired || !plan::is_valid(&blocks, &packing) {
             debug_assert!(false, "the planner made an invalid packing of a carrying scope");
             return;
+        }
+        if moves {
+            self.moving = true;
+            self.counters.moves += 1;
         }
         let lower_bound = plan::lower_bound(&blocks);
         blocks.truncate(entries);
@@ -2433,7 +2442,9 @@ impl Planned {
         self.keep_plan(plan);
     }
 
-    /// The layout of a carrying scope's plan, and its pairs as placed. Pinned where the carried
+    /// The layout of a carrying scope's plan (`blocks`: the scope's own, then the carried
+    /// memory's lives in the next scope), its pairs as placed, and whether the plan moves.
+    /// Pinned where the carried
     /// memory lies ([`plan::pack_around`]), unless moving pays: where that memory sits in the
     /// way of what the next scope makes before freeing it (best fit put the gradients of the
     /// recording scope into the holes its backward pass left among the activations, where the
@@ -2444,45 +2455,32 @@ impl Planned {
     /// ([`plan::handover_peak`], plus the pages the carried memory shares), once; the scopes
     /// after it find the memory where the plan puts it. It moves when that scope holds no more
     /// pages than the pinned plan and the moved plan is smaller than it by more than a
-    /// [`MOVE_MARGIN`]th, and only a growable slab with no carried memory in a retired range
-    /// moves. Where no carried memory is in the slab (a recording served from chunks), every
+    /// [`MOVE_MARGIN`]th, and only the phase's first plan, in a growable slab, moves. Where no carried memory is in the slab (a recording served from chunks), every
     /// scope that first follows the plan finds it elsewhere: the pairs go above.
-    fn carried_layout(
-        &mut self,
-        blocks: &[Block],
-        pairs: Vec<plan::Carried>,
-        key: &PlanKey,
-    ) -> (plan::Packing, Vec<plan::Carried>) {
+    fn carried_layout(&self, blocks: &[Block], pairs: Vec<plan::Carried>) -> (plan::Packing, Vec<plan::Carried>, bool) {
         let free: Vec<plan::Carried> = pairs.iter().map(|pair| plan::Carried { at: None, ..*pair }).collect();
         if pairs.iter().all(|pair| pair.at.is_none()) {
-            return (plan::pack_around_above(blocks, &free), free);
+            return (plan::pack_around_above(blocks, &free), free, false);
         }
         let pinned = plan::pack_around(blocks, &pairs);
-        let movable = self.slab.is_some_and(|slab| slab.growable) && self.retired.is_none_or(|r| r.size == 0);
-        if !movable {
-            return (pinned, pairs);
-        }
-        // Only where the next scope is likely to follow the plan: the phase's first plan, or the
-        // same sequence at the same sizes as the plan of its key. A shape that varies from step
-        // to step (a batch, a length) makes the next scope another shape, served best fit in the
-        // new range beside the carried memory, for nothing.
-        let repeats = |plan: &Plan| {
-            plan.key == *key && !plan.predicted && plan.sizes.iter().copied().eq(blocks.iter().map(|b| b.size))
-        };
+        // The phase's first plan only, made at the end of its recording scope, whose best fit put
+        // the carried memory: later scopes put it where a plan did, or serve a shape that varies
+        // from step to step (a batch, a length), whose next scope, another shape, would be served
+        // best fit in the new range beside the carried memory, for nothing (a ResNet whose
+        // batches vary went from 66 to 78 MiB when a plan of a repeated batch could move too).
         let first = self.plans.iter().all(|plan| plan.predicted);
-        if !first && !self.plans.iter().any(repeats) {
-            return (pinned, pairs);
+        let movable = first && self.retired.is_none() && self.slab.is_some_and(|slab| slab.growable);
+        if !movable {
+            return (pinned, pairs, false);
         }
         let above = plan::pack_around_above(blocks, &free);
         let handover = plan::handover_peak(blocks, &free, &above) + self.carried_page_slack();
         if handover.next_multiple_of(GRANULE) <= pinned.size.next_multiple_of(GRANULE)
             && above.size + above.size / MOVE_MARGIN < pinned.size
         {
-            self.moving = true;
-            self.counters.moves += 1;
-            (above, free)
+            (above, free, true)
         } else {
-            (pinned, pairs)
+            (pinned, pairs, false)
         }
     }
 
@@ -2719,8 +2717,14 @@ impl Allocator for Planned {
 
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
         // What the scope before carried in and is still live the pool has released; what this
-        // scope carries out stays where it is.
+        // scope carries out stays where it is. A retired range none of it lives in any more
+        // (a free the pool could not pass on) gives its pages back.
         self.carried.retain(|c| c.out);
+        let retired_outcome = if self.carried.iter().any(|c| c.place == CarriedIn::Retired) {
+            Ok(())
+        } else {
+            self.empty_retired(source)
+        };
         self.pooled.clear();
         let kept: Vec<(CUdeviceptr, u64)> =
             self.carried.iter().filter(|c| c.place == CarriedIn::Chunk).map(|c| (c.ptr, c.size)).collect();
@@ -2729,7 +2733,7 @@ impl Allocator for Planned {
         // must not hold them idle while the slab (or another phase) takes its own peak.
         let outcome = self.fallback.release_empty(source, 0);
         let chunks_released = *outcome.as_ref().unwrap_or(&0) > 0;
-        let mut outcome = outcome.map(drop);
+        let mut outcome = outcome.map(drop).and(retired_outcome);
         if self.allocations > 0 {
             if let Some(index) = self.plan {
                 let unserved = self.plans[index].sizes.len().saturating_sub(self.cursor) as u64;
@@ -2844,8 +2848,8 @@ impl Allocator for Planned {
         outcome
     }
 
-    /// The slab (lent or not): what the plans need. The fallback chunks are given back at the
-    /// reset, so the pool keeps nothing for them.
+    /// The slab (lent or not), what the fallback chunks hold (given back at the reset, so the
+    /// pool keeps nothing for them) and what is mapped in a retired range.
     fn touched(&self) -> Option<u64> {
         Some(self.slab.or(self.lent).map_or(0, |slab| slab.size) + self.fallback.held() + self.retired_mapped)
     }
@@ -3640,13 +3644,30 @@ mod tests {
         let new = planned.slab.expect("a new range");
         assert_ne!(new.base, old.base);
         assert!(next.iter().all(|g| g.ptr >= new.base + 8 * MIB && g.ptr + 2 * MIB <= new.base + new.size));
-        // Freed in that step, the gradients took the old range's pages with them; the range stays
-        // reserved, empty, and the next move's new range is it.
+        // Freed in that step, the gradients took the old range's pages with them; its addresses
+        // stay reserved, nothing mapped, and the phase does not move again.
         assert_eq!(planned.retired.map(|r| (r.base, r.size)), Some((old.base, 0)));
         assert_eq!((planned.retired_mapped, source.ranges[&old.base]), (0, 0));
         assert_eq!(source.held(), 12 * MIB);
+        for _ in 0..2 {
+            carrying_step(&mut planned, &mut source, &[]);
+        }
+        assert_eq!((planned.plan_stats().unwrap().moves, planned.slab.unwrap().base), (0, new.base));
         planned.release_all(&mut source).unwrap();
         assert!(source.ranges.is_empty(), "both ranges given back: {:?}", source.ranges);
+    }
+
+    #[test]
+    fn a_retired_range_whose_memory_the_pool_released_unfreed_gives_its_pages_back_at_the_reset() {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        let _carried = carrying_step(&mut planned, &mut source, &[]);
+        let old = planned.retired.expect("the slab retired");
+        assert_eq!(planned.retired_mapped, 4 * MIB);
+        // A step that never frees what it received (a free the pool could not pass on): at its
+        // reset nothing carried lives in the old range any more.
+        carrying_step(&mut planned, &mut source, &[]);
+        assert_eq!((planned.retired_mapped, source.ranges[&old.base]), (0, 0));
+        assert_eq!(planned.touched(), Some(12 * MIB));
     }
 
     /// Where a bin lent by another pool lies in the tests: far from any range of the fake source.
