@@ -1572,8 +1572,8 @@ impl Planned {
     }
 
     /// Gives back the retired range's pages (in stream order, without a wait) once nothing
-    /// carried lives there; its addresses stay reserved until the pool goes
-    /// ([`Allocator::release_all`]), giving them back would wait for the stream.
+    /// carried lives there. Its addresses stay reserved until the pool goes
+    /// ([`Allocator::release_all`]): giving them back would wait for the stream.
     fn empty_retired(&mut self, source: &mut dyn Source) -> Result<()> {
         let Some(retired) = self.retired.filter(|retired| retired.size > 0) else { return Ok(()) };
         let size = source.resize_range(retired.base, 0)?;
@@ -1608,7 +1608,7 @@ impl Planned {
         self.unmapped = 0;
         self.freed_unpunched = 0;
         self.retired = Some(slab);
-        self.retired_mapped = slab.size;
+        self.retired_mapped = slab.size.saturating_sub(holes);
         let size = source.resize_range(slab.base, top)?;
         self.retired = Some(Slab { size, ..slab });
         self.retired_mapped = size.saturating_sub(holes);
