@@ -122,17 +122,27 @@ const ORDERINGS: [OrderKey; 3] =
 /// The smallest of the packings that place `first` in its order, then `rest` in each of the
 /// [`ORDERINGS`] (ties: earlier allocations first); the earliest ordering on ties.
 fn best_ordering(blocks: &[Block], ranked: &[Block], first: &[usize], rest: &[usize]) -> Packing {
-    let mut best: Option<Packing> = None;
-    for key in ORDERINGS {
-        let mut tail = rest.to_vec();
-        tail.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
-        let order: Vec<usize> = first.iter().copied().chain(tail).collect();
-        let packing = place_in_order(ranked, &order);
-        if best.as_ref().is_none_or(|best| packing.size < best.size) {
-            best = Some(packing);
-        }
-    }
-    best.expect("three orderings")
+    smallest_over_orderings(|key| {
+        let order: Vec<usize> = first.iter().copied().chain(sorted_by(blocks, rest, key)).collect();
+        place_in_order(ranked, &order)
+    })
+}
+
+/// `ids` sorted by `key`, largest first (the earlier allocation on ties).
+fn sorted_by(blocks: &[Block], ids: &[usize], key: OrderKey) -> Vec<usize> {
+    let mut order = ids.to_vec();
+    order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
+    order
+}
+
+/// The smallest of the packings `pack` makes with each of the [`ORDERINGS`] (the earliest on
+/// ties).
+fn smallest_over_orderings(pack: impl FnMut(OrderKey) -> Packing) -> Packing {
+    ORDERINGS
+        .into_iter()
+        .map(pack)
+        .reduce(|best, packing| if packing.size < best.size { packing } else { best })
+        .expect("three orderings")
 }
 
 /// The layout an online best fit makes: each block in allocation order (by start) at the start
@@ -266,16 +276,7 @@ pub fn pack_around(blocks: &[Block], carried: &[Carried]) -> Packing {
     let pinned: Vec<(usize, u64)> = carried.iter().filter_map(|pair| pair.at.map(|at| (pair.block, at))).collect();
     let rest: Vec<usize> =
         (0..blocks.len()).filter(|&id| !second[id] && !pinned.iter().any(|&(block, _)| block == id)).collect();
-    let mut best: Option<Packing> = None;
-    for key in ORDERINGS {
-        let mut order = rest.clone();
-        order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
-        let packing = place_pairs(&ranked, &order, &partner, &pinned, &[]);
-        if best.as_ref().is_none_or(|best| packing.size < best.size) {
-            best = Some(packing);
-        }
-    }
-    best.expect("three orderings")
+    smallest_over_orderings(|key| place_pairs(&ranked, &sorted_by(blocks, &rest, key), &partner, &pinned, &[]))
 }
 
 /// [`pack_around`] for a plan whose carried memory is not yet where the plan hands it out: the
@@ -304,11 +305,8 @@ pub fn pack_around_above(blocks: &[Block], carried: &[Carried]) -> Packing {
         b.size.cmp(&a.size).then(a.start.cmp(&b.start))
     });
     let pairs: Vec<usize> = free_pairs.iter().map(|pair| pair.block).collect();
-    let mut best: Option<Packing> = None;
-    for key in ORDERINGS {
-        let mut order = others.clone();
-        order.sort_by(|&a, &b| key(&blocks[b]).cmp(&key(&blocks[a])).then(blocks[a].start.cmp(&blocks[b].start)));
-        let first = place_pairs(&ranked, &order, &partner, &pinned, &[]);
+    smallest_over_orderings(|key| {
+        let first = place_pairs(&ranked, &sorted_by(blocks, &others, key), &partner, &pinned, &[]);
         let mut floor = vec![0u64; blocks.len()];
         for pair in &free_pairs {
             let until = blocks[pair.next].end;
@@ -321,12 +319,8 @@ pub fn pack_around_above(blocks: &[Block], carried: &[Carried]) -> Packing {
         }
         let placed: Vec<(usize, u64)> =
             pinned.iter().copied().chain(others.iter().map(|&id| (id, first.offsets[id]))).collect();
-        let packing = place_pairs(&ranked, &pairs, &partner, &placed, &floor);
-        if best.as_ref().is_none_or(|best| packing.size < best.size) {
-            best = Some(packing);
-        }
-    }
-    best.expect("three orderings")
+        place_pairs(&ranked, &pairs, &partner, &placed, &floor)
+    })
 }
 
 /// The most a scope served from `packing` holds when the memory carried into it (the `next`
