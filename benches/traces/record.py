@@ -115,21 +115,26 @@ class Loop:
     OPTIMIZERS = ("adamw", "adamw-fused", "adamw-nofore", "sgd", "adafactor")
     ZERO_GRAD = ("end", "start", "backward", "keep")
     AMP = ("off", "bf16", "fp16")
+    INPUTS = ("list", "step", "loader")
 
-    def __init__(self, optimizer=None, zero_grad="end", clip=False, amp=None):
+    def __init__(self, optimizer=None, zero_grad="end", clip=False, amp=None, inputs="list"):
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             raise ValueError(f"--optimizer {optimizer}: one of {self.OPTIMIZERS}")
         if zero_grad not in self.ZERO_GRAD:
             raise ValueError(f"--zero-grad {zero_grad}: one of {self.ZERO_GRAD}")
         if amp is not None and amp not in self.AMP:
             raise ValueError(f"--amp {amp}: one of {self.AMP}")
+        if inputs not in self.INPUTS:
+            raise ValueError(f"--inputs {inputs}: one of {self.INPUTS}")
         self.optimizer_name, self.zero_grad, self.clip, self.amp = optimizer, zero_grad, clip, amp
+        self.inputs = inputs
         self.scaler = None
         # The optimizer whose gradients "backward" zeroes before the step's first backward pass.
         self.to_zero = None
 
     def is_default(self):
-        return self.optimizer_name is None and self.zero_grad == "end" and not self.clip and self.amp is None
+        return (self.optimizer_name is None and self.zero_grad == "end" and not self.clip and self.amp is None
+                and self.inputs == "list")
 
     def describe(self):
         """The options that differ from the defaults, for the manifest."""
@@ -142,6 +147,8 @@ class Loop:
             parts.append("clip_grad_norm_")
         if self.amp is not None:
             parts.append(f"amp {self.amp}")
+        if self.inputs != "list":
+            parts.append(f"inputs {self.inputs}")
         return ", ".join(parts)
 
     def optimizer(self, params, own, lr):
@@ -374,9 +381,18 @@ def adamw(lr):
 
 def train_steps(model, opt, batches, mark, loop, micro=1, autocast=None):
     """`batches[step][micro]` is a token tensor; each micro-step runs forward and backward, the
-    optimizer steps once per step."""
+    optimizer steps once per step. Under `--inputs step` or `loader` each step's batch is copied
+    into new tensors (as a loader's batch is copied to the device) inside the step or before its
+    mark, and the copy of the step before is dropped when the name is bound again."""
+    held = None
     for step, micro_batches in enumerate(batches):
+        if loop.inputs == "loader":
+            held = [tokens.clone() for tokens in micro_batches]
         with mark(step):
+            if loop.inputs == "step":
+                held = [tokens.clone() for tokens in micro_batches]
+            if held is not None:
+                micro_batches = held
             loop.begin(opt)
             for k, tokens in enumerate(micro_batches):
                 with mark(step, k if micro > 1 else None):
@@ -753,6 +769,8 @@ def main():
                         help="where gradients are set to None: end (after the step), start, backward (before the first backward pass), keep (zeroed in place)")
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_ before the optimizer step")
     parser.add_argument("--amp", choices=Loop.AMP, help="autocast (fp16 with a GradScaler; default: each workload's own)")
+    parser.add_argument("--inputs", choices=Loop.INPUTS, default="list",
+                        help="training batches: list (made before the first step, kept), step (copied inside each step), loader (copied before each step's mark, as `for batch in loader`)")
     parser.add_argument("--suffix", default="", help="appended to each trace's name (file and manifest entry)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the workloads run: the CPU, or the first CUDA GPU (PyTorch's caching allocator)")
@@ -781,7 +799,7 @@ def main():
     manifest["recorded_with"] = (f"benches/traces/record.py, torch {torch.__version__} on {where}, "
                                  "torch.profiler profile_memory=True, one thread")
     for name in args.only or WORKLOADS:
-        loop = Loop(args.optimizer, args.zero_grad, args.clip, args.amp)
+        loop = Loop(args.optimizer, args.zero_grad, args.clip, args.amp, args.inputs)
         entry = record(name, args.out, args.seed, args.steps, scale, loop, args.suffix, args.chrome)
         entry["torch"] = torch.__version__
         manifest["traces"][name + args.suffix] = entry
