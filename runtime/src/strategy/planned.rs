@@ -338,7 +338,8 @@
 //! Such an entry has two places, each held the whole scope, and scope after scope it is handed
 //! out at whichever the one carried in does not hold (the plan's `alternates`). A first plan
 //! takes an allocation made before the scope freed anything for one (the batch at the step's
-//! start); a later one knows from the frees it saw. With one place, each step of a Llama with
+//! start; a scope that frees nothing guesses none), and is made again after the first scope it
+//! serves, from the frees that scope saw. With one place, each step of a Llama with
 //! 4× accumulation whose micro-batches are copied so deviated at its first batch (218 MiB,
 //! steady 1.069× the limit; with two, 214 and 1.003×,
 //! `benches/results/2026-11-28-batches-carried-simulated.md`).
@@ -353,7 +354,11 @@
 //! — is moved to the late list as the cursor passes its planned free, and so are the live entries
 //! of a plan the scope switched away from; *i* is handed out only if it overlaps nothing on the
 //! late list. An entry handed out larger than planned was checked against every live slab
-//! allocation and is put on the late list itself. A scope of a new shape, and a scope after a
+//! allocation and is put on the late list itself. An entry with a second place (memory carried
+//! into the next scope, made again there before the one carried in is freed) is handed out at
+//! it only where its own offset is taken and the second place overlaps nothing on the late
+//! list; the plan packs both places apart from every other entry for the whole scope, and a
+//! scope that leaves its plan puts each live entry on the late list where it lies. A scope of a new shape, and a scope after a
 //! deviation, serves from ranges of the slab that no live allocation holds, and no planned entry
 //! is handed out after that. Deviations come from the fallback chunks, allocations of the pool apart from the slab.
 //! At the scope's end every slab range and every chunk is reclaimed (leaked buffers too); the
@@ -439,10 +444,13 @@ struct Plan {
     carries: bool,
     /// Entries carried into the next scope that the next scope makes again before it frees the
     /// one carried in (a batch bound to the same name each step), each with a second offset:
-    /// the entry is handed out there where its own offset is still held by the allocation
-    /// carried in, so that scope after scope the two places alternate
-    /// ([`Planned::replan_carried`]). By entry.
+    /// the entry is handed out there where its own offset is taken (by the allocation carried
+    /// in, as a rule), so that scope after scope the two places alternate; both are the entry's
+    /// for the whole scope ([`Planned::replan_carried`]). By entry.
     alternates: Vec<(u32, u64)>,
+    /// Some of `alternates` are guessed (a first plan of a scope that carries, which has seen
+    /// no frees of what it carries): made again after the first scope it serves.
+    guessed: bool,
 }
 
 impl Plan {
@@ -479,6 +487,7 @@ impl Plan {
             predicted: true,
             carries: false,
             alternates: Vec::new(),
+            guessed: false,
         }
     }
 }
@@ -1038,6 +1047,7 @@ impl Planned {
                 predicted: false,
                 carries: false,
                 alternates: Vec::new(),
+                guessed: false,
             });
         }
         planned
@@ -1092,12 +1102,8 @@ impl Planned {
         self.slab_live.for_each_mut(|allocation| {
             if allocation.entry != FOREIGN {
                 if self.entries[allocation.entry as usize] == Entry::Live {
-                    let offset = planned_offset(
-                        &self.plans,
-                        self.bin,
-                        self.plan.expect("a live entry has a plan"),
-                        allocation.entry as usize,
-                    );
+                    // Where it lies: its planned offset, or its second place.
+                    let offset = allocation.ptr - self.slab.expect("a slab allocation has a slab").base;
                     self.late.push((offset, allocation.size));
                 }
                 allocation.entry = FOREIGN;
@@ -1495,16 +1501,12 @@ impl Planned {
             self.entries[entry] = Entry::Live;
             return Some(Placed::Bin(ptr));
         }
-        let free_at = |offset: u64| {
-            self.slab.is_some_and(|slab| offset + size <= slab.size)
-                && self.late.iter().all(|&(late, len)| late + len <= offset || offset + size <= late)
-        };
+        let fits = |offset: u64| self.slab.is_some_and(|slab| offset + size <= slab.size);
         let mut offset = planned_offset(&self.plans, self.bin, index, entry);
-        if !free_at(offset) {
-            // Held by the allocation of this entry carried in from the scope before: its second
-            // place, if it has one.
-            let second = self.plans[index].alternates.iter().find(|&&(e, _)| e as usize == entry).map(|&(_, at)| at);
-            match second.filter(|&at| free_at(at)) {
+        if !(fits(offset) && self.clear_of_late(offset, size)) {
+            // Its second place, if it has one and that is clear (both are the entry's for the
+            // whole scope in the plan, so either serves).
+            match self.second_place(index, entry, offset, size).filter(|&at| fits(at) && self.clear_of_late(at, size)) {
                 Some(at) => offset = at,
                 None => {
                     self.entries[entry] = Entry::Done;
@@ -1530,6 +1532,24 @@ impl Planned {
         let bin = self.bin?;
         let at = self.plans[index].binned.as_ref()?.at[entry]?;
         Some(bin.ptr + at)
+    }
+
+    /// Whether `size` bytes at `offset` miss every range on the late list.
+    #[inline]
+    fn clear_of_late(&self, offset: u64, size: u64) -> bool {
+        self.late.iter().all(|&(late, len)| late + len <= offset || offset + size <= late)
+    }
+
+    /// The second place of entry `entry` of plan `index` (`Plan::alternates`), where it has one
+    /// and its own, at `offset`, is taken by a range on the late list (the allocation of the
+    /// entry carried in from the scope before).
+    #[inline]
+    fn second_place(&self, index: usize, entry: usize, offset: u64, size: u64) -> Option<u64> {
+        let alternates = &self.plans[index].alternates;
+        if alternates.is_empty() || self.clear_of_late(offset, size) {
+            return None;
+        }
+        alternates.iter().find(|&&(e, _)| e as usize == entry).map(|&(_, at)| at)
     }
 
     /// The ranges (offset, length) of the carried allocations in the slab at `slab`.
@@ -2173,12 +2193,15 @@ impl Planned {
             && slab.growable
             && self.cursor < self.plans[index].offsets.len()
             && self.in_bin(index, self.cursor).is_none()
-            && planned_offset(&self.plans, self.bin, index, self.cursor) + size > slab.size
         {
             // An entry past the end of what is mapped (the plan's cursor reaching pages not mapped
-            // yet, or an entry larger than planned): the slab grows to hold it.
+            // yet, or an entry larger than planned): the slab grows to hold it, at its second
+            // place where its own is taken.
             let offset = planned_offset(&self.plans, self.bin, index, self.cursor);
-            self.grow_slab(source, offset + size)?;
+            let at = self.second_place(index, self.cursor, offset, size).unwrap_or(offset);
+            if at + size > slab.size {
+                self.grow_slab(source, at + size)?;
+            }
         }
         let planned = match (self.online.is_some(), self.slab) {
             (false, Some(slab)) => self.next_planned(size).map(|offset| (slab, offset)),
@@ -2389,6 +2412,7 @@ impl Planned {
             predicted: false,
             carries: false,
             alternates: Vec::new(),
+            guessed: false,
         };
         let plan = self.fit_bin(plan);
         self.counters.replans += 1;
@@ -2409,8 +2433,8 @@ impl Planned {
     /// copied to the device at a step's start and bound to the name the step before's was: the
     /// new one is made first), or, in a first plan, one made before the scope freed anything,
     /// has two places, each held the whole scope, and its scopes alternate between them (the
-    /// plan's `alternates`); the place it lies in now is kept clear until its free in the next
-    /// scope, where that was seen, else until the scope's peak.
+    /// plan's `alternates`); the second is pinned where the allocation lies now, which the next
+    /// scope finds carried in. A guessed one makes the plan `guessed`.
     fn replan_carried(&mut self, mut blocks: Vec<Block>, key: PlanKey) {
         let entries = blocks.len();
         let base = self.slab.map_or(0, |slab| slab.base);
@@ -2426,8 +2450,9 @@ impl Planned {
                 _ => None,
             })
             .collect();
-        let first_free =
-            self.events.iter().position(|event| matches!(event, Event::Free(_))).map_or(u32::MAX, |at| at as u32);
+        // A scope that frees nothing of its own (a phase of gradients alone) guesses none.
+        let first_free = self.events.iter().position(|event| matches!(event, Event::Free(_))).map_or(0, |at| at as u32);
+        let mut guessed = false;
         let mut pairs = Vec::with_capacity(out.len());
         // Entries with two places: (entry, its second place's block, its recorded start).
         let mut alternating: Vec<(usize, usize, u32)> = Vec::new();
@@ -2437,6 +2462,7 @@ impl Planned {
             let at = (carried.place == CarriedIn::Slab).then(|| carried.ptr - base);
             let freed = freed_at.get(&carried.index).copied();
             if freed.map_or(block.start < first_free, |until| until > block.start) {
+                guessed |= freed.is_none();
                 let until = freed.unwrap_or(peak_at).clamp(1, Block::NEVER_FREED - 1);
                 // Both places held the whole scope (for the packing only): the entry's own, and
                 // the second as a pair of blocks, the one carried in up to its free and then
@@ -2495,6 +2521,7 @@ impl Planned {
             predicted: false,
             carries: true,
             alternates,
+            guessed,
         };
         self.counters.replans += 1;
         self.keep_plan(plan);
@@ -2817,8 +2844,11 @@ impl Allocator for Planned {
             // A plan laid out in allocation order that served its scope without a deviation: the
             // sequence repeats, so it is packed now (greedy, as tight as the packer finds).
             let confirmed = !borrowed && !self.deviated && self.plan.is_some_and(|p| self.plans[p].in_order);
+            // A plan that guessed which of what its scope carries out is made again before it is
+            // freed: the scope it served saw the frees, and the plan is made again from them.
+            let guessed = self.plan.is_some_and(|p| self.plans[p].guessed);
             self.drop_predicted_plan();
-            if self.plan.is_none() || self.deviated || borrowed || confirmed {
+            if self.plan.is_none() || self.deviated || borrowed || confirmed || guessed {
                 self.replan();
             }
         } else {
@@ -3762,6 +3792,110 @@ mod tests {
             planned.reset(&mut source, 0).unwrap();
             assert!(planned.carried.is_empty());
         }
+    }
+
+    /// Hands out `size` and checks it against every range in `live`, which it joins.
+    fn allocate_apart(
+        planned: &mut Planned,
+        source: &mut FakeSource,
+        live: &mut Vec<(Served, u64)>,
+        size: u64,
+    ) -> Served {
+        let served = planned.allocate(source, size).unwrap();
+        for &(other, len) in live.iter() {
+            assert!(
+                other.ptr + len <= served.ptr || served.ptr + size <= other.ptr,
+                "{size} bytes at {:#x} over {len} at {:#x}",
+                served.ptr,
+                other.ptr
+            );
+        }
+        live.push((served, size));
+        served
+    }
+
+    #[test]
+    fn batches_carried_across_steps_of_several_shapes_never_overlap_live_memory() {
+        // Steps of three shapes, the first two beginning alike (a scope that starts from one's
+        // plan switches to the other's at its second allocation), each copying a batch first
+        // and freeing the one carried in after: wherever a plan or best fit put the batch,
+        // nothing is handed out over live memory.
+        let shapes: [&[u64]; 3] = [&[MIB, 2 * MIB, MIB], &[MIB, MIB, 3 * MIB], &[2 * MIB, 4 * MIB]];
+        for vmm in [false, true] {
+            for seed in 0..64u64 {
+                let mut source = if vmm { FakeSource::with_ranges(256 * MIB) } else { FakeSource::new(256 * MIB) };
+                let mut planned = carrying();
+                let mut carried: Option<(Served, u64)> = None;
+                let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let (mut alternated, mut switched) = (0, 0);
+                for _ in 0..24 {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let shape = shapes[(state >> 33) as usize % shapes.len()];
+                    planned.begin_step();
+                    let mut live: Vec<(Served, u64)> = carried.into_iter().collect();
+                    let batch_size = MIB / 2 * (1 + (state >> 40) % 2);
+                    let batch = allocate_apart(&mut planned, &mut source, &mut live, batch_size);
+                    if let Some((old, len)) = carried.take() {
+                        alternated += u64::from(batch.ptr != old.ptr && planned.plan.is_some());
+                        planned.free(&mut source, old, len).unwrap();
+                        live.retain(|&(served, _)| served.ptr != old.ptr);
+                    }
+                    let before = planned.plan;
+                    let temporaries: Vec<(Served, u64)> = shape
+                        .iter()
+                        .map(|&size| (allocate_apart(&mut planned, &mut source, &mut live, size), size))
+                        .collect();
+                    switched += u64::from(before.is_some() && planned.plan != before);
+                    for (served, size) in temporaries.into_iter().rev() {
+                        planned.free(&mut source, served, size).unwrap();
+                    }
+                    let slot = planned.carry(batch, batch_size).expect("carried");
+                    carried = Some((Served { ptr: batch.ptr, slot }, batch_size));
+                    planned.reset(&mut source, u64::MAX).unwrap();
+                }
+                assert!(alternated > 0, "seed {seed}: no batch at a second place");
+                let _ = switched;
+            }
+        }
+    }
+
+    #[test]
+    fn a_phase_of_gradients_alone_gives_none_two_places_and_a_wrong_guess_is_made_again() {
+        // Gradients made in one step and freed by the next before it makes its own, in a phase
+        // that frees nothing else: one place each, 8 MiB.
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        let mut grads: Vec<Served> = Vec::new();
+        for _ in 0..4 {
+            planned.begin_step();
+            for g in grads.drain(..) {
+                planned.free(&mut source, g, 2 * MIB).unwrap();
+            }
+            let made: Vec<Served> = (0..4).map(|_| planned.allocate(&mut source, 2 * MIB).unwrap()).collect();
+            grads = made.into_iter().map(|g| Served { ptr: g.ptr, slot: planned.carry(g, 2 * MIB).unwrap() }).collect();
+            planned.reset(&mut source, u64::MAX).unwrap();
+            assert!(planned.plans.iter().all(|plan| plan.alternates.is_empty()), "{:?}", planned.plans);
+        }
+        assert_eq!(planned.plans[0].bytes, 8 * MIB);
+        // A step that makes a buffer first, frees a temporary, then frees what it received before
+        // making the buffer again: the first plan guesses two places for the buffer; the step it
+        // serves shows the buffer freed first, and the plan is made again with one.
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        let mut carried: Option<Served> = None;
+        let mut sizes = Vec::new();
+        for _ in 0..4 {
+            planned.begin_step();
+            if let Some(old) = carried.take() {
+                planned.free(&mut source, old, 2 * MIB).unwrap();
+            }
+            let buffer = planned.allocate(&mut source, 2 * MIB).unwrap();
+            let t = planned.allocate(&mut source, 4 * MIB).unwrap();
+            planned.free(&mut source, t, 4 * MIB).unwrap();
+            carried = Some(Served { ptr: buffer.ptr, slot: planned.carry(buffer, 2 * MIB).unwrap() });
+            planned.reset(&mut source, u64::MAX).unwrap();
+            sizes.push((planned.plans[0].alternates.len(), planned.plans[0].guessed, planned.plans[0].bytes));
+        }
+        assert_eq!(sizes[0], (1, true, 8 * MIB), "{sizes:?}");
+        assert!(sizes[1..].iter().all(|&s| s == (0, false, 6 * MIB)), "{sizes:?}");
     }
 
     #[test]
