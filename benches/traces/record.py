@@ -110,6 +110,11 @@ class Loop:
     * `clip`: `clip_grad_norm_(max_norm=1.0)` before the optimizer step (after unscaling).
     * `amp`: `None`, each workload's own (bf16 autocast for the checkpointed Llama, none else);
       "bf16" autocast to bfloat16; "fp16" autocast to float16 with a `GradScaler`; "off" none.
+    * `inputs`: "list", the training workloads' batches made before the first step and kept;
+      "step", each step's batch copied at the step's start (as a copy to the device makes it)
+      and bound to the name the step before's had, so the new copy is made before the old one
+      is freed; "loader", the copy made before the step's mark, as `for batch in loader` makes
+      it where the mark is inside the loop body.
     """
 
     OPTIMIZERS = ("adamw", "adamw-fused", "adamw-nofore", "sgd", "adafactor")
