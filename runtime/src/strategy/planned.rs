@@ -3860,6 +3860,43 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_that_moves_keeps_a_batchs_two_places_apart_from_live_memory() {
+        // `carrying_step`'s gradients, whose first plan moves, and a batch copied between the two
+        // activations and freed by the next step after its own: from the step the move hands
+        // over to on, the batch takes its two places in turn, every hand-out clear of what lives.
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        let (mut grads, mut batch): (Vec<Served>, Option<Served>) = (Vec::new(), None);
+        let mut stats = Vec::new();
+        for _ in 0..6 {
+            planned.begin_step();
+            let mut live: Vec<(Served, u64)> =
+                grads.iter().map(|&g| (g, 2 * MIB)).chain(batch.map(|b| (b, MIB))).collect();
+            let a1 = allocate_apart(&mut planned, &mut source, &mut live, 4 * MIB);
+            let b = allocate_apart(&mut planned, &mut source, &mut live, MIB);
+            let a2 = allocate_apart(&mut planned, &mut source, &mut live, 4 * MIB);
+            for g in grads.drain(..) {
+                planned.free(&mut source, g, 2 * MIB).unwrap();
+            }
+            if let Some(old) = batch.take() {
+                planned.free(&mut source, old, MIB).unwrap();
+            }
+            let t = planned.allocate(&mut source, 4 * MIB).unwrap();
+            planned.free(&mut source, t, 4 * MIB).unwrap();
+            planned.free(&mut source, a2, 4 * MIB).unwrap();
+            let g1 = planned.allocate(&mut source, 2 * MIB).unwrap();
+            planned.free(&mut source, a1, 4 * MIB).unwrap();
+            let g2 = planned.allocate(&mut source, 2 * MIB).unwrap();
+            grads = [g1, g2].map(|g| Served { ptr: g.ptr, slot: planned.carry(g, 2 * MIB).unwrap() }).to_vec();
+            batch = Some(Served { ptr: b.ptr, slot: planned.carry(b, MIB).unwrap() });
+            planned.reset(&mut source, u64::MAX).unwrap();
+            let s = planned.plan_stats().unwrap();
+            stats.push((s.moves, s.deviations, planned.plans[0].alternates.len()));
+        }
+        assert_eq!(stats[0], (1, 0, 1), "the first plan moves, the batch with two places: {stats:?}");
+        assert!(stats[1..].iter().all(|&(_, deviations, places)| deviations == 0 && places == 1), "{stats:?}");
+    }
+
+    #[test]
     fn a_phase_of_gradients_alone_gives_none_two_places_and_a_wrong_guess_is_made_again() {
         // Gradients made in one step and freed by the next before it makes its own, in a phase
         // that frees nothing else: one place each, 8 MiB.
