@@ -358,11 +358,12 @@
 //! into the next scope, made again there before the one carried in is freed) is handed out at
 //! it only where its own offset is taken and the second place overlaps nothing on the late
 //! list; the plan packs both places apart from every other entry for the whole scope, and a
-//! scope that leaves its plan puts each live entry on the late list where it lies. A scope of a new shape, and a scope after a
-//! deviation, serves from ranges of the slab that no live allocation holds, and no planned entry
-//! is handed out after that. Deviations come from the fallback chunks, allocations of the pool apart from the slab.
-//! At the scope's end every slab range and every chunk is reclaimed (leaked buffers too); the
-//! boundary has ordered the pool's stream after every stream that used them.
+//! scope that leaves its plan puts each live entry on the late list where it lies. A scope of a
+//! new shape, and a scope after a deviation, serves from ranges of the slab that no live
+//! allocation holds, and no planned entry is handed out after that. Deviations come from the
+//! fallback chunks, allocations of the pool apart from the slab. At the scope's end every slab
+//! range and every chunk is reclaimed (leaked buffers too); the boundary has ordered the pool's
+//! stream after every stream that used them.
 //!
 //! # Giving back what a scope outside the plan took
 //!
