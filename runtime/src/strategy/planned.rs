@@ -2426,7 +2426,9 @@ impl Planned {
     /// allocation of the same index carried into this scope was freed, or, where none was (the
     /// first scope that carries), at a guess: where this scope's own live bytes first peak (a
     /// loop frees the gradients the step before handed it before its backward pass, where its
-    /// peak is), or where the allocation is made again if that is sooner. A carried allocation
+    /// peak is), or where the allocation is made again if that is sooner; but right after the
+    /// scope's own copies where it began by copying what it carries out (a batch copied before
+    /// `zero_grad()` at the top of the loop). A carried allocation
     /// freed later than planned finds the plan's entries laid over it refused (the late list),
     /// and that scope deviates and is planned again from what it saw.
     ///
@@ -2454,6 +2456,19 @@ impl Planned {
         // A scope that frees nothing of its own (a phase of gradients alone) guesses none.
         let first_free = self.events.iter().position(|event| matches!(event, Event::Free(_))).map_or(0, |at| at as u32);
         let mut guessed = false;
+        // A first plan whose scope copied what it carries out before freeing anything (a batch at
+        // the step's start) guesses that the next scope frees the rest of what it receives right
+        // after its own copies, as a loop that copies its batch and then calls `zero_grad()`
+        // does; else at its own peak, as one that calls it between the passes does.
+        let copies_end = if freed_at.is_empty() {
+            out.iter()
+                .map(|carried| blocks[carried.index as usize].start)
+                .filter(|&start| start < first_free)
+                .max()
+                .map_or(0, |start| start + 1)
+        } else {
+            0
+        };
         let mut pairs = Vec::with_capacity(out.len());
         // Entries with two places: (entry, its second place's block, its recorded start).
         let mut alternating: Vec<(usize, usize, u32)> = Vec::new();
@@ -2475,7 +2490,8 @@ impl Planned {
                 pairs.push(plan::Carried { block: blocks.len() - 2, next: blocks.len() - 1, at });
                 continue;
             }
-            let until = freed.unwrap_or(peak_at.min(block.start));
+            let guess = if copies_end > 0 { copies_end } else { peak_at };
+            let until = freed.unwrap_or(guess.min(block.start));
             if until == 0 {
                 // Freed before anything else in the next scope: no life there to pack.
                 continue;
@@ -3895,6 +3911,46 @@ mod tests {
         }
         assert_eq!(stats[0], (1, 0, 1), "the first plan moves, the batch with two places: {stats:?}");
         assert!(stats[1..].iter().all(|&(_, deviations, places)| deviations == 0 && places == 1), "{stats:?}");
+    }
+
+    #[test]
+    fn a_first_plan_after_a_batch_copy_guesses_the_gradients_freed_right_after_it() {
+        // The most common loop, its batch copied to the device in the step: the copy first, then
+        // `zero_grad()` frees the gradients the step before made, then the forward and backward
+        // passes. The recording has seen no free of the gradients; guessed freed at the next
+        // step's peak, as between the passes, the first plan kept their place from the forward
+        // pass, and every later plan, pinned where that one put them, held 12 MiB where the step
+        // needs 10 (its activations and the batch's two places).
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        let (mut grads, mut batch): (Vec<Served>, Option<Served>) = (Vec::new(), None);
+        let mut bytes = Vec::new();
+        for _ in 0..4 {
+            planned.begin_step();
+            let mut live: Vec<(Served, u64)> =
+                grads.iter().map(|&g| (g, 2 * MIB)).chain(batch.map(|b| (b, MIB))).collect();
+            let b = allocate_apart(&mut planned, &mut source, &mut live, MIB);
+            if let Some(old) = batch.take() {
+                planned.free(&mut source, old, MIB).unwrap();
+                live.retain(|&(served, _)| served.ptr != old.ptr);
+            }
+            for g in grads.drain(..) {
+                planned.free(&mut source, g, 2 * MIB).unwrap();
+                live.retain(|&(served, _)| served.ptr != g.ptr);
+            }
+            let a1 = allocate_apart(&mut planned, &mut source, &mut live, 4 * MIB);
+            let a2 = allocate_apart(&mut planned, &mut source, &mut live, 4 * MIB);
+            planned.free(&mut source, a2, 4 * MIB).unwrap();
+            live.retain(|&(served, _)| served.ptr != a2.ptr);
+            let g1 = allocate_apart(&mut planned, &mut source, &mut live, 2 * MIB);
+            planned.free(&mut source, a1, 4 * MIB).unwrap();
+            live.retain(|&(served, _)| served.ptr != a1.ptr);
+            let g2 = allocate_apart(&mut planned, &mut source, &mut live, 2 * MIB);
+            grads = [g1, g2].map(|g| Served { ptr: g.ptr, slot: planned.carry(g, 2 * MIB).unwrap() }).to_vec();
+            batch = Some(Served { ptr: b.ptr, slot: planned.carry(b, MIB).unwrap() });
+            planned.reset(&mut source, u64::MAX).unwrap();
+            bytes.push(planned.plans[0].bytes);
+        }
+        assert!(bytes.iter().all(|&b| b == 10 * MIB), "{bytes:?}");
     }
 
     #[test]
