@@ -267,13 +267,7 @@ pub struct Carried {
 /// is in one pair at most.
 pub fn pack_around(blocks: &[Block], carried: &[Carried]) -> Packing {
     let ranked = compress(blocks);
-    let mut partner: Vec<Option<usize>> = vec![None; blocks.len()];
-    let mut second = vec![false; blocks.len()];
-    for pair in carried {
-        partner[pair.block] = Some(pair.next);
-        second[pair.next] = true;
-    }
-    let pinned: Vec<(usize, u64)> = carried.iter().filter_map(|pair| pair.at.map(|at| (pair.block, at))).collect();
+    let Pairing { partner, second, pinned } = pairing(blocks.len(), carried);
     let rest: Vec<usize> =
         (0..blocks.len()).filter(|&id| !second[id] && !pinned.iter().any(|&(block, _)| block == id)).collect();
     smallest_over_orderings(|key| place_pairs(&ranked, &sorted_by(blocks, &rest, key), &partner, &pinned, &[]))
@@ -290,15 +284,8 @@ pub fn pack_around(blocks: &[Block], carried: &[Carried]) -> Packing {
 /// pairs, largest first, the best kept.
 pub fn pack_around_above(blocks: &[Block], carried: &[Carried]) -> Packing {
     let ranked = compress(blocks);
-    let mut partner: Vec<Option<usize>> = vec![None; blocks.len()];
-    let mut paired = vec![false; blocks.len()];
-    for pair in carried {
-        partner[pair.block] = Some(pair.next);
-        paired[pair.block] = true;
-        paired[pair.next] = true;
-    }
-    let pinned: Vec<(usize, u64)> = carried.iter().filter_map(|pair| pair.at.map(|at| (pair.block, at))).collect();
-    let others: Vec<usize> = (0..blocks.len()).filter(|&id| !paired[id]).collect();
+    let Pairing { partner, second, pinned } = pairing(blocks.len(), carried);
+    let others: Vec<usize> = (0..blocks.len()).filter(|&id| partner[id].is_none() && !second[id]).collect();
     let mut free_pairs: Vec<&Carried> = carried.iter().filter(|pair| pair.at.is_none()).collect();
     free_pairs.sort_by(|a, b| {
         let (a, b) = (&blocks[a.block], &blocks[b.block]);
@@ -321,6 +308,27 @@ pub fn pack_around_above(blocks: &[Block], carried: &[Carried]) -> Packing {
             pinned.iter().copied().chain(others.iter().map(|&id| (id, first.offsets[id]))).collect();
         place_pairs(&ranked, &pairs, &partner, &placed, &floor)
     })
+}
+
+/// The blocks of a packing paired by [`Carried`] pairs.
+struct Pairing {
+    /// Each block's partner, set on the block of a pair's allocation.
+    partner: Vec<Option<usize>>,
+    /// Whether a block is the second of a pair (its life in the next scope).
+    second: Vec<bool>,
+    /// The pinned pairs, by the block of their allocation, with their offsets.
+    pinned: Vec<(usize, u64)>,
+}
+
+fn pairing(blocks: usize, carried: &[Carried]) -> Pairing {
+    let mut partner: Vec<Option<usize>> = vec![None; blocks];
+    let mut second = vec![false; blocks];
+    for pair in carried {
+        partner[pair.block] = Some(pair.next);
+        second[pair.next] = true;
+    }
+    let pinned = carried.iter().filter_map(|pair| pair.at.map(|at| (pair.block, at))).collect();
+    Pairing { partner, second, pinned }
 }
 
 /// The most a scope served from `packing` holds when the memory carried into it (the `next`
