@@ -344,6 +344,22 @@
 //! steady 1.069× the limit; with two, 214 and 1.003×,
 //! `benches/results/2026-11-28-batches-carried-simulated.md`).
 //!
+//! Where such memory lies decides the scopes after it, since each plan pins it where it lies:
+//! a batch in a gap between the gradients carried in splits, once they are freed, the room the
+//! next forward pass needs, and a plan pinned around it holds that split for good. So the two
+//! places lie together. A scope served online (a new shape) takes an allocation made again
+//! while the one of its index carried in still lives at the lowest free range that holds it,
+//! not the smallest ([`Planned::made_again_while_carried`]); and a carrying plan puts an
+//! entry's own place right below or above its second place where that is clear of the pinned
+//! memory ([`plan::pack_around`]), where the packing placed it, small and alive the whole
+//! scope, into the smallest gap between the pinned memory. On a recorded token-budget GPT-2
+//! whose steps are each a new shape and copy their batch at the step's start, the second
+//! step's batch went into a gap at 807 MiB of a 1.3 GiB range, the forward pass's 189 MiB
+//! logits found no room below it, and the run held 1.058× its live peak; with both, 1.006×
+//! (`benches/results/2026-11-28-batches-low-simulated.md`). Either alone was measured and not
+//! kept: the online placement alone held 1.117× (the plans after it put the batch's own place
+//! in a gap again), the plans alone changed only 5 of 146 replays.
+//!
 //! # Why a hand-out never overlaps a live allocation
 //!
 //! Planned entries are handed out in increasing order, each at most once per scope (the cursor
@@ -837,6 +853,16 @@ impl FreeRanges {
             (len >= size && end(&(len, offset))).then_some((len, offset))
         };
         let (len, offset) = inside.or_else(at_end)?;
+        self.remove(offset, len);
+        if len > size {
+            self.insert(offset + size, len - size);
+        }
+        Some(offset)
+    }
+
+    /// The start of the lowest free range that holds `size` (first fit).
+    fn take_lowest(&mut self, size: u64) -> Option<u64> {
+        let (offset, len) = self.by_offset.iter().map(|(&offset, &len)| (offset, len)).find(|&(_, len)| len >= size)?;
         self.remove(offset, len);
         if len > size {
             self.insert(offset + size, len - size);
@@ -1558,6 +1584,14 @@ impl Planned {
         self.carried.iter().filter(|c| c.place == CarriedIn::Slab).map(move |c| (c.ptr - slab.base, c.size))
     }
 
+    /// Whether the scope's next allocation is made again while the one of its index carried in
+    /// from the scope before still lies in the slab (a batch copied to the device before the
+    /// step before's is freed): it is likely carried out in turn.
+    fn made_again_while_carried(&self) -> bool {
+        let index = self.allocations;
+        self.carried.iter().any(|c| !c.out && c.index == index && c.place == CarriedIn::Slab)
+    }
+
     /// The end of the highest carried allocation in the slab: what no resize may cut.
     fn carried_top(&self) -> u64 {
         self.slab.map_or(0, |slab| self.carried_in_slab(slab).map(|(offset, len)| offset + len).max().unwrap_or(0))
@@ -1843,8 +1877,10 @@ impl Planned {
     /// none holds it (by what the free range at its end lacks, as an expandable segment grows).
     fn take_online(&mut self, source: &mut dyn Source, size: u64) -> Result<Option<u64>> {
         let growable_end = self.slab.filter(|slab| slab.growable).map(|slab| slab.size);
+        let lowest = self.made_again_while_carried();
         let Some(online) = &mut self.online else { return Ok(None) };
-        if let Some(offset) = online.take(size, growable_end) {
+        let taken = if lowest { online.take_lowest(size) } else { online.take(size, growable_end) };
+        if let Some(offset) = taken {
             return self.fill_holes(source, offset, size);
         }
         let Some(slab) = self.slab.filter(|slab| slab.growable) else { return Ok(None) };
@@ -2472,6 +2508,7 @@ impl Planned {
         let mut pairs = Vec::with_capacity(out.len());
         // Entries with two places: (entry, its second place's block, its recorded start).
         let mut alternating: Vec<(usize, usize, u32)> = Vec::new();
+        let mut beside = Vec::new();
         for carried in &out {
             let index = carried.index as usize;
             let block = blocks[index];
@@ -2487,6 +2524,7 @@ impl Planned {
                 blocks.push(Block { size: block.size, start: until, end: Block::NEVER_FREED });
                 blocks.push(Block { size: block.size, start: 0, end: until });
                 alternating.push((index, blocks.len() - 2, block.start));
+                beside.push(plan::Alternate { own: index, second: pairs.len() });
                 pairs.push(plan::Carried { block: blocks.len() - 2, next: blocks.len() - 1, at });
                 continue;
             }
@@ -2499,7 +2537,7 @@ impl Planned {
             blocks.push(Block { size: block.size, start: 0, end: until });
             pairs.push(plan::Carried { block: index, next: blocks.len() - 1, at });
         }
-        let (packing, pairs, moves) = self.carried_layout(&blocks, pairs);
+        let (packing, pairs, moves) = self.carried_layout(&blocks, pairs, &beside);
         let paired = pairs.iter().all(|pair| packing.offsets[pair.block] == packing.offsets[pair.next]);
         if !paired || !plan::is_valid(&blocks, &packing) {
             debug_assert!(false, "the planner made an invalid packing of a carrying scope");
@@ -2559,12 +2597,17 @@ impl Planned {
     /// pages than the pinned plan and the moved plan is smaller than it by more than a
     /// [`MOVE_MARGIN`]th, and only the phase's first plan, in a growable slab, moves. Where no carried memory is in the slab (a recording served from chunks), every
     /// scope that first follows the plan finds it elsewhere: the pairs go above.
-    fn carried_layout(&self, blocks: &[Block], pairs: Vec<plan::Carried>) -> (plan::Packing, Vec<plan::Carried>, bool) {
+    fn carried_layout(
+        &self,
+        blocks: &[Block],
+        pairs: Vec<plan::Carried>,
+        alternates: &[plan::Alternate],
+    ) -> (plan::Packing, Vec<plan::Carried>, bool) {
         let free: Vec<plan::Carried> = pairs.iter().map(|pair| plan::Carried { at: None, ..*pair }).collect();
         if pairs.iter().all(|pair| pair.at.is_none()) {
             return (plan::pack_around_above(blocks, &free), free, false);
         }
-        let pinned = plan::pack_around(blocks, &pairs);
+        let pinned = plan::pack_around(blocks, &pairs, alternates);
         // The phase's first plan only, made at the end of its recording scope, whose best fit put
         // the carried memory: later scopes put it where a plan did, or serve a shape that varies
         // from step to step (a batch, a length), whose next scope, another shape, would be served
@@ -3808,6 +3851,50 @@ mod tests {
             planned.free(&mut source, batch, MIB).unwrap();
             planned.reset(&mut source, 0).unwrap();
             assert!(planned.carried.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_batch_of_a_new_shape_is_made_at_the_lowest_free_range_while_the_one_before_lives() {
+        // Every step another shape, so every step is served best fit in the range: a batch made
+        // before the step before's and its gradients are freed, then three activations, then
+        // gradients made as the activations go, carried with the batch into the next step. The
+        // batch goes to the lowest free range between what was carried in, not the smallest: in
+        // a gap between the gradients it would split the room the activations need once those
+        // are freed (the second step's batch: at 1 MiB, not in the 2 MiB gap at 7).
+        let mut source = FakeSource::with_ranges(256 * MIB);
+        let mut planned = carrying();
+        let mut carried: Vec<(Served, u64)> = Vec::new();
+        for step in 0..8u64 {
+            planned.begin_step();
+            let batch_size = MIB - step * 64 * 1024;
+            let activation = 4 * MIB + step * 768 * 1024;
+            let batch = planned.allocate(&mut source, batch_size).unwrap();
+            let base = planned.slab.expect("a slab").base;
+            let mut live: Vec<(u64, u64)> = carried.iter().map(|&(served, size)| (served.ptr - base, size)).collect();
+            live.sort_unstable();
+            let mut lowest = 0;
+            for (offset, size) in live {
+                if offset >= lowest + batch_size {
+                    break;
+                }
+                lowest = lowest.max(offset + size);
+            }
+            assert_eq!(batch.ptr - base, lowest, "step {step}");
+            for (served, size) in carried.drain(..) {
+                planned.free(&mut source, served, size).unwrap();
+            }
+            let x: Vec<Served> = (0..3).map(|_| planned.allocate(&mut source, activation).unwrap()).collect();
+            let mut gradients = Vec::new();
+            for &served in x.iter().rev() {
+                planned.free(&mut source, served, activation).unwrap();
+                gradients.push(planned.allocate(&mut source, MIB).unwrap());
+            }
+            for (served, size) in std::iter::once((batch, batch_size)).chain(gradients.into_iter().map(|g| (g, MIB))) {
+                carried.push((Served { ptr: served.ptr, slot: planned.carry(served, size).expect("carried") }, size));
+            }
+            planned.reset(&mut source, u64::MAX).unwrap();
+            assert_eq!(planned.plan_stats().unwrap().planned, 0, "step {step} served online");
         }
     }
 

@@ -262,15 +262,55 @@ pub struct Carried {
 /// ([`Carried`]): each carried pair at one offset, clear of every block alive during either of
 /// its two lifetimes (so the plan is valid around the boundary as well as inside a scope); the
 /// pinned pairs first, where they are, then the rest in each of the packer's orderings, a pair
-/// by the block of its allocation, the best kept. A pair's `next` ends no later than its `block`
+/// by the block of its allocation, the best kept; each of `alternates` (an entry with a second
+/// place, a carried pair) first, right below or right above its second place where clear of the
+/// pinned pairs, the smaller packing of the two. A pair's `next` ends no later than its `block`
 /// starts (the memory is free before the plan hands it out again) and is the same size; a block
 /// is in one pair at most.
-pub fn pack_around(blocks: &[Block], carried: &[Carried]) -> Packing {
+pub fn pack_around(blocks: &[Block], carried: &[Carried], alternates: &[Alternate]) -> Packing {
     let ranked = compress(blocks);
     let Pairing { partner, second, pinned } = pairing(blocks.len(), carried);
-    let rest: Vec<usize> =
-        (0..blocks.len()).filter(|&id| !second[id] && !pinned.iter().any(|&(block, _)| block == id)).collect();
-    smallest_over_orderings(|key| place_pairs(&ranked, &sorted_by(blocks, &rest, key), &partner, &pinned, &[]))
+    let pack = |pinned: &[(usize, u64)]| {
+        let rest: Vec<usize> =
+            (0..blocks.len()).filter(|&id| !second[id] && !pinned.iter().any(|&(block, _)| block == id)).collect();
+        smallest_over_orderings(|key| place_pairs(&ranked, &sorted_by(blocks, &rest, key), &partner, pinned, &[]))
+    };
+    if alternates.is_empty() {
+        return pack(&pinned);
+    }
+    // An entry's own place goes right below or right above its second place, where clear of
+    // the pinned memory (the smaller packing of the two): placed by the packing, the own place
+    // of a small entry alive the whole scope lands in the smallest gap between pinned memory,
+    // and the next plan, pinned there in turn, packs its scope around it.
+    let mut sides = [pinned.clone(), pinned.clone()];
+    for alternate in alternates {
+        let pair = carried[alternate.second];
+        let Some(at) = pair.at else { continue };
+        let size = blocks[alternate.own].size;
+        let candidates = [at.checked_sub(size), Some(at + blocks[pair.block].size)];
+        for (side, offset) in sides.iter_mut().zip(candidates) {
+            let clear = |offset: u64| {
+                side.iter().all(|&(id, placed)| placed + blocks[id].size <= offset || offset + size <= placed)
+            };
+            if let Some(offset) = offset.filter(|&offset| clear(offset)) {
+                side.push((alternate.own, offset));
+            }
+        }
+    }
+    let beside = sides.iter().filter(|side| side.len() > pinned.len()).map(|side| pack(side));
+    beside
+        .reduce(|best, packing| if packing.size < best.size { packing } else { best })
+        .unwrap_or_else(|| pack(&pinned))
+}
+
+/// An entry with two places ([`pack_around`]): the block of its own place, alive the whole scope,
+/// and the index among the carried pairs of its second place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Alternate {
+    /// The block of its own place.
+    pub own: usize,
+    /// Its second place: an index into the carried pairs.
+    pub second: usize,
 }
 
 /// [`pack_around`] for a plan whose carried memory is not yet where the plan hands it out: the
@@ -788,7 +828,7 @@ mod tests {
     #[test]
     fn a_carried_pair_shares_one_offset_and_its_memory_between_the_scopes() {
         let (blocks, carried) = carried_scope();
-        let packing = pack_around(&blocks, &carried);
+        let packing = pack_around(&blocks, &carried, &[]);
         assert!(is_valid(&blocks, &packing));
         assert_eq!(packing.offsets[2], packing.offsets[3]);
         // The activation alive with the carried-in gradient sits apart from it, the one after
@@ -801,12 +841,37 @@ mod tests {
     fn a_pinned_pair_stays_where_it_lives_and_the_rest_packs_around_it() {
         let (blocks, mut carried) = carried_scope();
         carried[0].at = Some(40);
-        let packing = pack_around(&blocks, &carried);
+        let packing = pack_around(&blocks, &carried, &[]);
         assert!(is_valid(&blocks, &packing));
         assert_eq!((packing.offsets[2], packing.offsets[3]), (40, 40));
         // Below the gradient there is no room for the first activation: it goes above.
         assert_eq!(packing.offsets[0], 100);
         assert_eq!(packing.size, 200);
+    }
+
+    #[test]
+    fn an_entrys_own_place_goes_beside_its_second_place() {
+        // Gradients pinned at 0, 10, 12 and 17, each made at 5 and carried in until 1; a batch
+        // of 4 with two places, its second pinned at 1, where the one carried in lies until 1;
+        // three activations of 3 between. Placed by the packing, the batch's own place takes the
+        // smallest gap between the pinned memory, at 13, and the activations go around it (20
+        // bytes); beside its second place, at 5, they fit above it (18).
+        let mut blocks = Vec::new();
+        let mut carried = Vec::new();
+        for (size, start, at) in [(1, 5, 0), (4, 1, 1), (1, 5, 10), (1, 5, 12), (1, 5, 17)] {
+            carried.push(Carried { block: blocks.len(), next: blocks.len() + 1, at: Some(at) });
+            blocks.push(block(size, start, Block::NEVER_FREED));
+            blocks.push(block(size, 0, 1));
+        }
+        let own = blocks.len();
+        blocks.push(block(4, 0, Block::NEVER_FREED));
+        blocks.extend([block(3, 2, 4), block(3, 2, 4), block(3, 2, 4)]);
+        let packed = pack_around(&blocks, &carried, &[]);
+        assert!(is_valid(&blocks, &packed));
+        assert_eq!((packed.offsets[own], packed.size), (13, 20));
+        let beside = pack_around(&blocks, &carried, &[Alternate { own, second: 1 }]);
+        assert!(is_valid(&blocks, &beside));
+        assert_eq!((beside.offsets[own], beside.size), (5, 18));
     }
 
     #[test]
@@ -1069,7 +1134,7 @@ mod tests {
                     carried.push(Carried { block: id, next: blocks.len() - 1, at });
                 }
             }
-            let packing = pack_around(&blocks, &carried);
+            let packing = pack_around(&blocks, &carried, &[]);
             prop_assert!(is_valid(&blocks, &packing), "{:?} {:?} -> {:?}", blocks, carried, packing);
             for pair in &carried {
                 prop_assert_eq!(packing.offsets[pair.block], packing.offsets[pair.next]);
