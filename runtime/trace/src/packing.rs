@@ -260,11 +260,12 @@ pub struct Carried {
 
 /// [`pack`] for a plan reused scope after scope whose scopes hand memory to the next
 /// ([`Carried`]): each carried pair at one offset, clear of every block alive during either of
-/// its two lifetimes (so the plan is valid around the boundary as well as inside a scope); the
-/// pinned pairs first, where they are, then the rest in each of the packer's orderings, a pair
-/// by the block of its allocation, the best kept; each of `alternates` (an entry with a second
-/// place, a carried pair) first, right below or right above its second place where clear of the
-/// pinned pairs, the smaller packing of the two. A pair's `next` ends no later than its `block`
+/// its two lifetimes (so the plan is valid around the boundary as well as inside a scope). The
+/// pinned pairs go first, where they are; then the own place of each of `alternates` (an entry
+/// whose second place is one of the pairs), right below or right above that place where clear
+/// of the pinned pairs (both sides tried, the smaller packing kept; where neither is clear, it
+/// is packed as any block); then the rest in each of the packer's orderings, a pair by the
+/// block of its allocation, the best kept. A pair's `next` ends no later than its `block`
 /// starts (the memory is free before the plan hands it out again) and is the same size; a block
 /// is in one pair at most.
 pub fn pack_around(blocks: &[Block], carried: &[Carried], alternates: &[Alternate]) -> Packing {
