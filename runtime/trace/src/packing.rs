@@ -276,9 +276,6 @@ pub fn pack_around(blocks: &[Block], carried: &[Carried], alternates: &[Alternat
             (0..blocks.len()).filter(|&id| !second[id] && !pinned.iter().any(|&(block, _)| block == id)).collect();
         smallest_over_orderings(|key| place_pairs(&ranked, &sorted_by(blocks, &rest, key), &partner, pinned, &[]))
     };
-    if alternates.is_empty() {
-        return pack(&pinned);
-    }
     // An entry's own place goes right below or right above its second place, where clear of
     // the pinned memory (the smaller packing of the two): placed by the packing, the own place
     // of a small entry alive the whole scope lands in the smallest gap between pinned memory,
