@@ -1,8 +1,9 @@
 //! The `Planned` strategy: random step programs with random deviations (extra allocations,
 //! missing ones, changed sizes, frees in another order, frees that come late or never, other
-//! shapes and user keys) never get memory that overlaps a live allocation, every allocation
-//! succeeds or fails with a typed error, and the accounting stays exact; real PyTorch training
-//! traces replayed through it are served from their plans.
+//! shapes and user keys), and random loops whose steps hand memory to the next, never get
+//! memory that overlaps a live allocation, every allocation succeeds or fails with a typed
+//! error, and the accounting stays exact; real PyTorch training traces replayed through it are
+//! served from their plans.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -889,6 +890,109 @@ proptest! {
             h.run(0, 0, shape, &step.deviations)?;
             h.run(0, 1, shape, &[])?;
             h.end_step()?;
+        }
+    }
+}
+
+/// A training loop whose steps hand memory to the next (a carrying planned phase): each step
+/// copies its batch first (made before the step before's is freed), runs a random program of its
+/// own allocations and frees, makes gradients at random places in it, left live at its end, and
+/// frees the gradients the step before made at a random place, the same in every step (as
+/// `zero_grad()` at one line of the loop) unless the step says otherwise.
+#[derive(Clone, Debug)]
+struct CarryingLoop {
+    batch: u64,
+    body: Vec<Base>,
+    /// (position in the body, size) of each gradient.
+    grads: Vec<(usize, u64)>,
+    /// Where in the body the gradients carried in are freed (past its end: at the step's end).
+    freed_at: usize,
+    /// Per step, another place for that free.
+    moved: Vec<Option<usize>>,
+}
+
+fn carrying_loop() -> impl Strategy<Value = CarryingLoop> {
+    (
+        prop_oneof![Just(0u64), 1..2 * MIB],
+        base_program(),
+        prop::collection::vec((0..40usize, alloc_size()), 1..6),
+        0..44usize,
+        prop::collection::vec(prop_oneof![6 => Just(None), 1 => (0..44usize).prop_map(Some)], 2..8),
+    )
+        .prop_map(|(batch, body, grads, freed_at, moved)| CarryingLoop { batch, body, grads, freed_at, moved })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn carrying_loops_never_overlap_and_carry_exactly_what_they_leave(
+        program in carrying_loop(),
+        vmm in any::<bool>(),
+    ) {
+        let rt = runtime_with(8 * GIB, vmm);
+        let spec = PhaseSpec::new("step", Scope::Step).strategy(Allocation::PLANNED).carry(true);
+        let phase = rt.declare_phase(spec).unwrap();
+        let stream = rt.device(0).unwrap().create_stream().unwrap();
+        let raw = rt.raw();
+        let mut ranges = Ranges::default();
+        let alloc = |ranges: &mut Ranges, size: u64| -> Result<CUdeviceptr, TestCaseError> {
+            // SAFETY: the phase and stream are the runtime's; every pointer is freed once below.
+            let ptr = unsafe { raw.alloc(phase, size, &stream) }.map_err(|e| TestCaseError::fail(e.to_string()))?;
+            ranges.insert(ptr, size).map_err(TestCaseError::fail)?;
+            Ok(ptr)
+        };
+        let free = |ranges: &mut Ranges, ptr: CUdeviceptr| -> Result<(), TestCaseError> {
+            ranges.remove(ptr);
+            // SAFETY: handed out by `alloc` and not freed before.
+            unsafe { raw.free(ptr) }.map_err(|e| TestCaseError::fail(e.to_string()))
+        };
+        // Live carried memory: (pointer, size).
+        let mut batch: Option<(CUdeviceptr, u64)> = None;
+        let mut grads: Vec<(CUdeviceptr, u64)> = Vec::new();
+        for moved in &program.moved {
+            raw.begin_step().unwrap();
+            let freed_at = moved.unwrap_or(program.freed_at);
+            let copied = (program.batch > 0).then(|| alloc(&mut ranges, program.batch)).transpose()?;
+            if let Some((old, _)) = batch.take() {
+                free(&mut ranges, old)?;
+            }
+            let mut own: Vec<CUdeviceptr> = Vec::new();
+            let mut made = Vec::new();
+            for (at, op) in program.body.iter().enumerate() {
+                if at == freed_at {
+                    for (g, _) in grads.drain(..) {
+                        free(&mut ranges, g)?;
+                    }
+                }
+                for &(_, size) in program.grads.iter().filter(|&&(when, _)| when == at) {
+                    made.push((alloc(&mut ranges, size)?, size));
+                }
+                match *op {
+                    Base::Alloc(size) => own.push(alloc(&mut ranges, size)?),
+                    Base::Free(pick) if !own.is_empty() => {
+                        let ptr = own.remove(pick % own.len());
+                        free(&mut ranges, ptr)?;
+                    }
+                    Base::Free(_) => {}
+                }
+            }
+            for ptr in own.drain(..) {
+                free(&mut ranges, ptr)?;
+            }
+            for (g, _) in grads.drain(..) {
+                free(&mut ranges, g)?;
+            }
+            for &(_, size) in program.grads.iter().filter(|&&(when, _)| when >= program.body.len()) {
+                made.push((alloc(&mut ranges, size)?, size));
+            }
+            batch = copied.map(|ptr| (ptr, program.batch));
+            grads = made;
+            let carried: u64 = grads.iter().chain(&batch).map(|&(_, size)| size).sum();
+            // SAFETY: nothing of the step is used after its end but what it carries.
+            let report = unsafe { raw.end_step() }.map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let pool = report.pools.iter().find(|p| p.pool.phase == phase).unwrap();
+            prop_assert_eq!((pool.used, pool.released), (carried, 0));
         }
     }
 }

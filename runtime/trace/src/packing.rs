@@ -270,12 +270,9 @@ pub struct Carried {
 /// is in one pair at most.
 pub fn pack_around(blocks: &[Block], carried: &[Carried], alternates: &[Alternate]) -> Packing {
     let ranked = compress(blocks);
-    let Pairing { partner, second, pinned } = pairing(blocks.len(), carried);
-    let pack = |pinned: &[(usize, u64)]| {
-        let rest: Vec<usize> =
-            (0..blocks.len()).filter(|&id| !second[id] && !pinned.iter().any(|&(block, _)| block == id)).collect();
-        smallest_over_orderings(|key| place_pairs(&ranked, &sorted_by(blocks, &rest, key), &partner, pinned, &[]))
-    };
+    let pairing = pairing(blocks.len(), carried);
+    let pinned = pairing.pinned.clone();
+    let pack = |pinned: &[(usize, u64)]| pack_rest(blocks, &ranked, &pairing, pinned);
     // An entry's own place goes right below or right above its second place, where clear of
     // the pinned memory (the smaller packing of the two): placed by the packing, the own place
     // of a small entry alive the whole scope lands in the smallest gap between pinned memory,
@@ -299,6 +296,81 @@ pub fn pack_around(blocks: &[Block], carried: &[Carried], alternates: &[Alternat
     beside
         .reduce(|best, packing| if packing.size < best.size { packing } else { best })
         .unwrap_or_else(|| pack(&pinned))
+}
+
+/// [`pack_around`] partway through a scope: the `placed` blocks (block, offset) lie where they
+/// are (what the scope has made and holds, what the scope before carried into it), the pinned
+/// pairs too; the rest, the pairs among them by the block of their allocation, in each of the
+/// packer's orderings. Where `previous` has an offset for a block (an earlier layout of the same
+/// rest, `previous` empty or of `blocks`' length), a second layout keeps each such block there,
+/// in order of allocation, where it is clear of what lies and was kept before it, and places the
+/// others around them; the smaller layout is returned, the second on ties. A placed block is in
+/// no pair.
+pub fn pack_around_placed(
+    blocks: &[Block],
+    carried: &[Carried],
+    placed: &[(usize, u64)],
+    previous: &[Option<u64>],
+) -> Packing {
+    let ranked = compress(blocks);
+    let pairing = pairing(blocks.len(), carried);
+    let pinned: Vec<(usize, u64)> = pairing.pinned.iter().chain(placed).copied().collect();
+    let fresh = pack_rest(blocks, &ranked, &pairing, &pinned);
+    let is_pinned = marked(blocks.len(), &pinned);
+    let mut candidates: Vec<usize> = (0..previous.len().min(blocks.len()))
+        .filter(|&id| previous[id].is_some() && !pairing.second[id] && !is_pinned[id])
+        .collect();
+    if candidates.is_empty() {
+        return fresh;
+    }
+    candidates.sort_by_key(|&id| blocks[id].start);
+    let mut index = TimeIndex::new(&ranked);
+    let mut at = vec![None; blocks.len()];
+    let put = |id: usize, offset: u64, index: &mut TimeIndex, at: &mut Vec<Option<u64>>| {
+        for id in std::iter::once(id).chain(pairing.partner[id]) {
+            at[id] = Some(offset);
+            index.insert(id as u32, &ranked[id]);
+        }
+    };
+    for &(id, offset) in &pinned {
+        put(id, offset, &mut index, &mut at);
+    }
+    let mut kept = pinned.clone();
+    for id in candidates {
+        let offset = previous[id].expect("a candidate has an earlier offset");
+        let size = blocks[id].size;
+        let mut clear = true;
+        for of in std::iter::once(id).chain(pairing.partner[id]) {
+            index.for_each_overlapping(&ranked[of], |other| {
+                let other = other as usize;
+                let (from, len) = (at[other].expect("indexed blocks are placed"), blocks[other].size);
+                clear &= from + len <= offset || offset + size <= from;
+            });
+        }
+        if clear {
+            put(id, offset, &mut index, &mut at);
+            kept.push((id, offset));
+        }
+    }
+    let repaired = pack_rest(blocks, &ranked, &pairing, &kept);
+    if fresh.size < repaired.size { fresh } else { repaired }
+}
+
+/// The blocks of `pairing` not `pinned` (nor the second of a pair) placed around the pinned ones
+/// in each of the packer's orderings, the best kept; `ranked` is `blocks` compressed.
+fn pack_rest(blocks: &[Block], ranked: &[Block], pairing: &Pairing, pinned: &[(usize, u64)]) -> Packing {
+    let is_pinned = marked(blocks.len(), pinned);
+    let rest: Vec<usize> = (0..blocks.len()).filter(|&id| !pairing.second[id] && !is_pinned[id]).collect();
+    smallest_over_orderings(|key| place_pairs(ranked, &sorted_by(blocks, &rest, key), &pairing.partner, pinned, &[]))
+}
+
+/// Per block of `count`, whether it is one of `pinned`.
+fn marked(count: usize, pinned: &[(usize, u64)]) -> Vec<bool> {
+    let mut marked = vec![false; count];
+    for &(id, _) in pinned {
+        marked[id] = true;
+    }
+    marked
 }
 
 /// An entry with two places ([`pack_around`]): the block of its own place, alive the whole scope,
@@ -845,6 +917,34 @@ mod tests {
         // Below the gradient there is no room for the first activation: it goes above.
         assert_eq!(packing.offsets[0], 100);
         assert_eq!(packing.size, 200);
+    }
+
+    #[test]
+    fn placed_blocks_stay_where_they_lie_and_the_rest_packs_around_them() {
+        // Partway through a scope: a block of 2 made at 0 lies at 6, memory of 4 carried in lies
+        // at 0 until 3 and is made again at 5 (a pair pinned there), and two blocks of 3 alive
+        // from 1 to 4 and from 2 to 6 are yet to come. Around what lies where it lies, they go
+        // above the placed block (the gap of 2 under it holds neither), the longer-lived first:
+        // 14 in all.
+        let blocks = [
+            block(2, 0, Block::NEVER_FREED),
+            block(4, 5, Block::NEVER_FREED),
+            block(4, 0, 3),
+            block(3, 1, 4),
+            block(3, 2, 6),
+        ];
+        let pairs = [Carried { block: 1, next: 2, at: Some(0) }];
+        let packing = pack_around_placed(&blocks, &pairs, &[(0, 6)], &[]);
+        assert!(is_valid(&blocks, &packing));
+        assert_eq!(packing.offsets, [6, 0, 0, 11, 8]);
+        assert_eq!(packing.size, 14);
+        // An earlier layout of the rest, as small, is kept; where a block of it is no longer
+        // clear (the one at 4 would now reach into the placed block), that block alone moves.
+        for previous in [[None, None, None, Some(8), Some(11)], [None, None, None, Some(4), Some(11)]] {
+            let packing = pack_around_placed(&blocks, &pairs, &[(0, 6)], &previous);
+            assert!(is_valid(&blocks, &packing));
+            assert_eq!((packing.offsets, packing.size), (vec![6, 0, 0, 8, 11], 14));
+        }
     }
 
     #[test]
