@@ -15,9 +15,16 @@
 //! the limit is lowered, by a quarter at a time down to [`SHORTEST_LIMIT`] events, and an
 //! allocation freed `limit` or more events after it was made is left out as long-lived, until the
 //! boundaries found are *regular*: no step is longer than one and a half times the median step
-//! (the lower median, in events). A missed boundary makes a step about twice as long as its
-//! neighbours; steps of variable length (sequence length, batch size) keep their number of
-//! operations, so they pass. The search stops short once more than one in
+//! (the lower median, in events), and none but the first and the last shorter than a quarter of
+//! it. A missed boundary makes a step about twice as long as its neighbours, a boundary too many
+//! a short one; steps of variable length (sequence length, batch size) keep their number of
+//! operations, so they pass. The first step alone may pass points of its own: an optimizer's
+//! first step makes its state between temporaries made and freed one after another, and where
+//! the gradients are left out as long-lived (a loop that copies its batch, then calls
+//! `zero_grad()`: they live about a step), each temporary ends in one. Where the steps are
+//! regular once the short steps at the start are joined to the next, the first step runs from
+//! its start to the first boundary after them (on a recorded token-budget GPT-2, four such
+//! points, found as 12 steps of 8). The search stops short once more than one in
 //! [`MOST_LONG_LIVED`] of the freed allocations would be left out: memory that many allocations
 //! hold is each step's own work, not state that outlives steps. If no limit gives regular steps,
 //! the first limit that gives any boundaries is taken; if none does, the trace has no steps.
@@ -273,11 +280,23 @@ fn boundaries(events: &[Event]) -> Option<Found> {
             let every = period(&lifetimes.allocs_before, &points);
             let starts: Vec<usize> =
                 std::iter::once(begin).chain(points.iter().copied().skip(every - 1).step_by(every)).collect();
-            let found = Found { starts, every, long_lived, limit: (long_lived > 0).then_some(limit) };
-            if regular(&found.starts, events.len()) {
-                return Some(found);
+            // The first step may hold points of its own (the optimizer's state made, temporaries
+            // one after another with the gradients left out), each a step shorter than a quarter
+            // of the median: where the steps are regular once those boundaries are dropped, the
+            // first step runs to the next one.
+            let lengths = step_lengths(&starts, events.len());
+            let median = median_step(&starts, events.len());
+            let short = lengths.iter().take_while(|&&length| 4 * length < median).count().min(starts.len() - 1);
+            let regular_from = [short, 0].into_iter().find(|&dropped| {
+                let kept: Vec<usize> = starts[..1].iter().chain(&starts[1 + dropped..]).copied().collect();
+                regular(&kept, events.len())
+            });
+            let limit = (long_lived > 0).then_some(limit);
+            if let Some(dropped) = regular_from {
+                let starts = starts[..1].iter().chain(&starts[1 + dropped..]).copied().collect();
+                return Some(Found { starts, every, long_lived, limit });
             }
-            first.get_or_insert(found);
+            first.get_or_insert(Found { starts, every, long_lived, limit });
         }
         if limit <= SHORTEST_LIMIT {
             break;
@@ -287,14 +306,25 @@ fn boundaries(events: &[Event]) -> Option<Found> {
     first
 }
 
-/// Whether no step (from each start to the next, the last to `end`) is longer than one and a half
-/// times the lower median step.
-fn regular(starts: &[usize], end: usize) -> bool {
-    let mut lengths: Vec<usize> =
-        starts.iter().zip(starts.iter().skip(1).chain(std::iter::once(&end))).map(|(a, b)| b - a).collect();
+/// The lengths (events) of the steps that begin at `starts`, the last ending at `end`.
+fn step_lengths(starts: &[usize], end: usize) -> Vec<usize> {
+    starts.iter().zip(starts.iter().skip(1).chain(std::iter::once(&end))).map(|(a, b)| b - a).collect()
+}
+
+/// The lower median of [`step_lengths`].
+fn median_step(starts: &[usize], end: usize) -> usize {
+    let mut lengths = step_lengths(starts, end);
     lengths.sort_unstable();
-    let median = lengths[(lengths.len() - 1) / 2];
-    lengths.last().is_some_and(|&longest| 2 * longest <= 3 * median)
+    lengths[(lengths.len() - 1) / 2]
+}
+
+/// Whether no step (from each start to the next, the last to `end`) is longer than one and a half
+/// times the lower median step, and none but the first and the last shorter than a quarter of it.
+fn regular(starts: &[usize], end: usize) -> bool {
+    let lengths = step_lengths(starts, end);
+    let median = median_step(starts, end);
+    let inner = &lengths[1.min(lengths.len())..lengths.len().saturating_sub(1).max(1)];
+    lengths.iter().all(|&length| 2 * length <= 3 * median) && inner.iter().all(|&length| 4 * length >= median)
 }
 
 /// Event indices `p` (0 < p < n) before which no allocation that counts under `limit` is live: in
@@ -410,6 +440,28 @@ mod tests {
         assert_eq!(quiescent_points(&events, &Lifetimes::new(&events), events.len() + 1), vec![5]);
         let found = boundaries(&events).unwrap();
         assert_eq!((found.starts, found.every, found.long_lived, found.limit), (vec![1, 5], 1, 0, None));
+    }
+
+    #[test]
+    fn short_steps_at_the_start_are_the_first_steps_own_points() {
+        // The first step runs temporaries one after another before its own work (as an
+        // optimizer's first step makes its state between them, the gradients left out): each
+        // ends in a quiescent point, a step of two events where the others have 64. Dropped,
+        // the first step runs from its first allocation to the second step.
+        let mut events = set_up(0);
+        let mut starts = vec![events.len()];
+        for i in 0..3 {
+            events.extend([alloc(50 + i, 4), free(50 + i)]);
+        }
+        step(&mut events);
+        for _ in 0..6 {
+            starts.push(step(&mut events));
+        }
+        let found = boundaries(&events).unwrap();
+        assert_eq!((found.starts, found.every), (starts, 1));
+        // Short steps elsewhere make the steps irregular: a step split in two is not one.
+        assert!(!regular(&[0, 64, 128, 132, 192, 256], 320));
+        assert!(regular(&[0, 70, 134, 198, 262], 326));
     }
 
     #[test]
