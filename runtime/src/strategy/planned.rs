@@ -491,7 +491,7 @@ struct Plan {
     /// Where a first plan guessed the rest of what its scope carries freed in the next right
     /// after that scope's own copies (a batch copied, then `zero_grad()`), the position in the
     /// plan's sequence by which it is: a scope that gets there with that memory still live
-    /// corrects the plan ([`Planned::correct_guess`]).
+    /// corrects the plan ([`Planned::correct_guess`]), which then holds the corrected guess.
     freed_by: Option<u32>,
 }
 
