@@ -287,13 +287,10 @@ fn boundaries(events: &[Event]) -> Option<Found> {
             let lengths = step_lengths(&starts, events.len());
             let median = median_step(&starts, events.len());
             let short = lengths.iter().take_while(|&&length| 4 * length < median).count().min(starts.len() - 1);
-            let regular_from = [short, 0].into_iter().find(|&dropped| {
-                let kept: Vec<usize> = starts[..1].iter().chain(&starts[1 + dropped..]).copied().collect();
-                regular(&kept, events.len())
-            });
+            let dropping =
+                |dropped: usize| -> Vec<usize> { starts[..1].iter().chain(&starts[1 + dropped..]).copied().collect() };
             let limit = (long_lived > 0).then_some(limit);
-            if let Some(dropped) = regular_from {
-                let starts = starts[..1].iter().chain(&starts[1 + dropped..]).copied().collect();
+            if let Some(starts) = [short, 0].into_iter().map(dropping).find(|kept| regular(kept, events.len())) {
                 return Some(Found { starts, every, long_lived, limit });
             }
             first.get_or_insert(Found { starts, every, long_lived, limit });
