@@ -621,26 +621,6 @@ enum CarriedIn {
     Chunk,
 }
 
-/// The position in `plan`'s sequence of the allocation at which its own live bytes first peak.
-fn plan_peak_position(plan: &Plan) -> u32 {
-    let mut events: Vec<(u32, i128)> = Vec::with_capacity(2 * plan.sizes.len());
-    for ((&size, &start), &end) in plan.sizes.iter().zip(&plan.starts).zip(&plan.ends) {
-        events.push((start, i128::from(size)));
-        if end != Block::NEVER_FREED {
-            events.push((end, -i128::from(size)));
-        }
-    }
-    events.sort_unstable();
-    let (mut live, mut peak, mut at) = (0i128, 0i128, 0u32);
-    for (position, delta) in events {
-        live += delta;
-        if live > peak {
-            (peak, at) = (live, position);
-        }
-    }
-    at
-}
-
 /// The offset in the slab of entry `entry` of plan `index`: the plan's own, or its layout's
 /// around the bin held.
 #[inline]
@@ -2661,7 +2641,7 @@ impl Planned {
         let alternate = |entry: u32| plan.alternates.iter().any(|&(e, _)| e == entry);
         let live = self.carried.iter().any(|c| !c.out && c.place == CarriedIn::Slab && !alternate(c.index));
         self.guess_check = match (live, self.pins.is_empty()) {
-            (true, _) if now >= by => self.correct_guess(index, now.max(by)),
+            (true, _) if now >= by => self.correct_guess(index, now),
             (true, _) => true,
             (false, false) if now < by => {
                 self.pack_rest_around(index, now);
@@ -2715,7 +2695,8 @@ impl Planned {
         let Some(first_again) = self.pins.iter().map(|&(entry, _)| plan.starts[entry as usize]).min() else {
             return false;
         };
-        match [plan_peak_position(plan).min(first_again), first_again].into_iter().find(|&at| at > past) {
+        match [plan::peak_position(&plan_blocks(plan)).min(first_again), first_again].into_iter().find(|&at| at > past)
+        {
             Some(until) => self.pack_rest_around(index, until),
             None => false,
         }

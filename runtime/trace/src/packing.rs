@@ -46,6 +46,17 @@ pub struct Packing {
 
 /// The peak of live bytes over the sequence: no packing fits in less.
 pub fn lower_bound(blocks: &[Block]) -> u64 {
+    live_peak(blocks).0
+}
+
+/// The position (a block's start) at which the live bytes of `blocks` first reach their peak
+/// ([`lower_bound`]); 0 when there are none.
+pub fn peak_position(blocks: &[Block]) -> u32 {
+    live_peak(blocks).1
+}
+
+/// The peak of live bytes of `blocks` and the position of the allocation that first reaches it.
+fn live_peak(blocks: &[Block]) -> (u64, u32) {
     let mut events: Vec<(u32, bool, u64)> = Vec::with_capacity(blocks.len() * 2);
     for block in blocks {
         events.push((block.start, true, block.size));
@@ -56,16 +67,18 @@ pub fn lower_bound(blocks: &[Block]) -> u64 {
     // Frees sort before allocations at the same position (positions are distinct, so this only
     // matters for malformed input, where it keeps the bound a bound).
     events.sort_unstable();
-    let (mut live, mut peak) = (0u64, 0u64);
-    for (_, allocation, size) in events {
+    let (mut live, mut peak, mut at) = (0u64, 0u64, 0u32);
+    for (position, allocation, size) in events {
         if allocation {
             live += size;
-            peak = peak.max(live);
+            if live > peak {
+                (peak, at) = (live, position);
+            }
         } else {
             live -= size;
         }
     }
-    peak
+    (peak, at)
 }
 
 /// Greedy by size: the largest block first (the earlier one on ties), each at the start of the
