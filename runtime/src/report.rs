@@ -526,9 +526,10 @@ pub struct PlanStats {
     pub deviated_scopes: u64,
     /// Plans made at the step's boundaries: for new signatures and after deviations.
     pub replans: u64,
-    /// Plans that moved to a new range at a boundary, leaving in the old one only the memory the
-    /// step hands to the next, where it lay in the way of what the next step makes before it
-    /// frees it ([`PhaseSpec::carry`](crate::PhaseSpec::carry)).
+    /// Plans that moved to a new range at the start of the step that first followed them,
+    /// leaving in the old one only the memory the step before handed over, where it lay in the
+    /// way of what the step makes before it frees it
+    /// ([`PhaseSpec::carry`](crate::PhaseSpec::carry)).
     pub moves: u64,
     /// Bytes of the slab shared by the plans, held from the pool now.
     pub slab_bytes: u64,
