@@ -870,7 +870,8 @@ struct FreeRanges {
     by_offset: BTreeMap<u64, u64>,
     by_size: BTreeSet<(u64, u64)>,
     /// The free range at the end of a growable slab is taken last ([`FreeRanges::take`]): set
-    /// for a scope served online from an empty slab.
+    /// for a scope served online from a slab where nothing of its own lives (memory carried into
+    /// it aside).
     end_last: bool,
 }
 
@@ -1482,7 +1483,10 @@ impl Planned {
 
     /// Serves the rest of a scope without a plan from the slab's free ranges.
     fn go_online(&mut self, slab: Slab) {
-        let from_empty = self.slab_live.is_empty() && self.late.is_empty();
+        // Nothing of the scope's own lives in the slab (what the scope before carried in aside):
+        // its end is the range's wilderness, as in a first scope.
+        let from_empty = self.slab_live.is_empty()
+            && self.late.iter().all(|&late| self.carried_in_slab(slab).any(|carried| carried == late));
         let live = self
             .slab_live
             .iter()
@@ -4941,6 +4945,32 @@ mod tests {
         let e = planned.allocate(&mut source, MIB / 2).unwrap();
         assert_eq!((e.ptr - base, source.held()), (3 * MIB / 2, 2 * MIB), "the end, when nothing else holds it");
         for (ptr, size) in [(b, MIB / 2), (c, MIB / 4), (d, 3 * MIB / 4), (e, MIB / 2)] {
+            planned.free(&mut source, ptr, size).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
+    }
+
+    #[test]
+    fn a_scope_online_around_carried_memory_alone_takes_the_free_range_at_its_end_last() {
+        // A first step carries 1 MiB into the next, which is another shape: served online in
+        // the range, where nothing of its own lives yet, as a first scope is.
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        planned.begin_step();
+        let g = planned.allocate(&mut source, MIB).unwrap();
+        let g = Served { ptr: g.ptr, slot: planned.carry(g, MIB).unwrap() };
+        planned.reset(&mut source, u64::MAX).unwrap();
+        planned.begin_step();
+        let a = planned.allocate(&mut source, MIB / 2).unwrap();
+        let b = planned.allocate(&mut source, MIB / 4).unwrap();
+        let base = planned.slab.unwrap().base;
+        assert!(planned.online.is_some());
+        assert_eq!((g.ptr - base, a.ptr - base, b.ptr - base, source.held()), (0, MIB, 3 * MIB / 2, 2 * MIB));
+        planned.free(&mut source, a, MIB / 2).unwrap();
+        // 256 KiB fit the 512 KiB freed below and the 256 KiB at the end, which best fit would
+        // take: it goes below, and the end stays free for the range to give back or grow into.
+        let c = planned.allocate(&mut source, MIB / 4).unwrap();
+        assert_eq!(c.ptr - base, MIB, "the free range below, not the end");
+        for (ptr, size) in [(g, MIB), (b, MIB / 4), (c, MIB / 4)] {
             planned.free(&mut source, ptr, size).unwrap();
         }
         planned.reset(&mut source, u64::MAX).unwrap();
