@@ -668,7 +668,9 @@ struct CarriedLayout<'a> {
     entries: usize,
     /// Entries with two places: (entry, its second place's block, its recorded start).
     alternating: &'a [(usize, usize, u32)],
+    /// The plan's key.
     key: &'a PlanKey,
+    /// Whether the plan guesses a free of carried memory its scope did not see.
     guessed: bool,
     /// Where the plan guesses the carried memory freed, if after the next scope's copies.
     copies_end: u32,

@@ -52,11 +52,12 @@
 //! by the next step lives about a step, is left out as long-lived, and is not counted; the later
 //! steps begin with their copy, and the first step's start moves back over the allocations right
 //! before it that are the second step's first ones, where the first step's own allocations then
-//! follow the second's ([`aligned_first`]; on a recorded BERT that copies its batch and calls
+//! follow the second's (`aligned_first`; on a recorded BERT that copies its batch and calls
 //! `zero_grad()` between the passes, the first step began after its copy, and its plan, which
-//! saw no copy, made a guess the loop proved wrong: 308 MiB over the run, 288 with the copy). Each later step
-//! begins, likewise, at the first allocation of its quiescent run: memory left out as long-lived
-//! and freed at the end of a step (gradients freed by `zero_grad`, say) stays in that step.
+//! saw no copy, made a guess the loop proved wrong: 308 MiB over the run, 288 with the copy).
+//! Each later step begins at the first allocation of its quiescent run: memory left out as
+//! long-lived and freed at the end of a step (gradients freed by `zero_grad`, say) stays in that
+//! step.
 //!
 //! Memory never freed is set-up, except what the last step holds at the trace's end. A loop that
 //! calls `zero_grad()` as its first statement frees a step's gradients at the top of the next
