@@ -344,8 +344,8 @@
 //! the new range for nothing, and there the pinned plan takes the moved one's place. And the
 //! plan made again after a scope served from a plan keeps that plan's layout where still clear
 //! of the pinned memory: packed afresh around the carried memory the moved plan had put above
-//! the forward pass, the rest of a static BERT found 245 MiB where the moved plan held 203. On
-//! recorded BERTs of that loop 390 → 378 MiB and 310 → 288 MiB over the run
+//! the forward pass, the rest of a static BERT's step found 234.4 MiB where the moved plan held
+//! 193.4. On recorded BERTs of that loop 390 → 378 MiB and 310 → 288 MiB over the run
 //! (`benches/results/2026-11-28-late-move-simulated.md`).
 //!
 //! An allocation the next scope makes again *before* it frees the one carried in cannot share
