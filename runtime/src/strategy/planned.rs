@@ -2585,7 +2585,7 @@ impl Planned {
         let entries = blocks.len();
         let base = self.slab.map_or(0, |slab| slab.base);
         let out: Vec<CarriedAllocation> = self.carried.iter().filter(|c| c.out).copied().collect();
-        let peak_at = self.own_peak_position();
+        let peak_at = plan::peak_position(&blocks);
         // Where each allocation the scope before carried in was freed, by its index there.
         let freed_at: HashMap<u32, u32> = self
             .events
@@ -2919,37 +2919,16 @@ impl Planned {
             return ((pinned, pairs), None);
         }
         let weighed = late.unwrap_or(blocks);
-        let pinned_weighed =
-            if late.is_some() { plan::pack_around(weighed, &pairs, alternates) } else { pinned.clone() };
+        let pinned_weighed = late.map_or(pinned.size, |late| plan::pack_around(late, &pairs, alternates).size);
         let above = plan::pack_around_above(weighed, &free);
         let handover = plan::handover_peak(weighed, &free, &above) + self.carried_page_slack();
-        if handover.next_multiple_of(GRANULE) <= pinned_weighed.size.next_multiple_of(GRANULE)
-            && above.size + above.size / MOVE_MARGIN < pinned_weighed.size
+        if handover.next_multiple_of(GRANULE) <= pinned_weighed.next_multiple_of(GRANULE)
+            && above.size + above.size / MOVE_MARGIN < pinned_weighed
         {
             ((above, free), Some((pinned, pairs)))
         } else {
             ((pinned, pairs), None)
         }
-    }
-
-    /// The position of the scope's first event at which its own allocations' live bytes peak.
-    fn own_peak_position(&self) -> u32 {
-        let mut sizes: Vec<u64> = Vec::new();
-        let (mut live, mut peak, mut at) = (0u64, 0u64, 0u32);
-        for (position, event) in self.events.iter().enumerate() {
-            match *event {
-                Event::Alloc(size) => {
-                    sizes.push(size);
-                    live += size;
-                    if live > peak {
-                        (peak, at) = (live, position as u32);
-                    }
-                }
-                Event::Free(index) => live -= sizes[index as usize],
-                Event::Carried(_) => {}
-            }
-        }
-        at
     }
 
     /// Keeps `plan` in place of the plan of its key or, at the bound, of the least recently
