@@ -2,7 +2,7 @@
 //!
 //! Every strategy implements [`Allocator`]: allocate, free, and reset at the boundary of the
 //! phase's scope. A strategy takes memory only through a [`Source`], so each one is tested in its
-//! own file against [`FakeSource`](crate::source::fake::FakeSource); in a pool the source is the
+//! own file against `FakeSource` (`source::fake`, built for tests); in a pool the source is the
 //! device's ([`DeviceSource`](crate::source::DeviceSource)).
 //!
 //! - [`Direct`]: every allocation and free goes to the source (the phase's CUDA pool).
@@ -10,7 +10,7 @@
 //! - [`Chunked`]: best fit in chunks taken from the pool, for long-lived allocations (see
 //!   `chunks.rs`, which the planned strategy's unplanned allocations use too).
 //! - [`Planned`]: the scope's sequence is recorded and packed; later scopes are served at the
-//!   planned offsets of one slab (see `planned.rs`; the packing is `steppool_trace::packing`),
+//!   planned offsets of one slab (see `planned/`; the packing is `steppool_trace::packing`),
 //!   or from plans saved by an earlier run (`steppool_trace::plans`).
 //! - [`Auto`]: the first scope is served directly and recorded; each of the others is tried on
 //!   the recording over a simulated device, and the pool goes on with the one
