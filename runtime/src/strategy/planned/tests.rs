@@ -1,7 +1,7 @@
 //! The planned strategy's unit tests, against the fake source.
 
 use super::live::{FOREIGN, SlabAllocation, SlabLive};
-use super::replan::IN_ORDER_MARGIN;
+use super::replan::{IN_ORDER_MARGIN, left_in_order, plan_blocks};
 use super::select::size_exponents;
 use super::slab::RECENT_SCOPES_IN_RANGE;
 use super::*;
@@ -181,8 +181,78 @@ fn sizes_that_vary_together_keep_the_plan_of_the_largest_sizes() {
     sequence(&mut planned, &mut source, &[key[0], key[1], (12288, true), (4096, true), (4096, true)]);
     let plan = &planned.plans[0];
     assert_eq!(plan.sizes, [512, 512, 12288, 8192, 8192], "each entry at the largest size seen");
-    assert!(plan.varies && !plan.in_order);
+    // That scope left its plan at its larger buffer (the grown range was the next one's): the
+    // plan is laid out in allocation order, where the next scope may leave it as well.
+    assert!(plan.varies && plan.in_order);
     assert_eq!(plan.bytes, 28672);
+    // The next large batch fits every entry and follows the whole plan.
+    sequence(&mut planned, &mut source, &[key[0], key[1], (8192, true), (8192, true), (8192, true)]);
+    let stats = planned.plan_stats().unwrap();
+    assert_eq!((stats.planned, stats.deviations), (5, 0));
+}
+
+#[test]
+fn a_scope_that_leaves_a_plan_of_varying_sizes_part_way_makes_the_next_plan_in_allocation_order() {
+    let (mut source, mut planned) = (FakeSource::new(4 << 20), planned());
+    let key = [(512, false), (512, false)];
+    // Three buffers live together: a small one, a large one that does not change, and one that
+    // varies (an expert's tokens). A scope that follows its first plan has it packed, the small
+    // one above the varying one.
+    let first = [key[0], key[1], (2048, true), (MIB, true), (4096, true)];
+    sequence(&mut planned, &mut source, &first);
+    sequence(&mut planned, &mut source, &first);
+    let packed = &planned.plans[0];
+    assert!(!packed.in_order && packed.offsets[2] > packed.offsets[4], "{:?}", packed.offsets);
+    // The next scope's small buffer is smaller and its varying one larger than ever: the grown
+    // range runs into the small one, so the scope leaves its plan there and goes on online.
+    let varied = [key[0], key[1], (1024, true), (MIB, true), (8192, true)];
+    sequence(&mut planned, &mut source, &varied);
+    assert_eq!(planned.plan_stats().unwrap().deviated_scopes, 1, "left at the varying buffer");
+    // Its largest sizes need a little more than its own (within 1/128: not shares of a fixed
+    // total), and the in-order layout no more than the packing: the next scope may meet a
+    // larger size again, so the plan is laid out where best fit from an empty slab would put
+    // what the scope places before it leaves.
+    let plan = &planned.plans[0];
+    assert_eq!(plan.sizes, [512, 512, 2048, MIB, 8192], "the largest sizes");
+    assert!(plan.varies && plan.in_order);
+    let blocks = plan_blocks(plan);
+    assert!(plan::best_fit_in_order(&blocks).size <= plan::pack(&blocks).size + plan::pack(&blocks).size / 32);
+    assert_eq!(plan.offsets, plan::best_fit_in_order(&blocks).offsets);
+    // A scope that follows it whole has it packed again.
+    sequence(&mut planned, &mut source, &varied);
+    let stats = planned.plan_stats().unwrap();
+    assert_eq!(stats.deviations, 0);
+    assert!(!planned.plans[0].in_order, "packed once a scope follows it");
+}
+
+#[test]
+fn a_scope_that_left_its_plan_where_its_largest_sizes_cost_nothing_more_keeps_the_packing() {
+    let (mut source, mut planned) = (FakeSource::new(4 << 20), planned());
+    let key = [(512, false), (512, false)];
+    let first = [key[0], key[1], (2048, true), (MIB, true), (4096, true)];
+    sequence(&mut planned, &mut source, &first);
+    sequence(&mut planned, &mut source, &first);
+    // Only the varying buffer changes, to a size larger than ever: the scope leaves its plan
+    // there as above, but its own sizes are the largest, so nothing says sizes keep varying
+    // where the scope peaks (a step that meets a larger workspace once): packed.
+    sequence(&mut planned, &mut source, &[key[0], key[1], (2048, true), (MIB, true), (8192, true)]);
+    assert_eq!(planned.plan_stats().unwrap().deviated_scopes, 1, "left at the varying buffer");
+    let plan = &planned.plans[0];
+    assert!(plan.varies && !plan.in_order);
+}
+
+#[test]
+fn a_plan_a_scope_left_is_laid_out_in_order_only_within_a_thirty_second_of_its_packing() {
+    let block = |size: u64, start: u32, end: u32| Block { size, start, end };
+    // A transient buffer, then a long-lived one above it, then one larger than the transient's
+    // range: best fit in order puts it above both; the packing puts it where the transient was.
+    let costly = [block(128 << 10, 0, 2), block(MIB, 1, 4), block(MIB, 3, 4)];
+    let packed = plan::pack(&costly).size;
+    assert_eq!((packed, plan::best_fit_in_order(&costly).size), (2 * MIB, 2 * MIB + (128 << 10)));
+    assert!(left_in_order(&costly, packed).is_none(), "6 % above the packing");
+    let cheap = [block(32 << 10, 0, 2), block(MIB, 1, 4), block(MIB, 3, 4)];
+    let in_order = left_in_order(&cheap, plan::pack(&cheap).size).expect("1.6 % above the packing");
+    assert_eq!(in_order.offsets, plan::best_fit_in_order(&cheap).offsets);
 }
 
 #[test]
