@@ -94,7 +94,7 @@
 //! around what the packing scattered. After such a scope the plan of the largest sizes is laid
 //! out in allocation order instead ([`left_in_order`]), when that needs at most 1/32 more than
 //! the packing: a 2 GiB MoE recording (1743 allocations a step, the peak at the 388th, expert
-//! sizes within ±10 % of their mean) left its packed plan between the 46th and the 215th
+//! sizes within about 10 % of their mean) left its packed plan between the 46th and the 215th
 //! allocation, step after step, and held 2,032 to 2,040 MiB a step; so, 2,024 to 2,030 (1,999.5
 //! MiB live; one pool 2,048, PyTorch's expandable segments modelled 2,058). Both conditions are
 //! needed on Llama traces recorded on an H200, whose steps leave a plan once and then follow the
@@ -197,14 +197,15 @@ impl Planned {
         if self.carried.iter().any(|c| c.out) {
             return self.replan_carried(blocks, key);
         }
+        // The scope left its plan part way and went on online: where its sizes vary, the next
+        // scope may leave the plan of its largest sizes too (`left_in_order`).
+        let left_part_way = self.online.is_some() && !self.left_at_end;
+
         // The same sequence as the plan of its key, sizes aside (routed tokens, a ragged
         // batch): each entry is sized to the largest size seen in its place, so the sizes the
         // scopes vary between all fit the next plan instead of deviating scope after scope —
         // unless they vary in shares of a fixed total, where the plan keeps the scope's own sizes
         // (`in_shares`).
-        // The scope left its plan part way and went on online: where its sizes vary, the next
-        // scope may leave the plan of its largest sizes too (`left_in_order`).
-        let left_part_way = self.online.is_some() && !self.left_at_end;
         let mut varies = false;
         let same = self.plans.iter().find(|p| p.key == key);
         let same_sequence = same.is_some_and(|same| {

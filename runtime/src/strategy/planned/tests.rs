@@ -1,7 +1,7 @@
 //! The planned strategy's unit tests, against the fake source.
 
 use super::live::{FOREIGN, SlabAllocation, SlabLive};
-use super::replan::{IN_ORDER_MARGIN, left_in_order, plan_blocks};
+use super::replan::{IN_ORDER_MARGIN, LEFT_IN_ORDER_MARGIN, left_in_order, plan_blocks};
 use super::select::size_exponents;
 use super::slab::RECENT_SCOPES_IN_RANGE;
 use super::*;
@@ -216,7 +216,8 @@ fn a_scope_that_leaves_a_plan_of_varying_sizes_part_way_makes_the_next_plan_in_a
     assert_eq!(plan.sizes, [512, 512, 2048, MIB, 8192], "the largest sizes");
     assert!(plan.varies && plan.in_order);
     let blocks = plan_blocks(plan);
-    assert!(plan::best_fit_in_order(&blocks).size <= plan::pack(&blocks).size + plan::pack(&blocks).size / 32);
+    let packed = plan::pack(&blocks).size;
+    assert!(plan::best_fit_in_order(&blocks).size <= packed + packed / LEFT_IN_ORDER_MARGIN);
     assert_eq!(plan.offsets, plan::best_fit_in_order(&blocks).offsets);
     // A scope that follows it whole has it packed again.
     sequence(&mut planned, &mut source, &varied);
@@ -234,7 +235,7 @@ fn a_scope_that_left_its_plan_where_its_largest_sizes_cost_nothing_more_keeps_th
     sequence(&mut planned, &mut source, &first);
     // Only the varying buffer changes, to a size larger than ever: the scope leaves its plan
     // there as above, but its own sizes are the largest, so nothing says sizes keep varying
-    // where the scope peaks (a step that meets a larger workspace once): packed.
+    // where the scope peaks (a step that meets one larger size once): packed.
     sequence(&mut planned, &mut source, &[key[0], key[1], (2048, true), (MIB, true), (8192, true)]);
     assert_eq!(planned.plan_stats().unwrap().deviated_scopes, 1, "left at the varying buffer");
     let plan = &planned.plans[0];
