@@ -246,6 +246,8 @@ pub(crate) struct Planned {
     /// (that first step, served from a plan of the steady sequence), rather than leaving it part
     /// way.
     left_at_end: bool,
+    /// The most of the slab mapped at once in the scope.
+    peak_mapped: u64,
     /// The slab could not be had in this scope: do not ask again until its end, or until memory
     /// was given back for a retry ([`Allocator::release_unused`]).
     slab_refused: bool,
@@ -327,6 +329,7 @@ impl Planned {
             fallback: Chunks::default(),
             deviated: false,
             left_at_end: false,
+            peak_mapped: 0,
             slab_refused: false,
             holes: Vec::new(),
             unmapped: 0,
@@ -602,8 +605,12 @@ impl Allocator for Planned {
             // that are mapped again whatever the plans need.
             let carried = self.carried_top();
             let keep = desired.next_multiple_of(GRANULE).min(slab.size).max(carried);
-            let refilled = lowest < keep && source.fill_range(slab.base, 0, keep).is_ok();
-            let end = if refilled { keep } else { lowest.max(carried) };
+            // No more than the scope itself had mapped at once, though: the plans may need more
+            // than a scope that left them ever held (a mixture of experts served online), and the
+            // next scope's plan maps the rest as its cursor reaches it.
+            let refill = keep.min(self.peak_mapped.next_multiple_of(GRANULE).max(carried));
+            let refilled = lowest < refill && source.fill_range(slab.base, 0, refill).is_ok();
+            let end = if refilled { refill } else { lowest.max(carried) };
             if refilled {
                 self.holes.clear();
                 self.unmapped = 0;

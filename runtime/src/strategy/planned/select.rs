@@ -114,6 +114,8 @@ impl Planned {
     pub(super) fn open_scope(&mut self) {
         self.clock += 1;
         self.fallback.start_scope();
+        self.peak_mapped = 0;
+        self.note_mapped();
         // What the scope before carried into the slab is live where it lies, which only a plan
         // packed with it keeps clear of (hand-outs are checked against the late list). A first
         // allocation retried after out-of-memory recovery opens the scope again: nothing twice,

@@ -285,6 +285,7 @@ impl Planned {
         match source.resize_range(slab.base, bytes) {
             Ok(size) => {
                 self.slab = Some(Slab { size, ..slab });
+                self.note_mapped();
                 if let Some(online) = &mut self.online
                     && size > slab.size
                 {
@@ -297,6 +298,13 @@ impl Planned {
                 Ok(false)
             }
             Err(error) => Err(error),
+        }
+    }
+
+    /// Notes the slab's mapped bytes in the scope's peak of them.
+    pub(super) fn note_mapped(&mut self) {
+        if let Some(slab) = self.slab.filter(|slab| slab.growable) {
+            self.peak_mapped = self.peak_mapped.max(slab.size.saturating_sub(self.unmapped));
         }
     }
 
@@ -344,6 +352,7 @@ impl Planned {
             Ok(bytes) => {
                 self.unmapped = self.unmapped.saturating_sub(bytes);
                 self.unhole(offset, size);
+                self.note_mapped();
                 Ok(Some(offset))
             }
             Err(Error::Driver(error)) if error.is_out_of_memory() => {

@@ -1515,6 +1515,34 @@ fn a_scope_served_online_gives_back_the_free_pages_inside_the_range_when_the_dev
 }
 
 #[test]
+fn a_scope_served_online_leaves_no_more_of_the_range_mapped_than_it_held_at_once() {
+    let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
+    // The recent plans need 24 MiB.
+    live_scope(&mut planned, &mut source, &[8 * MIB, 8 * MIB, 8 * MIB]);
+    // Another phase takes the idle pages between the scopes, then lets them go.
+    let other = another_pool_takes(&mut planned, &mut source, 60 * MIB);
+    source.free(other, 60 * MIB).unwrap();
+    assert_eq!(source.mapped(), 0);
+    // A new shape, served online: 2 and 2 MiB, the first freed, then 6 MiB, which only the
+    // range's end holds: the freed page goes back as the end grows.
+    planned.begin_step();
+    let a = planned.allocate(&mut source, 2 * MIB).unwrap();
+    let b = planned.allocate(&mut source, 2 * MIB).unwrap();
+    planned.free(&mut source, a, 2 * MIB).unwrap();
+    let c = planned.allocate(&mut source, 6 * MIB).unwrap();
+    let held = source.mapped();
+    assert_eq!((held, planned.slab.unwrap().size, planned.holes.as_slice()), (8 * MIB, 10 * MIB, &[(0, 2 * MIB)][..]));
+    planned.free(&mut source, c, 6 * MIB).unwrap();
+    planned.free(&mut source, b, 2 * MIB).unwrap();
+    // At its end the hole is mapped again for the next scope, but the range is no larger mapped
+    // than the scope held it at once (8 MiB), though the recent plans need 24: mapping the 10
+    // MiB it spans raised the run's reservation at the boundary.
+    planned.reset(&mut source, u64::MAX).unwrap();
+    assert!(source.holes.values().all(|pages| pages.is_empty()));
+    assert_eq!(source.mapped(), held, "mapped after the scope, {held} at its most");
+}
+
+#[test]
 fn a_scope_served_online_from_an_empty_range_takes_the_free_range_at_its_end_last() {
     let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), planned());
     // The first scope, recorded online from the empty range: 1 MiB maps a 2 MiB page, and
