@@ -102,6 +102,19 @@
 //! where best fit had left the gradients: on recorded BERTs and checkpointed Llamas of that
 //! loop, 404 → 390 MiB and 312 → 294 MiB over the run
 //! (`benches/results/2026-11-28-corrected-guess-simulated.md`).
+//!
+//! Nor can a first plan see *which* scope receives the memory. In a loop that calls
+//! `zero_grad()` at its top with an evaluation step after some training steps, a training step
+//! frees its gradients at its own end (the next step's top, before that step's first
+//! allocation), but the one before an evaluation step carries them into it, which frees them at
+//! its end. A first carrying plan made there guesses them live in the next scope of its key up
+//! to its peak and keeps their range clear of that scope's activations, yet the training steps
+//! after it receive nothing, and each held that range for nothing: 5,824 MiB a step on a 5.6 GiB
+//! recording whose plan before held 5,712. So the plan a first carrying plan replaces, where it
+//! carried nothing, is kept aside until the next scope's end; where that scope, of another key,
+//! was carried memory, freed it, and carries nothing out itself, the plan kept aside takes the
+//! carrying plan's place again ([`Planned::restore_uncarried`]). A scope of the same key that
+//! receives the memory (the loop of every other step here) keeps the carrying plan.
 
 use std::collections::HashMap;
 
@@ -442,7 +455,37 @@ impl Planned {
             self.unmoved = Some(unmoved);
         }
         self.counters.replans += 1;
-        self.keep_plan(plan);
+        // A first carrying plan (its scope received nothing) in place of a plan of its key that
+        // carries nothing: that plan is kept aside until the next scope's end shows where the
+        // memory went ([`Planned::restore_uncarried`]).
+        let same = self.plans.iter().position(|p| p.key == plan.key && !p.carries);
+        match same.filter(|_| freed_at.is_empty()) {
+            Some(same) => {
+                let scopes = self.plans[same].scopes;
+                self.uncarried = Some(std::mem::replace(&mut self.plans[same], Plan { scopes, ..plan }));
+            }
+            None => self.keep_plan(plan),
+        }
+    }
+
+    /// At the end of the scope after one that made a first carrying plan in place of a plan that
+    /// carried nothing ([`Planned::replan_carried`]): where this scope, of another key, freed
+    /// what that one carried out and carries nothing on itself, the memory went to a scope
+    /// unlike it (a training step's gradients, made before an evaluation step that frees them
+    /// at its end: a loop that calls `zero_grad()` at its top), and the next scope of that key
+    /// is likely to hand nothing on either. The carrying plan holds the memory's range clear of
+    /// that scope's own allocations up to a guessed free, for nothing, scope after scope: the
+    /// plan it replaced takes its place again. `uncarried` is that plan, `key` this scope's key,
+    /// `received` whether it was carried anything, `carries` whether it carries anything out.
+    pub(super) fn restore_uncarried(&mut self, uncarried: Option<Plan>, key: &PlanKey, received: bool, carries: bool) {
+        let Some(uncarried) = uncarried else { return };
+        if !received || carries || *key == uncarried.key {
+            return;
+        }
+        if let Some(same) = self.plans.iter().position(|p| p.key == uncarried.key && p.carries) {
+            let scopes = self.plans[same].scopes;
+            self.plans[same] = Plan { scopes, ..uncarried };
+        }
     }
 
     /// The plan of a carrying scope laid out by `packing` (of `layout.blocks`: the scope's own,

@@ -292,6 +292,9 @@ pub(crate) struct Planned {
     /// ([`Planned::replan_carried`]): the plan pinned where the carried memory lies, kept in its
     /// place if the next scope does not ([`Planned::move_or_stay`]).
     unmoved: Option<Plan>,
+    /// The plan a first carrying plan replaced, until the next scope's end
+    /// ([`Planned::restore_uncarried`]).
+    uncarried: Option<Plan>,
     /// The scope's plan guessed when the memory carried into the scope is freed, and not all of
     /// it is yet: each allocation checks the guess ([`Planned::check_guess`]).
     guess_check: bool,
@@ -347,6 +350,7 @@ impl Planned {
             retired: None,
             retired_mapped: 0,
             unmoved: None,
+            uncarried: None,
             guess_check: false,
             pins: Vec::new(),
         }
@@ -535,6 +539,14 @@ impl Allocator for Planned {
     }
 
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
+        let received =
+            self.events.iter().any(|event| matches!(event, Event::Carried(_))) || self.carried.iter().any(|c| !c.out);
+        let carries = self.carried.iter().any(|c| c.out);
+        let key = match self.user_key {
+            Some(key) => PlanKey::User(key),
+            None => PlanKey::Sizes(self.first_sizes.clone()),
+        };
+        let uncarried = self.uncarried.take();
         // What the scope before carried in and is still live the pool has released; what this
         // scope carries out stays where it is. A retired range none of it lives in any more
         // (a free the pool could not pass on) gives its pages back.
@@ -588,6 +600,7 @@ impl Allocator for Planned {
         } else {
             self.drop_predicted_plan();
         }
+        self.restore_uncarried(uncarried, &key, received, carries);
         self.close_scope();
         for carried in &mut self.carried {
             carried.out = false;

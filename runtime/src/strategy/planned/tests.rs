@@ -1069,6 +1069,89 @@ fn a_phase_of_gradients_alone_gives_none_two_places_and_a_wrong_guess_is_made_ag
     assert!(sizes[1..].iter().all(|&s| s == (0, false, 6 * MIB)), "{sizes:?}");
 }
 
+/// One training step of a loop that calls `zero_grad()` at its top: an activation `a1` (8 MiB)
+/// made and freed, `a2` (6 MiB) and `a3` (4 MiB, the peak of 10 MiB), freed, then gradients
+/// (2 MiB each) made, which the step frees at its end (the next step's top, before its first
+/// allocation) or, where an evaluation step comes next, carries out (`carry`). Returns what it
+/// carries.
+fn zero_grad_first_step(planned: &mut Planned, source: &mut FakeSource, carry: bool) -> Vec<Served> {
+    planned.begin_step();
+    let a1 = planned.allocate(source, 8 * MIB).unwrap();
+    planned.free(source, a1, 8 * MIB).unwrap();
+    let a2 = planned.allocate(source, 6 * MIB).unwrap();
+    let a3 = planned.allocate(source, 4 * MIB).unwrap();
+    planned.free(source, a2, 6 * MIB).unwrap();
+    planned.free(source, a3, 4 * MIB).unwrap();
+    let grads = [planned.allocate(source, 2 * MIB).unwrap(), planned.allocate(source, 2 * MIB).unwrap()];
+    let mut out = Vec::new();
+    for g in grads {
+        if carry {
+            out.push(Served { ptr: g.ptr, slot: planned.carry(g, 2 * MIB).expect("carried") });
+        } else {
+            planned.free(source, g, 2 * MIB).unwrap();
+        }
+    }
+    planned.reset(source, u64::MAX).unwrap();
+    out
+}
+
+#[test]
+fn a_carrying_plan_whose_memory_a_scope_of_another_key_freed_gives_way_to_the_plan_it_replaced() {
+    for eval_carries in [false, true] {
+        let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+        zero_grad_first_step(&mut planned, &mut source, false);
+        assert_eq!(
+            (planned.plans[0].carries, planned.plans[0].bytes),
+            (false, 10 * MIB),
+            "the gradients reuse the activations' room"
+        );
+        // The training step before an evaluation step carries its gradients out: where it
+        // confirms the plan laid out in allocation order, the plan made again is a first
+        // carrying plan, which guesses them live in the next step up to its peak, apart from the
+        // activations.
+        let grads = zero_grad_first_step(&mut planned, &mut source, true);
+        assert_eq!((planned.plans[0].carries, planned.plans[0].bytes), (true, 12 * MIB));
+        assert!(planned.uncarried.is_some());
+        // The evaluation step, another key (1 MiB, 3 MiB), frees them at its end.
+        planned.begin_step();
+        let e1 = planned.allocate(&mut source, MIB).unwrap();
+        let e2 = planned.allocate(&mut source, 3 * MIB).unwrap();
+        planned.free(&mut source, e1, MIB).unwrap();
+        planned.free(&mut source, e2, 3 * MIB).unwrap();
+        let kept = eval_carries.then(|| planned.allocate(&mut source, MIB).unwrap());
+        if let Some(kept) = kept {
+            planned.carry(kept, MIB).expect("carried");
+        }
+        for g in grads {
+            planned.free(&mut source, g, 2 * MIB).unwrap();
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert!(planned.uncarried.is_none());
+        let training = planned.plans.iter().find(|p| p.sizes.len() == 5).expect("the training plan");
+        if eval_carries {
+            // A step that hands memory on itself is no sign of a loop whose next training step
+            // receives nothing: the carrying plan stays.
+            assert_eq!((training.carries, training.bytes), (true, 12 * MIB));
+            continue;
+        }
+        assert_eq!((training.carries, training.bytes), (false, 10 * MIB), "the plan it replaced");
+        let before = planned.plan_stats().unwrap();
+        zero_grad_first_step(&mut planned, &mut source, false);
+        let after = planned.plan_stats().unwrap();
+        assert_eq!((after.planned - before.planned, after.deviations - before.deviations), (5, 0));
+        assert_eq!(planned.touched(), Some(10 * MIB));
+    }
+    // In a loop whose every step hands its gradients to the next (the same key), the first
+    // carrying plan stays.
+    let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+    zero_grad_first_step(&mut planned, &mut source, false);
+    let mut carried = zero_grad_first_step(&mut planned, &mut source, true);
+    for _ in 0..2 {
+        carried = carrying_step(&mut planned, &mut source, &carried);
+    }
+    assert!(planned.plans.iter().all(|p| p.carries), "{:?}", planned.plans);
+}
+
 #[test]
 fn a_plan_moves_to_a_new_range_leaving_the_carried_memory_where_it_lies_until_freed() {
     let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
