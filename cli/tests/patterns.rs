@@ -237,26 +237,36 @@ fn the_recorded_variants_meet_the_targets_under_the_planned_strategy() {
     // experts at 2 GiB live, whose expert sizes reach a new largest step after step while the
     // largest together cost under 1/128 more than a step's own: each step left the packing of the
     // largest sizes part way and went on best fit around it, 2,040 MiB (one pool 2,048); laid
-    // out in allocation order after such a step, 2,030.
+    // out in allocation order after such a step, 2,030. Training steps of a loop that calls
+    // `zero_grad()` at its top, with an evaluation step after every second one: the training step
+    // before an evaluation step carries its gradients into it. Its first carrying plan kept
+    // their range apart from the next training step's activations, which received nothing, and
+    // the last training step's gradients, never freed, were persistent, held beside the plan's
+    // place for them: 1,710 and 1,734 MiB (one pool 1,700); with the plan before restored and
+    // those gradients carried into the last step, 1,610, the peak of live bytes. Inferred, the
+    // evaluation steps hold the gradients of the step before and its steps are 6 of the 9: not
+    // replayed without the sidecar here.
     let manifest = manifest();
     for (file, fixed, planned_mib, inferred_mib) in [
-        ("bert_static_zero_grad_first.csv", true, 280, 280),
-        ("gpt2_varlen_grads_kept.csv", false, 504, 504),
-        ("llama_accum_sgd.jsonl", true, 188, 188),
-        ("resnet_varbatch_s41.csv", false, 30, 30),
-        ("resnet_varbatch_s16fp16.csv", false, 26, 26),
-        ("gpt2_varlen_zero_grad_backward.csv", false, 486, 486),
-        ("bert_static_zero_grad_backward.csv", true, 288, 288),
-        ("llama_accum_inputs_step.jsonl", false, 214, 214),
-        ("gpt2_token_budget_inputs_step.csv", false, 478, 472),
-        ("moe_routing_2gib.csv", false, 2030, 2030),
+        ("bert_static_zero_grad_first.csv", true, 280, Some(280)),
+        ("gpt2_varlen_grads_kept.csv", false, 504, Some(504)),
+        ("llama_accum_sgd.jsonl", true, 188, Some(188)),
+        ("resnet_varbatch_s41.csv", false, 30, Some(30)),
+        ("resnet_varbatch_s16fp16.csv", false, 26, Some(26)),
+        ("gpt2_varlen_zero_grad_backward.csv", false, 486, Some(486)),
+        ("bert_static_zero_grad_backward.csv", true, 288, Some(288)),
+        ("llama_accum_inputs_step.jsonl", false, 214, Some(214)),
+        ("gpt2_token_budget_inputs_step.csv", false, 478, Some(472)),
+        ("moe_routing_2gib.csv", false, 2030, Some(2030)),
+        ("train_eval_zero_grad_first.csv", false, 1610, None),
     ] {
         let (name, _) = file.split_once('.').unwrap();
         let steps = manifest[name]["steps"].as_u64().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let copy = dir.path().join(file);
         std::fs::copy(recorded(file), &copy).unwrap();
-        for (path, planned_mib) in [(recorded(file), planned_mib), (copy, inferred_mib)] {
+        let replays = [(recorded(file), Some(planned_mib)), (copy, inferred_mib)];
+        for (path, planned_mib) in replays.into_iter().filter_map(|(path, mib)| Some((path, mib?))) {
             let trace = read::read_trace(&path).unwrap();
             let analysis = analyse(&trace).unwrap();
             assert_eq!(analysis.steps, steps, "{}: {:?}", path.display(), trace.steps);

@@ -25,6 +25,19 @@
 //! `zero_grad()`). Step-scoped, they made the last step leave the plan of its phase, which had
 //! never seen them: a Llama with accumulation, whose loop copies its batch before the mark,
 //! deviated at its last step's first gradient and held 340 MiB where every step before held 324.
+//!
+//! The same holds one step earlier where the last step is of another kind: memory the step before
+//! the last makes and never frees, when nothing is allocated after the last step, where the
+//! latest step like it (as many allocations) made the same allocation and freed it inside its
+//! own, is carried into the last step and released by its end. An evaluation step ends the trace
+//! after a training step whose loop calls `zero_grad()` at its top, and the gradients it holds
+//! would have been freed at the next training step's top, right after the evaluation step's
+//! end, as the gradients of the training steps before each earlier evaluation step were.
+//! Persistent, they made that training step leave its plan at its first gradient and held them
+//! beside the plan's place for them: a 5.6 GiB recording of that loop held 5,906 MiB at that
+//! step where every other held 5,712. Where the step like it kept its own past its end (a loop
+//! that calls `zero_grad()` between the passes, whose gradients the evaluation step would hold
+//! into the next training step's backward pass), they are persistent.
 
 use std::collections::{HashMap, HashSet};
 
@@ -362,6 +375,21 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
         .filter(|&id| b.steps >= 2 && pending[id].step == Some(b.steps - 2))
         .map(|id| (pending[id].nth, id))
         .collect();
+    // The allocations of the latest step before the one before the last that made as many as
+    // that one did, by their place in it (see the module docs).
+    let mut counts = vec![0u32; b.steps as usize];
+    for at in &pending {
+        if let Some(step) = at.step {
+            counts[step as usize] += 1;
+        }
+    }
+    let second_last = b.steps.checked_sub(2);
+    let like_second_last =
+        second_last.and_then(|last| (0..last).rev().find(|&s| counts[s as usize] == counts[last as usize]));
+    let before_second_last: HashMap<u32, usize> = (0..pending.len())
+        .filter(|&id| like_second_last.is_some() && pending[id].step == like_second_last)
+        .map(|id| (pending[id].nth, id))
+        .collect();
     // Per allocation so far, whether it is persistent.
     let mut persistent: Vec<bool> = Vec::with_capacity(allocations.len());
     for (id, allocation) in allocations.iter_mut().enumerate() {
@@ -386,7 +414,17 @@ pub fn analyse(trace: &Trace) -> Result<Analysis> {
         let held_by_last_step = held_at_end && !carried_like_before && !persistent_before;
         let released_after_step =
             held_by_last_step || (at.step.is_some() && lifetime.is_some_and(|f| f.released && f.step != at.step));
-        let carried = carried_like_before || (!released_after_step && carried_by(id));
+        // Held at the end since the step before the last, nothing allocated after the last step,
+        // where a step like it made the same allocation and freed it within itself (see the
+        // module docs): carried into the last step, released by its end.
+        let held_through_last =
+            lifetime.is_none() && at.step.is_some() && at.step == second_last && !b.allocated_after_step;
+        let freed_before = held_through_last
+            && before_second_last.get(&at.nth).is_some_and(|&other| {
+                sizes[other] == sizes[id]
+                    && freed[other].as_ref().is_some_and(|f| !f.released && f.step == pending[other].step)
+            });
+        let carried = carried_like_before || freed_before || (!released_after_step && carried_by(id));
         let fits = |scope: Scope| match scope {
             Scope::Persistent => true,
             Scope::Step => same_step || released_after_step,
@@ -612,6 +650,80 @@ mod tests {
 
     fn scopes(analysis: &Analysis) -> Vec<(Scope, bool)> {
         analysis.allocations.iter().map(|a| (a.scope, a.released_at_boundary)).collect()
+    }
+
+    /// Training steps (even) of a loop that calls `zero_grad()` at its top, with an evaluation
+    /// step (odd) after every second one from the second on: steps 0, 1 train, 2 evaluates,
+    /// 3, 4 train, 5 evaluates. A training step makes an activation (freed) and a gradient
+    /// (pointer `100 + step`), which the step frees at its end or, before an evaluation step,
+    /// that step frees at its end; the last training step's is never freed.
+    fn train_and_evaluate() -> Trace {
+        let evaluates = |step: u64| step % 3 == 2;
+        training_loop(6, |step, events| {
+            if evaluates(step) {
+                events.extend([event(EventKind::Alloc, 50 + step), event(FREE, 50 + step)]);
+                if step < 5 {
+                    events.push(event(FREE, 100 + step - 1));
+                }
+                return;
+            }
+            events.extend([
+                event(EventKind::Alloc, 10 + step),
+                event(EventKind::Alloc, 100 + step),
+                event(FREE, 10 + step),
+            ]);
+            if !evaluates(step + 1) {
+                events.push(event(FREE, 100 + step));
+            }
+        })
+    }
+
+    #[test]
+    fn memory_the_step_before_the_last_holds_at_the_end_is_carried_as_a_step_like_it_freed_its_own() {
+        let trace = train_and_evaluate();
+        let analysis = analyse(&trace).unwrap();
+        let gradient = |step: u64| {
+            let allocation = analysis.allocations.iter().find(|a| trace.events[a.event].ptr == 100 + step).unwrap();
+            (
+                allocation.scope,
+                analysis.phases[usize::from(allocation.phase)].name.clone(),
+                allocation.released_at_boundary,
+            )
+        };
+        let carried = (Scope::Step, CARRIED_PHASE.to_owned(), false);
+        assert_eq!(gradient(0), (Scope::Step, "step".to_owned(), false), "freed in its step");
+        assert_eq!(gradient(1), carried, "freed by the evaluation step");
+        // Step 4's, never freed, made in the step before the last as step 3, the latest step
+        // with as many allocations, made its own, which it freed: carried into the last step,
+        // released by its end. Persistent, it was held beside the place the step's plan keeps
+        // for it.
+        assert_eq!(gradient(4), carried);
+        assert!(analysis.warnings.is_empty(), "{:?}", analysis.warnings);
+
+        // Something allocated after the last step: what the step before holds outlives it.
+        let mut trace = train_and_evaluate();
+        trace.events.push(event(EventKind::Alloc, 99));
+        let analysis = analyse(&trace).unwrap();
+        let held = analysis.allocations.iter().find(|a| trace.events[a.event].ptr == 104).unwrap();
+        assert_eq!(held.scope, Scope::Persistent);
+        // And where the step like it kept its own (for good, or into the next step, as a loop
+        // that calls `zero_grad()` between its passes does, whose gradients an evaluation step
+        // would hold until the next training step's backward pass), so is this one kept.
+        for carried_on in [false, true] {
+            let mut trace = train_and_evaluate();
+            trace.events.retain(|e| !(e.ptr == 103 && e.kind == FREE));
+            if carried_on {
+                let in_step_4 = trace.events.iter().position(|e| e.ptr == 14).unwrap();
+                trace.events.insert(in_step_4 + 1, event(FREE, 103));
+            }
+            let analysis = analyse(&trace).unwrap();
+            let scope =
+                |ptr: u64| analysis.allocations.iter().find(|a| trace.events[a.event].ptr == ptr).unwrap().scope;
+            assert_eq!(
+                (scope(103), scope(104)),
+                (if carried_on { Scope::Step } else { Scope::Persistent }, Scope::Persistent)
+            );
+        }
     }
 
     #[test]
