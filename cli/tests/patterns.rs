@@ -242,7 +242,7 @@ fn the_recorded_variants_meet_the_targets_under_the_planned_strategy() {
     // before an evaluation step carries its gradients into it. Its first carrying plan kept
     // their range apart from the next training step's activations, which received nothing, and
     // the last training step's gradients, never freed, were persistent, held beside the plan's
-    // place for them: 1,710 and 1,734 MiB (one pool 1,700); with the plan before restored and
+    // place for them: 1,710 and 1,734 MiB (one pool 1,696); with the plan before restored and
     // those gradients carried into the last step, 1,610, the peak of live bytes. Inferred, the
     // evaluation steps hold the gradients of the step before and its steps are 6 of the 9: not
     // replayed without the sidecar here.
