@@ -12,8 +12,12 @@
 //!
 //! **Peak reserved** is exact: the device's reservation (`total - free` from `cuMemGetInfo`,
 //! which on the simulated device counts every pool's segments) is read after every allocation and
-//! every boundary, and the sum over devices is maximised. Only allocations grow a reservation;
-//! frees never shrink one and boundaries only trim, so no higher value occurs between samples.
+//! every boundary, and the sum over devices is maximised. Allocations grow a reservation, and a
+//! boundary may too (a planned range mapping its holes again up to what the step held); frees
+//! and the rest of a boundary only give back, so no higher value occurs between samples. The
+//! overhead breakdown reads the layout after the allocation at the highest reservation an
+//! allocation saw; where a boundary reserved more, the difference is unattributed (no step of
+//! the repository's traces does, which their tests check).
 //!
 //! **Smallest capacity** is found by bisection over multiples of the simulated device's
 //! reservation granule (2 MiB): the device reserves whole granules, so a capacity between two
@@ -385,8 +389,13 @@ pub struct Run {
     pub capacity: u64,
     /// `None` when every operation was replayed.
     pub failure: Option<Failure>,
-    /// The highest sum over devices of reserved bytes.
+    /// The highest sum over devices of reserved bytes, at any moment the replay samples (after
+    /// each allocation and free, and at each boundary).
     pub peak_reserved_bytes: u64,
+    /// That sum after the peak moment's allocation ([`Run::peak_op`]): below the run's peak
+    /// only where a boundary reserved more than any allocation did, such as a range mapping
+    /// its holes again at a step's end.
+    pub peak_op_reserved_bytes: u64,
     /// Per device, its highest reservation.
     pub device_peak_reserved: Vec<u64>,
     /// The highest sum of live bytes the replay saw.
@@ -556,7 +565,10 @@ pub fn replay(
                 )?
                 .1
                 {
-                    Some(snapshot) if snapshot.reserved == run.peak_reserved_bytes => {
+                    // Read at the allocation peak; what a boundary reserved above it has no layout
+                    // there and is unattributed, so that the parts still sum to the run's peak.
+                    Some(snapshot) if snapshot.reserved == run.peak_op_reserved_bytes => {
+                        let snapshot = Snapshot { reserved: run.peak_reserved_bytes, ..snapshot };
                         Some(breakdown(&snapshot, analysis.peak_live_bytes))
                     }
                     other => {
@@ -565,7 +577,7 @@ pub fn replay(
                             allocator.name(),
                             peak_op,
                             other.map(|s| s.reserved),
-                            run.peak_reserved_bytes
+                            run.peak_op_reserved_bytes
                         )));
                     }
                 },
@@ -674,10 +686,12 @@ fn device_count(trace: &Trace, analysis: &Analysis) -> usize {
 /// The maxima a run tracks: whole-run and steady peaks and the peak moment.
 #[derive(Debug, Default)]
 struct Peaks {
+    /// The highest reservation of any sample.
     reserved: u64,
     live: u64,
-    /// The peak moment's operation and the live bytes then.
+    /// The peak moment's operation, the reservation and the live bytes then.
     op: Option<usize>,
+    op_reserved: u64,
     op_live: u64,
     /// The steady stretch's peaks, from the second step's beginning on.
     steady: Option<(u64, u64)>,
@@ -691,15 +705,15 @@ impl Peaks {
     /// After allocation `op`, with `reserved` and `live` bytes.
     fn allocated(&mut self, op: usize, reserved: u64, live: u64) {
         self.live = self.live.max(live);
-        if self.op.is_none() || reserved > self.reserved || (reserved == self.reserved && live > self.op_live) {
-            (self.op, self.op_live) = (Some(op), live);
+        if self.op.is_none() || reserved > self.op_reserved || (reserved == self.op_reserved && live > self.op_live) {
+            (self.op, self.op_reserved, self.op_live) = (Some(op), reserved, live);
         }
-        self.reserved = self.reserved.max(reserved);
         self.sampled(reserved, live);
     }
 
     /// Any other sample.
     fn sampled(&mut self, reserved: u64, live: u64) {
+        self.reserved = self.reserved.max(reserved);
         if let Some((r, l)) = &mut self.steady {
             *r = (*r).max(reserved);
             *l = (*l).max(live);
@@ -964,6 +978,7 @@ fn run_steppool(
         capacity,
         failure,
         peak_reserved_bytes: peaks.reserved,
+        peak_op_reserved_bytes: peaks.op_reserved,
         device_peak_reserved,
         peak_live_bytes: peaks.live,
         steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
@@ -1126,6 +1141,7 @@ fn run_torch(
         capacity,
         failure,
         peak_reserved_bytes: peaks.reserved,
+        peak_op_reserved_bytes: peaks.op_reserved,
         device_peak_reserved,
         peak_live_bytes: peaks.live,
         steady_peak_reserved_bytes: peaks.steady.map(|(r, _)| r),
@@ -1178,4 +1194,29 @@ fn torch_snapshot(
         .collect();
     let peak = &analysis.allocations[last as usize];
     Snapshot { reserved, ranges, live, peak_allocation: (peak.device, pointers[last as usize]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_boundary_above_every_allocation_sets_the_run_peak_and_the_allocation_peak_stays_the_probe() {
+        let mut peaks = Peaks::default();
+        peaks.sampled(4, 0);
+        peaks.step_begun(4, 0);
+        peaks.allocated(0, 10, 6);
+        peaks.allocated(1, 11, 5);
+        peaks.sampled(11, 2);
+        peaks.step_begun(11, 2);
+        // A boundary maps pages again: more than any allocation moment.
+        peaks.sampled(14, 2);
+        peaks.allocated(2, 11, 7);
+        assert_eq!((peaks.reserved, peaks.live), (14, 7), "every sample counts");
+        // The probe is the latest allocation at the highest reservation an allocation saw,
+        // the most live bytes on ties.
+        assert_eq!((peaks.op, peaks.op_reserved, peaks.op_live), (Some(2), 11, 7));
+        assert_eq!(peaks.peak_step(), Some(1), "the step of the boundary");
+        assert_eq!(peaks.per_step[1].peak_reserved_bytes, 14);
+    }
 }

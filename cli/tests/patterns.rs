@@ -195,10 +195,13 @@ fn every_recorded_trace_replays_under_every_strategy_without_overlap() {
         for result in &results {
             assert!(result.run.completed(), "{name} under {}", result.run.strategy);
             assert!(result.run.peak_reserved_bytes >= analysis.peak_live_bytes, "{name} under {}", result.run.strategy);
-            // The run's peak is read after allocations; a boundary (a planned range mapping its
-            // holes again) must not reserve more than that.
-            let steady = result.run.steady_peak_reserved_bytes.unwrap_or(0);
-            assert!(steady <= result.run.peak_reserved_bytes, "{name} under {}: {steady}", result.run.strategy);
+            // No boundary (a planned range mapping its holes again) reserves more than the
+            // allocation peak, where the breakdown reads the layout: it attributes the whole.
+            let run = &result.run;
+            assert_eq!(run.peak_op_reserved_bytes, run.peak_reserved_bytes, "{name} under {}", run.strategy);
+            if let Some(breakdown) = &result.breakdown {
+                assert_eq!(breakdown.unattributed_bytes, 0, "{name} under {}", run.strategy);
+            }
         }
     }
 }

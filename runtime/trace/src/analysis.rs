@@ -652,9 +652,8 @@ mod tests {
         analysis.allocations.iter().map(|a| (a.scope, a.released_at_boundary)).collect()
     }
 
-    /// Training steps (even) of a loop that calls `zero_grad()` at its top, with an evaluation
-    /// step (odd) after every second one from the second on: steps 0, 1 train, 2 evaluates,
-    /// 3, 4 train, 5 evaluates. A training step makes an activation (freed) and a gradient
+    /// Training steps of a loop that calls `zero_grad()` at its top, with an evaluation step
+    /// after every second one: steps 0, 1 train, 2 evaluates, 3, 4 train, 5 evaluates. A training step makes an activation (freed) and a gradient
     /// (pointer `100 + step`), which the step frees at its end or, before an evaluation step,
     /// that step frees at its end; the last training step's is never freed.
     fn train_and_evaluate() -> Trace {
