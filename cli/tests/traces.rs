@@ -109,6 +109,14 @@ fn recorded_logs_copied_without_their_sidecar_infer_the_sidecars_steps() {
             assert_eq!(begins(&inferred)[1], begins(&with_sidecar)[1], "{name}");
             continue;
         }
+        // Under `zero_grad()` at the loop's top, the training step before an evaluation step hands
+        // its gradients to it: no point lies between the two, which are one inferred step.
+        if name == "train_eval_zero_grad_first" {
+            let sidecar: Vec<u64> =
+                begins(&with_sidecar).into_iter().enumerate().filter(|(i, _)| i % 3 != 2).map(|(_, at)| at).collect();
+            assert_eq!(begins(&inferred), sidecar, "{name}");
+            continue;
+        }
         // train_eval's steps go train, train, eval, and the pattern that repeats is all three: one
         // inferred step is three of the sidecar's. With gradients kept across steps, every
         // temporary of the optimizer step is a quiescent point: a step is many of them. With
