@@ -113,8 +113,12 @@
 //! recording whose plan before held 5,712. So the plan a first carrying plan replaces, where it
 //! carried nothing, is kept aside until the next scope's end; where that scope, of another key,
 //! was carried memory, freed it, and carries nothing out itself, the plan kept aside takes the
-//! carrying plan's place again ([`Planned::restore_uncarried`]). A scope of the same key that
-//! receives the memory (the loop of every other step here) keeps the carrying plan.
+//! carrying plan's place again ([`Planned::restore_uncarried`]), unless that scope held as much
+//! of the range as the carrying plan needs: then the training steps' extra costs the run's peak
+//! nothing, and the gradients kept apart stay out of the evaluation step's way (an evaluation
+//! step of two batches of twice the training batch reserved 2–10 MiB more where they lay among
+//! its room). A scope of the same key that receives the memory (the loop of every other step
+//! here) keeps the carrying plan.
 
 use std::collections::HashMap;
 
@@ -475,14 +479,20 @@ impl Planned {
     /// at its end: a loop that calls `zero_grad()` at its top), and the next scope of that key
     /// is likely to hand nothing on either. The carrying plan holds the memory's range clear of
     /// that scope's own allocations up to a guessed free, for nothing, scope after scope: the
-    /// plan it replaced takes its place again. `uncarried` is that plan, `key` this scope's key,
+    /// plan it replaced takes its place again, where the carrying plan needs more of the range
+    /// than this scope held at once. Where it needs no more (an evaluation step larger than the
+    /// training steps), the training steps' extra costs the run's peak nothing, and the memory
+    /// it keeps apart from their activations keeps out of this scope's way too. `uncarried` is that plan, `key` this scope's key,
     /// `received` whether it was carried anything, `carries` whether it carries anything out.
     pub(super) fn restore_uncarried(&mut self, uncarried: Option<Plan>, key: &PlanKey, received: bool, carries: bool) {
         let Some(uncarried) = uncarried else { return };
         if !received || carries || *key == uncarried.key {
             return;
         }
-        if let Some(same) = self.plans.iter().position(|p| p.key == uncarried.key && p.carries) {
+        // Only where the carrying plan needs more than this scope held: elsewhere the memory lies
+        // apart from this scope's room at no cost to the run's peak.
+        let costs = |p: &Plan| p.key == uncarried.key && p.carries && p.bytes > self.peak_mapped;
+        if let Some(same) = self.plans.iter().position(costs) {
             let scopes = self.plans[same].scopes;
             self.plans[same] = Plan { scopes, ..uncarried };
         }

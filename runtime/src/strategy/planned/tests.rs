@@ -1097,7 +1097,9 @@ fn zero_grad_first_step(planned: &mut Planned, source: &mut FakeSource, carry: b
 
 #[test]
 fn a_carrying_plan_whose_memory_a_scope_of_another_key_freed_gives_way_to_the_plan_it_replaced() {
-    for eval_carries in [false, true] {
+    // (the evaluation step's second allocation, whether it carries memory out itself, whether
+    // the plan before comes back).
+    for (second, eval_carries, restored) in [(3 * MIB, false, true), (3 * MIB, true, false), (14 * MIB, false, false)] {
         let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
         zero_grad_first_step(&mut planned, &mut source, false);
         assert_eq!(
@@ -1112,12 +1114,12 @@ fn a_carrying_plan_whose_memory_a_scope_of_another_key_freed_gives_way_to_the_pl
         let grads = zero_grad_first_step(&mut planned, &mut source, true);
         assert_eq!((planned.plans[0].carries, planned.plans[0].bytes), (true, 12 * MIB));
         assert!(planned.uncarried.is_some());
-        // The evaluation step, another key (1 MiB, 3 MiB), frees them at its end.
+        // The evaluation step, another key (1 MiB, then `second`), frees them at its end.
         planned.begin_step();
         let e1 = planned.allocate(&mut source, MIB).unwrap();
-        let e2 = planned.allocate(&mut source, 3 * MIB).unwrap();
+        let e2 = planned.allocate(&mut source, second).unwrap();
         planned.free(&mut source, e1, MIB).unwrap();
-        planned.free(&mut source, e2, 3 * MIB).unwrap();
+        planned.free(&mut source, e2, second).unwrap();
         let kept = eval_carries.then(|| planned.allocate(&mut source, MIB).unwrap());
         if let Some(kept) = kept {
             planned.carry(kept, MIB).expect("carried");
@@ -1128,10 +1130,12 @@ fn a_carrying_plan_whose_memory_a_scope_of_another_key_freed_gives_way_to_the_pl
         planned.reset(&mut source, u64::MAX).unwrap();
         assert!(planned.uncarried.is_none());
         let training = planned.plans.iter().find(|p| p.sizes.len() == 5).expect("the training plan");
-        if eval_carries {
+        if !restored {
             // A step that hands memory on itself is no sign of a loop whose next training step
-            // receives nothing: the carrying plan stays.
-            assert_eq!((training.carries, training.bytes), (true, 12 * MIB));
+            // receives nothing; and an evaluation step that held more than the carrying plan
+            // needs costs the run's peak what the training steps save, while the gradients
+            // apart keep out of its way: the carrying plan stays.
+            assert_eq!((training.carries, training.bytes), (true, 12 * MIB), "{second} {eval_carries}");
             continue;
         }
         assert_eq!((training.carries, training.bytes), (false, 10 * MIB), "the plan it replaced");
