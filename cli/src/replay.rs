@@ -1213,8 +1213,8 @@ mod tests {
         peaks.sampled(14, 2);
         peaks.allocated(2, 11, 7);
         assert_eq!((peaks.reserved, peaks.live), (14, 7), "every sample counts");
-        // The probe is the latest allocation at the highest reservation an allocation saw,
-        // the most live bytes on ties.
+        // The probe is the allocation at the highest reservation an allocation saw with the
+        // most live bytes (the earliest on ties).
         assert_eq!((peaks.op, peaks.op_reserved, peaks.op_live), (Some(2), 11, 7));
         assert_eq!(peaks.peak_step(), Some(1), "the step of the boundary");
         assert_eq!(peaks.per_step[1].peak_reserved_bytes, 14);
