@@ -479,13 +479,13 @@ impl Planned {
     /// at its end: a loop that calls `zero_grad()` at its top), and the next scope of that key
     /// is likely to hand nothing on either. The carrying plan holds the memory's range clear of
     /// that scope's own allocations up to a guessed free, for nothing, scope after scope: the
-    /// plan it replaced takes its place again, where the carrying plan needs more of the range
+    /// plan it replaced, `uncarried`, takes its place again, where the carrying plan needs more of the range
     /// than this scope held at once. Where it needs no more (an evaluation step larger than the
     /// training steps), the training steps' extra costs the run's peak nothing, and the memory
-    /// it keeps apart from their activations keeps out of this scope's way too. `uncarried` is that plan, `key` this scope's key,
-    /// `received` whether it was carried anything, `carries` whether it carries anything out.
-    pub(super) fn restore_uncarried(&mut self, uncarried: Option<Plan>, key: &PlanKey, received: bool, carries: bool) {
-        let Some(uncarried) = uncarried else { return };
+    /// it keeps apart from their activations keeps out of this scope's way too. `key` is this
+    /// scope's key, `received` whether it was carried anything, `carries` whether it carries
+    /// anything out.
+    pub(super) fn restore_uncarried(&mut self, uncarried: Plan, key: &PlanKey, received: bool, carries: bool) {
         if !received || carries || *key == uncarried.key {
             return;
         }

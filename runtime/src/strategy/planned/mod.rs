@@ -539,14 +539,14 @@ impl Allocator for Planned {
     }
 
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
-        let received =
-            self.events.iter().any(|event| matches!(event, Event::Carried(_))) || self.carried.iter().any(|c| !c.out);
-        let carries = self.carried.iter().any(|c| c.out);
-        let key = match self.user_key {
-            Some(key) => PlanKey::User(key),
-            None => PlanKey::Sizes(self.first_sizes.clone()),
-        };
-        let uncarried = self.uncarried.take();
+        // A plan kept aside at the scope before's end: what this scope did with the memory that
+        // scope carried out decides whether it comes back (`restore_uncarried`).
+        let uncarried = self.uncarried.take().map(|plan| {
+            let received = self.events.iter().any(|event| matches!(event, Event::Carried(_)))
+                || self.carried.iter().any(|c| !c.out);
+            let carries = self.carried.iter().any(|c| c.out);
+            (plan, self.scope_key(), received, carries)
+        });
         // What the scope before carried in and is still live the pool has released; what this
         // scope carries out stays where it is. A retired range none of it lives in any more
         // (a free the pool could not pass on) gives its pages back.
@@ -600,7 +600,9 @@ impl Allocator for Planned {
         } else {
             self.drop_predicted_plan();
         }
-        self.restore_uncarried(uncarried, &key, received, carries);
+        if let Some((plan, key, received, carries)) = uncarried {
+            self.restore_uncarried(plan, &key, received, carries);
+        }
         self.close_scope();
         for carried in &mut self.carried {
             carried.out = false;

@@ -186,14 +186,19 @@ impl Planned {
         Some(blocks)
     }
 
+    /// The key of the current scope's plan: the user's, else its first sizes.
+    pub(super) fn scope_key(&self) -> PlanKey {
+        match self.user_key {
+            Some(key) => PlanKey::User(key),
+            None => PlanKey::Sizes(self.first_sizes.clone()),
+        }
+    }
+
     /// Packs the recorded scope and keeps the plan under the scope's signature, replacing the
     /// plan of that signature or, at the bound, the least recently used one.
     pub(super) fn replan(&mut self) {
         let Some(mut blocks) = self.recorded_blocks() else { return };
-        let key = match self.user_key {
-            Some(key) => PlanKey::User(key),
-            None => PlanKey::Sizes(self.first_sizes.clone()),
-        };
+        let key = self.scope_key();
         if self.carried.iter().any(|c| c.out) {
             return self.replan_carried(blocks, key);
         }
