@@ -614,6 +614,112 @@ fn fit_below(blocks: &[Block], packing: &Packing, ceiling: u64) -> Option<Packin
     Some(Packing { offsets, size })
 }
 
+/// Moves the blocks alive after the last allocation of `blocks` (what outlives the scope's
+/// allocations: gradients freed at its end, memory it hands to the next scope) so that they
+/// touch fewer pages of `page` bytes: page by page, those with the fewest of their bytes first,
+/// every such block on the page moves, if each finds a gap between the time-overlapping blocks
+/// below the packing's size on pages such blocks hold already, and else none does. Nothing else
+/// moves and the size never grows. Once the scope's other blocks are freed these are all that
+/// hold pages of a range mapped on demand, and [`pack`] minimises bytes, not pages: best fit
+/// scatters small ones through the gaps the larger leave, each holding a page of its own.
+/// Returns the packing unchanged when `page` is 0.
+pub fn survivors_by_page(blocks: &[Block], mut packing: Packing, page: u64) -> Packing {
+    let Some(last) = blocks.iter().map(|b| b.start).max() else { return packing };
+    if page == 0 || packing.offsets.len() != blocks.len() {
+        return packing;
+    }
+    let survivors: Vec<usize> = (0..blocks.len()).filter(|&id| blocks[id].end > last).collect();
+    if survivors.len() < 2 {
+        return packing;
+    }
+    let pages_of = |offset: u64, size: u64| offset / page..(offset + size).div_ceil(page);
+    // The survivors on each page, kept as they move.
+    let mut on_page: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    let mut bytes_on: BTreeMap<u64, u64> = BTreeMap::new();
+    for &id in &survivors {
+        let (at, size) = (packing.offsets[id], blocks[id].size);
+        for p in pages_of(at, size) {
+            on_page.entry(p).or_default().push(id);
+            *bytes_on.entry(p).or_default() += (at + size).min((p + 1) * page) - at.max(p * page);
+        }
+    }
+    let mut by_bytes: Vec<(u64, u64)> = bytes_on.into_iter().map(|(p, bytes)| (bytes, p)).collect();
+    by_bytes.sort_unstable();
+    let ranked = compress(blocks);
+    let mut index = TimeIndex::new(&ranked);
+    for (id, block) in ranked.iter().enumerate() {
+        index.insert(id as u32, block);
+    }
+    let lift = |on_page: &mut BTreeMap<u64, Vec<usize>>, id: usize, at: u64| {
+        for p in pages_of(at, blocks[id].size) {
+            let ids = on_page.get_mut(&p).expect("listed");
+            ids.retain(|&other| other != id);
+            if ids.is_empty() {
+                on_page.remove(&p);
+            }
+        }
+    };
+    let lay = |on_page: &mut BTreeMap<u64, Vec<usize>>, id: usize, at: u64| {
+        for p in pages_of(at, blocks[id].size) {
+            on_page.entry(p).or_default().push(id);
+        }
+    };
+    let ceiling = packing.size;
+    let mut near: Vec<(u64, u64)> = Vec::new();
+    for (_, vacated) in by_bytes {
+        let Some(on) = on_page.get(&vacated) else { continue };
+        let mut on = on.clone();
+        on.sort_by(|&a, &b| blocks[b].size.cmp(&blocks[a].size).then(blocks[a].start.cmp(&blocks[b].start)));
+        let mut moved: Vec<(usize, u64)> = Vec::new();
+        for &id in &on {
+            let (from, size) = (packing.offsets[id], blocks[id].size);
+            lift(&mut on_page, id, from);
+            let on_held = |at: u64| {
+                !pages_of(at, size).contains(&vacated) && pages_of(at, size).all(|p| on_page.contains_key(&p))
+            };
+            near.clear();
+            index.for_each_overlapping(&ranked[id], |other| {
+                if other as usize != id {
+                    let offset = packing.offsets[other as usize];
+                    near.push((offset, offset + blocks[other as usize].size));
+                }
+            });
+            near.push((ceiling, ceiling));
+            near.sort_unstable();
+            let mut found = None;
+            let mut top = 0u64;
+            for &(offset, end) in &near {
+                if offset > top && offset - top >= size {
+                    let (lo, hi) = (top, offset - size);
+                    // The gap's two ends, and each end of a held page inside it.
+                    let ends = on_page
+                        .range(lo / page..=offset.div_ceil(page))
+                        .flat_map(|(&p, _)| [p * page, ((p + 1) * page).saturating_sub(size)]);
+                    found = [lo, hi].into_iter().chain(ends).filter(|c| (lo..=hi).contains(c)).find(|&c| on_held(c));
+                    if found.is_some() {
+                        break;
+                    }
+                }
+                top = top.max(end);
+            }
+            let at = found.unwrap_or(from);
+            packing.offsets[id] = at;
+            lay(&mut on_page, id, at);
+            if found.is_none() {
+                // One stays, so the page stays held: the others go back.
+                for (id, from) in moved.into_iter().rev() {
+                    lift(&mut on_page, id, packing.offsets[id]);
+                    packing.offsets[id] = from;
+                    lay(&mut on_page, id, from);
+                }
+                break;
+            }
+            moved.push((id, from));
+        }
+    }
+    packing
+}
+
 /// A packing's blocks split between its slab and a *bin*: a separate stretch of `len` bytes (the
 /// unused end of the last page another pool's long-lived allocations touch), so that the slab
 /// ends a page lower. See [`into_bin`].
@@ -1188,6 +1294,64 @@ mod tests {
         in_bin.sort_unstable();
         assert_eq!(in_bin, vec![0, MIB / 2]);
         assert_eq!(into_bin(&blocks, &packing, 2 * MIB, 3 * MIB / 4, false), None, "not both in 0.75 MiB");
+    }
+
+    /// The pages of `page` bytes the blocks alive after the last allocation touch.
+    fn survivor_pages(blocks: &[Block], packing: &Packing, page: u64) -> std::collections::BTreeSet<u64> {
+        let last = blocks.iter().map(|b| b.start).max().unwrap_or(0);
+        (0..blocks.len())
+            .filter(|&id| blocks[id].end > last)
+            .flat_map(|id| packing.offsets[id] / page..(packing.offsets[id] + blocks[id].size).div_ceil(page))
+            .collect()
+    }
+
+    #[test]
+    fn what_outlives_the_scope_gathers_on_the_pages_it_already_holds() {
+        let page = 2 * MIB;
+        // Two activations, then two small gradients alive to the end, each left on a page of its
+        // own: the first where the first activation was, the second where the second was.
+        let mut blocks = vec![
+            block(2 * MIB, 0, 3),                  // activation
+            block(MIB / 4, 4, Block::NEVER_FREED), // gradient, page 0
+            block(2 * MIB, 1, 5),                  // activation
+            block(MIB / 4, 6, Block::NEVER_FREED), // gradient, page 1
+        ];
+        let scattered = Packing { offsets: vec![0, 0, 2 * MIB, 3 * MIB], size: 4 * MIB };
+        assert!(is_valid(&blocks, &scattered));
+        assert_eq!(survivor_pages(&blocks, &scattered, page).len(), 2);
+        let gathered = survivors_by_page(&blocks, scattered.clone(), page);
+        assert!(is_valid(&blocks, &gathered));
+        assert_eq!(gathered.size, scattered.size);
+        // The first gradient cannot leave page 0 (the second activation holds page 1 when it is
+        // made); the second, made after that activation's free, joins it there.
+        assert_eq!(gathered.offsets, vec![0, 0, 2 * MIB, MIB / 4]);
+        assert_eq!(survivor_pages(&blocks, &gathered, page).len(), 1);
+        assert_eq!(survivors_by_page(&blocks, scattered.clone(), 0), scattered, "no pages: unchanged");
+
+        // An activation alive when the second gradient is made fills the rest of page 0: it stays.
+        blocks.push(block(7 * MIB / 4, 5, 8));
+        let full = Packing { offsets: vec![0, 0, 2 * MIB, 3 * MIB, MIB / 4], size: 4 * MIB };
+        assert!(is_valid(&blocks, &full));
+        assert_eq!(survivors_by_page(&blocks, full.clone(), page), full);
+    }
+
+    proptest! {
+        #[test]
+        fn gathering_what_outlives_the_scope_moves_only_it_keeps_blocks_apart_and_holds_no_more_pages(
+            blocks in sequence(),
+            page in 1u64..8,
+        ) {
+            let page = page * 1024;
+            let packing = pack(&blocks);
+            let gathered = survivors_by_page(&blocks, packing.clone(), page);
+            prop_assert!(is_valid(&blocks, &gathered));
+            prop_assert!(gathered.size <= packing.size);
+            let last = blocks.iter().map(|b| b.start).max().unwrap_or(0);
+            for (id, block) in blocks.iter().enumerate() {
+                prop_assert!(block.end > last || gathered.offsets[id] == packing.offsets[id], "{id} moved");
+            }
+            prop_assert!(survivor_pages(&blocks, &gathered, page).len() <= survivor_pages(&blocks, &packing, page).len());
+        }
     }
 
     proptest! {

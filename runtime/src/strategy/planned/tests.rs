@@ -1867,3 +1867,36 @@ fn without_a_slab_the_scope_goes_on_from_the_source() {
     assert_eq!(ptrs.len(), 3);
     assert_eq!(source.live.len(), 1, "the slab is taken again for the next scope");
 }
+
+#[test]
+fn what_a_plan_leaves_live_after_its_last_allocation_lies_on_as_few_pages_as_its_gaps_allow() {
+    const MIB: u64 = 1 << 20;
+    let (mut source, mut planned) = (FakeSource::new(1 << 30), planned());
+    planned.begin_step();
+    // Activations: `a` below the first 2 MiB boundary, `b` across it, `c` and `d` above it.
+    let a = planned.allocate(&mut source, 7 * MIB / 4).unwrap();
+    let b = planned.allocate(&mut source, 2 * MIB).unwrap();
+    let c = planned.allocate(&mut source, MIB / 4).unwrap();
+    let d = planned.allocate(&mut source, MIB).unwrap();
+    planned.free(&mut source, a, 7 * MIB / 4).unwrap();
+    let first = planned.allocate(&mut source, MIB / 4).unwrap(); // a gradient, where `a` was
+    planned.free(&mut source, c, MIB / 4).unwrap();
+    // Best fit puts the second gradient into `c`'s quarter MiB, on the next 2 MiB page.
+    let second = planned.allocate(&mut source, MIB / 4).unwrap();
+    planned.free(&mut source, b, 2 * MIB).unwrap();
+    planned.free(&mut source, d, MIB).unwrap();
+    let last = planned.allocate(&mut source, 512).unwrap();
+    planned.free(&mut source, last, 512).unwrap();
+    planned.free(&mut source, first, MIB / 4).unwrap();
+    planned.free(&mut source, second, MIB / 4).unwrap();
+    planned.reset(&mut source, u64::MAX).unwrap();
+
+    let plan = &planned.plans[0];
+    let packing = plan::Packing { offsets: plan.offsets.clone(), size: plan.bytes };
+    assert!(plan::is_valid(&plan_blocks(plan), &packing));
+    let pages_of =
+        |entry: usize| [plan.offsets[entry] / GRANULE, (plan.offsets[entry] + plan.sizes[entry] - 1) / GRANULE];
+    let pages: std::collections::BTreeSet<u64> = [4, 5, 6].into_iter().flat_map(pages_of).collect();
+    assert_eq!(pages.len(), 1, "the two gradients and the last allocation on one page: {:?}", plan.offsets);
+    assert_eq!(plan.bytes, 5 * MIB, "and the plan no larger for it");
+}
