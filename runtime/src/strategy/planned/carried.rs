@@ -119,6 +119,20 @@
 //! step of two batches of twice the training batch reserved 2–10 MiB more where they lay among
 //! its room). A scope of the same key that receives the memory (the loop of every other step
 //! here) keeps the carrying plan.
+//!
+//! Under `zero_grad()` between the passes it is the other way round: the gradients of the
+//! training step before an evaluation step live through it into the next training step
+//! (persistent: two boundaries), so that step receives nothing and carries its own gradients
+//! out, and the step after it receives them and carries nothing, its own living through the
+//! evaluation step. Both have the same first sizes, so under one key each left the other's plan,
+//! scope after scope: on a 1.7 GiB recording under SGD, 1,936 MiB where one pool holds 1,824.
+//! So a plan records whether its scope received memory (`received`), a scope prefers the plan of
+//! its key that agrees, and a plan is kept beside the plan of its key, not in its place, where
+//! the two differ both in what their scopes received and in what they carried out
+//! ([`Planned::keep_plan`]): 1,788 MiB. A loop that carries at every boundary differs from its
+//! first step's plan only in what it received, and replaces it as before; and a first carrying
+//! plan takes the place of a plan that carries nothing only where both scopes received alike
+//! (`benches/results/2026-11-29-four-new-loops-simulated.md`).
 
 use std::collections::HashMap;
 
@@ -462,7 +476,7 @@ impl Planned {
         // A first carrying plan (its scope received nothing) in place of a plan of its key that
         // carries nothing: that plan is kept aside until the next scope's end shows where the
         // memory went ([`Planned::restore_uncarried`]).
-        let same = self.plans.iter().position(|p| p.key == plan.key && !p.carries);
+        let same = self.plans.iter().position(|p| p.key == plan.key && !p.carries && p.received == plan.received);
         match same.filter(|_| freed_at.is_empty()) {
             Some(same) => {
                 let scopes = self.plans[same].scopes;
@@ -544,6 +558,7 @@ impl Planned {
             alternates,
             guessed,
             freed_by: (copies_end > 0).then_some(copies_end),
+            received: self.receiving,
         })
     }
 

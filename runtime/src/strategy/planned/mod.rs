@@ -128,6 +128,10 @@ struct Plan {
     /// plan's sequence by which it is: a scope that gets there with that memory still live
     /// corrects the plan ([`Planned::correct_guess`]), which then holds the corrected guess.
     freed_by: Option<u32>,
+    /// Its scope received memory the scope before carried into it: scopes of one key that do
+    /// and that do not (the training steps after and before an evaluation step whose gradients
+    /// live through it) keep a plan each ([`Planned::keep_plan`]).
+    received: bool,
 }
 
 impl Plan {
@@ -166,6 +170,7 @@ impl Plan {
             alternates: Vec::new(),
             guessed: false,
             freed_by: None,
+            received: false,
         }
     }
 }
@@ -295,6 +300,8 @@ pub(crate) struct Planned {
     /// The plan a first carrying plan replaced, until the next scope's end
     /// ([`Planned::restore_uncarried`]).
     uncarried: Option<Plan>,
+    /// The scope received memory the scope before carried into it.
+    receiving: bool,
     /// The scope's plan guessed when the memory carried into the scope is freed, and not all of
     /// it is yet: each allocation checks the guess ([`Planned::check_guess`]).
     guess_check: bool,
@@ -351,6 +358,7 @@ impl Planned {
             retired_mapped: 0,
             unmoved: None,
             uncarried: None,
+            receiving: false,
             guess_check: false,
             pins: Vec::new(),
         }
@@ -389,15 +397,23 @@ impl Planned {
                 alternates: Vec::new(),
                 guessed: false,
                 freed_by: None,
+                received: false,
             });
         }
         planned
     }
 
-    /// The plans kept, most recently used first, as a plan file saves them.
+    /// The plans kept, most recently used first, as a plan file saves them: one per key (the
+    /// most recently used, where two kinds of scope keep a plan each under one key).
     pub(crate) fn saved_plans(&self) -> Vec<SavedPlan> {
         let mut plans: Vec<&Plan> = self.plans.iter().filter(|plan| !plan.predicted).collect();
         plans.sort_by_key(|plan| std::cmp::Reverse(plan.last_used));
+        let mut keys: Vec<&PlanKey> = Vec::new();
+        plans.retain(|plan| {
+            let first = !keys.contains(&&plan.key);
+            keys.push(&plan.key);
+            first
+        });
         plans
             .into_iter()
             .map(|plan| SavedPlan {

@@ -329,16 +329,23 @@ impl Planned {
             alternates: Vec::new(),
             guessed: false,
             freed_by: None,
+            received: self.receiving,
         };
         let plan = self.fit_bin(plan);
         self.counters.replans += 1;
         self.keep_plan(plan);
     }
 
-    /// Keeps `plan` in place of the plan of its key or, at the bound, of the least recently
-    /// used one.
+    /// Keeps `plan` in place of the plan of its key (beside it where their scopes differ both in
+    /// what they received and in what they carried out: see "Memory carried into the next
+    /// scope" in `carried.rs`) or, at the bound, of the least recently used one.
     pub(super) fn keep_plan(&mut self, plan: Plan) {
-        if let Some(same) = self.plans.iter().position(|p| p.key == plan.key) {
+        // The plan of its key, unless that one's scope received where this one's did not and
+        // carried out where this one did not, or the other way round: two kinds of scope under
+        // one key, each kept.
+        let apart = |p: &Plan| p.received != plan.received && p.carries != plan.carries;
+        let same = self.plans.iter().position(|p| p.key == plan.key && !apart(p));
+        if let Some(same) = same {
             // The scopes it served in this step stay counted.
             let plan = Plan { scopes: self.plans[same].scopes, ..plan };
             self.plans[same] = plan;

@@ -125,6 +125,7 @@ impl Planned {
                 self.carried_in_slab(slab).filter(|range| !self.late.contains(range)).collect();
             self.late.extend(carried);
         }
+        self.receiving = self.carried.iter().any(|c| !c.out);
         self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(key) = self.user_key {
             let found = self.plans.iter().position(|plan| plan.key == PlanKey::User(key));
@@ -162,7 +163,8 @@ impl Planned {
 
     /// While the signature is still being read (no user key): if the current plan does not
     /// have this size next, switch to the most recently used plan whose first sizes are the
-    /// scope's so far; if none has them, the scope is a new shape and has no plan.
+    /// scope's so far, one whose scope received memory carried in as this one did first; if none
+    /// has them, the scope is a new shape and has no plan.
     pub(super) fn follow_signature(&mut self, n: usize) {
         // A predicted plan is the scope's whatever its next sizes: it was made for this scope.
         let current_fits = self
@@ -177,7 +179,7 @@ impl Planned {
             .iter()
             .enumerate()
             .filter(|(_, plan)| matches!(&plan.key, PlanKey::Sizes(key) if key.len() > n && key[..=n] == sizes[..=n]))
-            .max_by_key(|(_, plan)| plan.last_used)
+            .max_by_key(|(_, plan)| (plan.received == self.receiving, plan.last_used))
             .map(|(index, _)| index);
         // No plan of this shape: the smallest plan whose first sizes are each at least the
         // scope's, sized to the slots' largest seen sizes, serves it (a shorter sequence after

@@ -1900,3 +1900,53 @@ fn what_a_plan_leaves_live_after_its_last_allocation_lies_on_as_few_pages_as_its
     assert_eq!(pages.len(), 1, "the two gradients and the last allocation on one page: {:?}", plan.offsets);
     assert_eq!(plan.bytes, 5 * MIB, "and the plan no larger for it");
 }
+
+/// A training step before an evaluation step whose gradients live through it, in a loop that
+/// sets them to `None` between the passes: it receives nothing, makes its gradients (two of
+/// 2 MiB) while an 8 MiB activation is live, and carries them out. Returns them.
+fn step_before_evaluation(planned: &mut Planned, source: &mut FakeSource) -> Vec<Served> {
+    planned.begin_step();
+    let a1 = planned.allocate(source, 8 * MIB).unwrap();
+    let grads = [planned.allocate(source, 2 * MIB).unwrap(), planned.allocate(source, 2 * MIB).unwrap()];
+    planned.free(source, a1, 8 * MIB).unwrap();
+    let a2 = planned.allocate(source, 6 * MIB).unwrap();
+    planned.free(source, a2, 6 * MIB).unwrap();
+    let out = grads.map(|g| Served { ptr: g.ptr, slot: planned.carry(g, 2 * MIB).expect("carried") }).to_vec();
+    planned.reset(source, u64::MAX).unwrap();
+    out
+}
+
+/// The training step after it, of the same first sizes (8 MiB, then 2 MiB) and another
+/// sequence: it frees what it received after its first allocation, and carries nothing out.
+fn step_after_evaluation(planned: &mut Planned, source: &mut FakeSource, received: Vec<Served>) {
+    planned.begin_step();
+    let x = planned.allocate(source, 8 * MIB).unwrap();
+    for g in received {
+        planned.free(source, g, 2 * MIB).unwrap();
+    }
+    let h = planned.allocate(source, 2 * MIB).unwrap();
+    planned.free(source, x, 8 * MIB).unwrap();
+    let c = planned.allocate(source, 5 * MIB).unwrap();
+    planned.free(source, c, 5 * MIB).unwrap();
+    planned.free(source, h, 2 * MIB).unwrap();
+    planned.reset(source, u64::MAX).unwrap();
+}
+
+#[test]
+fn scopes_of_one_key_that_do_and_do_not_receive_carried_memory_keep_a_plan_each() {
+    let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
+    // Per round, the scopes that left their plan (the counters are the last scope's).
+    let mut deviated = Vec::new();
+    for _ in 0..4 {
+        let received = step_before_evaluation(&mut planned, &mut source);
+        let before = planned.plan_stats().unwrap().deviated_scopes;
+        step_after_evaluation(&mut planned, &mut source, received);
+        deviated.push(before + planned.plan_stats().unwrap().deviated_scopes);
+    }
+    // The first step after is a new sequence under the key; from then on each kind follows its
+    // own plan (with one plan for both, each left the other's, scope after scope).
+    assert_eq!(deviated, [1, 0, 0, 0]);
+    let mut kinds: Vec<(bool, bool)> = planned.plans.iter().map(|plan| (plan.received, plan.carries)).collect();
+    kinds.sort_unstable();
+    assert_eq!(kinds, [(false, true), (true, false)], "one plan of the key that carries, one that received");
+}
