@@ -252,7 +252,11 @@ fn the_recorded_variants_meet_the_targets_under_the_planned_strategy() {
     // step is the largest and receives the gradients where the training plan put them: best fit
     // left the small ones each on a page of its own, 22 MiB of pages for 13 MiB at the
     // evaluation step's peak, 892 MiB (PyTorch's expandable segments 890); gathered onto the
-    // pages the others hold, 888.
+    // pages the others hold, 888. Train/eval under SGD with the gradients set to `None` between
+    // the passes: the training step before an evaluation step receives gradients and carries
+    // none (its own live through the evaluation step, persistent), the one after it the
+    // reverse, both under one key; each left the other's plan, 1,936 MiB (one pool 1,824); with
+    // a plan each, 1,788.
     let manifest = manifest();
     for (file, fixed, planned_mib, inferred_mib) in [
         ("bert_static_zero_grad_first.csv", true, 280, Some(280)),
@@ -267,6 +271,7 @@ fn the_recorded_variants_meet_the_targets_under_the_planned_strategy() {
         ("moe_routing_2gib.csv", false, 2030, Some(2030)),
         ("train_eval_zero_grad_first.csv", false, 1610, None),
         ("train_eval_zero_grad_first_w1.csv", false, 888, None),
+        ("train_eval_sgd_zero_grad_backward.csv", false, 1788, None),
     ] {
         let (name, _) = file.split_once('.').unwrap();
         let steps = manifest[name]["steps"].as_u64().unwrap();

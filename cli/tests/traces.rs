@@ -117,6 +117,17 @@ fn recorded_logs_copied_without_their_sidecar_infer_the_sidecars_steps() {
             assert_eq!(begins(&inferred), sidecar, "{name}");
             continue;
         }
+        // Under SGD with the gradients set to `None` between the passes, those of the training
+        // step before an evaluation step live through it into the next training step, which
+        // frees them after its forward pass: no quiescent point lies in the three steps they
+        // span, and the steps inferred are fewer than the sidecar's, each beginning where one of
+        // the sidecar's does (the trace is replayed with its sidecar in `patterns.rs`).
+        if name == "train_eval_sgd_zero_grad_backward" {
+            let (inferred, sidecar) = (begins(&inferred), begins(&with_sidecar));
+            assert!(inferred.len() < sidecar.len(), "{name}: {inferred:?}");
+            assert!(inferred.iter().all(|at| sidecar.contains(at)), "{name}: {inferred:?} of {sidecar:?}");
+            continue;
+        }
         // train_eval's steps go train, train, eval, and the pattern that repeats is all three: one
         // inferred step is three of the sidecar's. With gradients kept across steps, every
         // temporary of the optimizer step is a quiescent point: a step is many of them. With
