@@ -128,7 +128,12 @@ impl Planned {
         self.receiving = self.carried.iter().any(|c| !c.out);
         self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(key) = self.user_key {
-            let found = self.plans.iter().position(|plan| plan.key == PlanKey::User(key));
+            // One whose scope received memory carried in as this one did first (see
+            // `follow_signature`).
+            let found = (self.plans.iter().enumerate())
+                .filter(|(_, plan)| plan.key == PlanKey::User(key))
+                .max_by_key(|(_, plan)| (plan.received == self.receiving, plan.last_used))
+                .map(|(index, _)| index);
             self.select(found, 0);
         }
     }
