@@ -128,12 +128,7 @@ impl Planned {
         self.receiving = self.carried.iter().any(|c| !c.out);
         self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(key) = self.user_key {
-            // One whose scope received memory carried in as this one did first (see
-            // `follow_signature`).
-            let found = (self.plans.iter().enumerate())
-                .filter(|(_, plan)| plan.key == PlanKey::User(key))
-                .max_by_key(|(_, plan)| (plan.received == self.receiving, plan.last_used))
-                .map(|(index, _)| index);
+            let found = self.preferred(|plan| plan.key == PlanKey::User(key));
             self.select(found, 0);
         }
     }
@@ -166,10 +161,19 @@ impl Planned {
         }
     }
 
+    /// Of the plans `matches` takes, the one whose scope received memory carried in as this one
+    /// did (two kinds of scope under one key keep a plan each), the most recently used first.
+    fn preferred(&self, matches: impl Fn(&Plan) -> bool) -> Option<usize> {
+        (self.plans.iter().enumerate())
+            .filter(|(_, plan)| matches(plan))
+            .max_by_key(|(_, plan)| (plan.received == self.receiving, plan.last_used))
+            .map(|(index, _)| index)
+    }
+
     /// While the signature is still being read (no user key): if the current plan does not
     /// have this size next, switch to the most recently used plan whose first sizes are the
-    /// scope's so far, one whose scope received memory carried in as this one did first; if none
-    /// has them, the scope is a new shape and has no plan.
+    /// scope's so far ([`Planned::preferred`]); if none has them, the scope is a new shape and
+    /// has no plan.
     pub(super) fn follow_signature(&mut self, n: usize) {
         // A predicted plan is the scope's whatever its next sizes: it was made for this scope.
         let current_fits = self
@@ -180,12 +184,7 @@ impl Planned {
         }
         let sizes = &self.first_sizes;
         let exact = self
-            .plans
-            .iter()
-            .enumerate()
-            .filter(|(_, plan)| matches!(&plan.key, PlanKey::Sizes(key) if key.len() > n && key[..=n] == sizes[..=n]))
-            .max_by_key(|(_, plan)| (plan.received == self.receiving, plan.last_used))
-            .map(|(index, _)| index);
+            .preferred(|plan| matches!(&plan.key, PlanKey::Sizes(key) if key.len() > n && key[..=n] == sizes[..=n]));
         // No plan of this shape: the smallest plan whose first sizes are each at least the
         // scope's, sized to the slots' largest seen sizes, serves it (a shorter sequence after
         // the longest one was seen), so the scope is not served online.
