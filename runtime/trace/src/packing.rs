@@ -170,6 +170,33 @@ pub fn best_fit_in_order(blocks: &[Block]) -> Packing {
     place_in_order(&compress(blocks), &order)
 }
 
+/// [`best_fit_in_order`] for a plan whose scopes hand memory to the next ([`Carried`], as
+/// [`pack_around`] takes them): the pinned pairs first, where they lie, then every other block
+/// in allocation order (a pair by the block of its allocation, at one offset with its life in
+/// the next scope), each in the smallest gap among the time-overlapping blocks placed so far,
+/// else right above them. A scope served from it that leaves it part way has what it made
+/// where best fit around the carried memory would have put it.
+pub fn best_fit_in_order_around(blocks: &[Block], carried: &[Carried]) -> Packing {
+    pack_after_prefix_around(blocks, carried, usize::MAX)
+}
+
+/// [`pack_after_prefix`] for a plan whose scopes hand memory to the next: the pinned pairs
+/// where they lie, then the first `prefix` of the other blocks by start laid out as
+/// [`best_fit_in_order_around`] lays them out, then the rest packed around them (the best of
+/// [`pack`]'s orderings, a pair by the block of its allocation).
+pub fn pack_after_prefix_around(blocks: &[Block], carried: &[Carried], prefix: usize) -> Packing {
+    let ranked = compress(blocks);
+    let pairing = pairing(blocks.len(), carried);
+    let is_pinned = marked(blocks.len(), &pairing.pinned);
+    let mut first: Vec<usize> = (0..blocks.len()).filter(|&id| !pairing.second[id] && !is_pinned[id]).collect();
+    first.sort_by_key(|&b| blocks[b].start);
+    first.truncate(prefix);
+    let in_order = place_pairs(&ranked, &first, &pairing.partner, &pairing.pinned, &[]);
+    let placed: Vec<(usize, u64)> =
+        pairing.pinned.iter().copied().chain(first.iter().map(|&id| (id, in_order.offsets[id]))).collect();
+    pack_rest(blocks, &ranked, &pairing, &placed)
+}
+
 /// [`pack`] with the first `prefix` blocks by start laid out first, as [`best_fit_in_order`] lays
 /// them out: a scope served from it that leaves it within those blocks has what is live where
 /// best fit would have put it, and the rest is packed around them (the best of [`pack`]'s
@@ -1184,6 +1211,37 @@ mod tests {
     }
 
     #[test]
+    fn best_fit_in_order_around_carried_memory_places_each_block_as_it_comes() {
+        // The blocks above, and memory carried in (E', freed at 1) and made again at 5 (E), pinned
+        // at 0. In order: A finds E' below it; B, C and D stack as before, each on the block
+        // before (B's hole is too small for D); E is E''s place.
+        let blocks = [
+            block(2048, 0, 20),
+            block(2048, 1, 3),
+            block(1024, 2, 20),
+            block(3072, 4, 20),
+            block(1024, 5, Block::NEVER_FREED),
+            block(1024, 0, 1),
+        ];
+        let carried = [Carried { block: 4, next: 5, at: Some(0) }];
+        let in_order = best_fit_in_order_around(&blocks, &carried);
+        assert!(is_valid(&blocks, &in_order));
+        assert_eq!(in_order.offsets, vec![1024, 3072, 5120, 6144, 0, 0]);
+        assert_eq!(in_order.size, 9216);
+        assert_eq!(
+            pack_around(&blocks, &carried, &[]).size,
+            7168,
+            "the packing puts D in the place A's neighbours leave"
+        );
+        // Without pairs it is best fit in order; with its first block in order and the rest
+        // packed around it, the packing's size.
+        assert_eq!(best_fit_in_order_around(&blocks[..4], &[]), best_fit_in_order(&blocks[..4]));
+        let prefix = pack_after_prefix_around(&blocks, &carried, 1);
+        assert!(is_valid(&blocks, &prefix));
+        assert_eq!((prefix.offsets[0], prefix.offsets[4], prefix.size), (1024, 0, 7168));
+    }
+
+    #[test]
     fn a_prefix_in_allocation_order_then_the_rest_packed_around_it() {
         // As above: in order D goes on top (8 KiB), packed it goes first (6 KiB). With the first
         // two blocks in order, A and B keep their in-order places and the rest is packed around
@@ -1418,6 +1476,16 @@ mod tests {
                 }
             }
             prop_assert!(packing.size >= lower_bound(&blocks));
+            for prefix in [usize::MAX, blocks.len() / 4] {
+                let in_order = pack_after_prefix_around(&blocks, &carried, prefix);
+                prop_assert!(is_valid(&blocks, &in_order), "{:?} {:?} -> {:?}", blocks, carried, in_order);
+                for pair in &carried {
+                    prop_assert_eq!(in_order.offsets[pair.block], in_order.offsets[pair.next]);
+                    if let Some(at) = pair.at {
+                        prop_assert_eq!(in_order.offsets[pair.block], at);
+                    }
+                }
+            }
             // Above: the same, and each unpinned pair above every block outside the pairs made
             // before its free in the next scope.
             let above = pack_around_above(&blocks, &carried);

@@ -153,37 +153,38 @@ pub(super) const IN_ORDER_PREFIX: usize = 16;
 /// packing of its largest sizes ([`left_in_order`]).
 pub(super) const LEFT_IN_ORDER_MARGIN: u64 = 32;
 
-/// The layout of a plan of the largest sizes (`blocks`, packed in `packed_bytes`) after a scope
-/// of its sequence left it part way, when the largest sizes need more than that scope's own
-/// (the sizes vary where the scope peaks) but not in shares of a fixed total ([`in_shares`]):
+/// The layout of a plan of the largest sizes (packed in `packed_bytes`) after a scope of its
+/// sequence left it part way, when the largest sizes need more than that scope's own (the sizes
+/// vary where the scope peaks) but not in shares of a fixed total ([`in_shares`]): `in_order`,
 /// best fit in allocation order, when that needs at most 1/[`LEFT_IN_ORDER_MARGIN`] more than
 /// the packing. The next scope, whose sizes may reach a new largest again, leaves it around a
 /// prefix placed as best fit from an empty slab would place it; one that follows it pays the
 /// margin at most, once, as it is then packed. `None`: the packing.
-pub(super) fn left_in_order(blocks: &[Block], packed_bytes: u64) -> Option<plan::Packing> {
-    let in_order = plan::best_fit_in_order(blocks);
+pub(super) fn left_in_order(in_order: plan::Packing, packed_bytes: u64) -> Option<plan::Packing> {
     (in_order.size <= packed_bytes + packed_bytes / LEFT_IN_ORDER_MARGIN).then_some(in_order)
 }
 
-/// The layout of a plan whose sizes vary, at the sizes of the scope that just ended (`own`,
-/// packed in `own_bytes`), when its sizes vary in shares of a fixed total: that scope needed as
-/// much as any scope of its sequence (`own_peak`, within 1/[`IN_ORDER_MARGIN`]), yet the largest
-/// sizes of all its entries together need more (`largest_bytes`, packed), by more than
-/// 1/[`IN_ORDER_MARGIN`]. Then the largest sizes do not come together (routed tokens: each
-/// expert's share changes every step, their sum does not), a plan that holds them all holds
-/// memory no scope needs, and the plan is laid out as best fit in allocation order at the latest
-/// sizes instead, when that needs less: a scope leaves it at its first entry larger than the
-/// latest, where little is live, and goes on best fit around a prefix that best fit would have
-/// placed the same, ending near what best fit in order of its own sizes needs. `None` where the
-/// sizes vary together (a ragged batch: the largest scope needs the largest sizes) or the
-/// packing of the largest sizes needs less.
-pub(super) fn in_shares(own: &[Block], own_bytes: u64, own_peak: u64, largest_bytes: u64) -> Option<plan::Packing> {
+/// Whether a plan's sizes vary in shares of a fixed total: the scope that just ended (packed at
+/// its own sizes in `own_bytes`) needed as much as any scope of its sequence (`own_peak`, within
+/// 1/[`IN_ORDER_MARGIN`]), yet the largest sizes of all its entries together need more
+/// (`largest_bytes`, packed), by more than 1/[`IN_ORDER_MARGIN`]. Then the largest sizes do not
+/// come together (routed tokens: each expert's share changes every step, their sum does not), a
+/// plan that holds them all holds memory no scope needs, and the plan is laid out as best fit in
+/// allocation order at the latest sizes instead, when that needs less than `largest_bytes`: a
+/// scope leaves it at its first entry larger than the latest, where little is live, and goes on
+/// best fit around a prefix that best fit would have placed the same, ending near what best fit
+/// in order of its own sizes needs. `false` where the sizes vary together (a ragged batch: the
+/// largest scope needs the largest sizes).
+pub(super) fn in_shares(own_bytes: u64, own_peak: u64, largest_bytes: u64) -> bool {
     let slack = |bytes: u64| bytes + bytes / IN_ORDER_MARGIN;
-    if slack(own_bytes) < own_peak || largest_bytes <= slack(own_bytes) {
-        return None;
-    }
-    let in_order = plan::best_fit_in_order(own);
-    (in_order.size < largest_bytes).then_some(in_order)
+    slack(own_bytes) >= own_peak && largest_bytes > slack(own_bytes)
+}
+
+/// Whether `plan` is the sequence of `blocks` (the same allocations and frees, in the same
+/// places), sizes aside: its entries may be sized to the largest seen in their place.
+pub(super) fn same_sequence(plan: &Plan, blocks: &[Block]) -> bool {
+    plan.sizes.len() == blocks.len()
+        && blocks.iter().zip(plan.starts.iter().zip(&plan.ends)).all(|(b, (&s, &e))| b.start == s && b.end == e)
 }
 
 impl Planned {
@@ -231,10 +232,7 @@ impl Planned {
         // (`in_shares`).
         let mut varies = false;
         let same = self.plans.iter().find(|p| p.key == key);
-        let same_sequence = same.is_some_and(|same| {
-            same.sizes.len() == blocks.len()
-                && blocks.iter().zip(same.starts.iter().zip(&same.ends)).all(|(b, (&s, &e))| b.start == s && b.end == e)
-        });
+        let same_sequence = same.is_some_and(|same| same_sequence(same, &blocks));
         let own = blocks.clone();
         match same {
             Some(same) if same_sequence => {
@@ -258,13 +256,16 @@ impl Planned {
                 let packed = plan::pack(&blocks);
                 let own_packing = plan::pack(&own);
                 own_peak = same.own_peak.max(own_packing.size);
-                match in_shares(&own, own_packing.size, own_peak, packed.size) {
+                let shares = in_shares(own_packing.size, own_peak, packed.size)
+                    .then(|| plan::best_fit_in_order(&own))
+                    .filter(|in_order| in_order.size < packed.size);
+                match shares {
                     Some(in_order) => {
                         blocks = own;
                         (in_order, true)
                     }
                     None if left_part_way && own_packing.size < packed.size => {
-                        match left_in_order(&blocks, packed.size) {
+                        match left_in_order(plan::best_fit_in_order(&blocks), packed.size) {
                             Some(in_order) => (in_order, true),
                             None => (packed, false),
                         }
