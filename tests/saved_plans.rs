@@ -115,7 +115,10 @@ fn plans_are_loaded_through_the_spec_as_well() {
 
 fn one_plan(blocks: Vec<PlannedBlock>, bytes: u64) -> PhasePlans {
     let key = PlanKey::Sizes(blocks.iter().take(4).map(|b| b.size).collect());
-    PhasePlans { phase: "act".to_owned(), plans: vec![SavedPlan { key, bytes, varies: false, blocks }] }
+    PhasePlans {
+        phase: "act".to_owned(),
+        plans: vec![SavedPlan { key, bytes, varies: false, received: false, carries: false, blocks }],
+    }
 }
 
 #[test]

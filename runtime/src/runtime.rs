@@ -206,8 +206,9 @@ impl Runtime {
     /// The plans the runtime's [`Planned`](Strategy::Planned) phases keep, per phase by name,
     /// most recently used first: what a later run loads ([`Runtime::load_plans`],
     /// [`PhaseSpec::plans`](PhaseSpec#structfield.plans)) to be planned from its first step.
-    /// A phase with pools on several streams or devices gets each pool's plans, one per key (the
-    /// pool created first wins), at most the phase's `max_plans`; a pool that is gone (its stream
+    /// A phase with pools on several streams or devices gets each pool's plans, one per key and
+    /// kind of scope (`SavedPlan::received`; the pool created first wins), at most the phase's
+    /// `max_plans`; a pool that is gone (its stream
     /// dropped) took its plans with it. Taken between boundaries, like [`Runtime::stats`]. Write
     /// it with [`PlanFile::to_json`] (feature `trace`).
     pub fn saved_plans(&self) -> PlanFile {
@@ -219,7 +220,8 @@ impl Runtime {
             let mut saved = PhasePlans { phase: entry.spec.name.clone(), plans: Vec::new() };
             for pool in pools.iter().filter(|pool| pool.phase() == entry.phase) {
                 for plan in pool.lock().saved_plans() {
-                    if saved.plans.len() < max_plans as usize && saved.plans.iter().all(|p| p.key != plan.key) {
+                    let kept = saved.plans.iter().any(|p| p.key == plan.key && p.received == plan.received);
+                    if saved.plans.len() < max_plans as usize && !kept {
                         saved.plans.push(plan);
                     }
                 }

@@ -47,6 +47,11 @@
 //! - `varies`: the scope was seen again with the same allocations and frees but other sizes, and
 //!   each block is sized to the largest seen (a larger request than its block is then that block
 //!   grown, never a later block of its size).
+//! - `received` and `carries` (optional, `false` when left out), in a phase that carries: the
+//!   scope received memory the scope before carried into it, and it carried memory into the next
+//!   (the plan was packed with it). Two plans may share a key where one has `received` and the
+//!   other not (the training steps after and before an evaluation step whose gradients live
+//!   through it); a scope prefers the one that agrees with it.
 //! - Unknown fields are refused, so a misspelt field is named rather than ignored.
 //!
 //! # Checks
@@ -120,6 +125,16 @@ pub struct SavedPlan {
     /// allocations and frees.
     #[cfg_attr(feature = "jsonl", serde(default))]
     pub varies: bool,
+    /// Its scope received memory the scope before carried into it (a phase that carries): one
+    /// key may have a plan that did and one that did not (the training steps after and before an
+    /// evaluation step whose gradients live through it), and a scope prefers the plan that
+    /// agrees with it.
+    #[cfg_attr(feature = "jsonl", serde(default, skip_serializing_if = "std::ops::Not::not"))]
+    pub received: bool,
+    /// Its scope carried memory into the next (a phase that carries), and the plan was packed
+    /// with it: the kind of scope, with `received`.
+    #[cfg_attr(feature = "jsonl", serde(default, skip_serializing_if = "std::ops::Not::not"))]
+    pub carries: bool,
     /// Its entries, in allocation order.
     pub blocks: Vec<PlannedBlock>,
 }
@@ -150,15 +165,20 @@ impl PhasePlans {
     /// Checks that every plan can be served as it is: a key of aligned sizes no larger than the
     /// blocks they select, blocks of aligned positive sizes and offsets with distinct positions,
     /// allocations in order, each freed after it is made, inside the slab, and no two blocks
-    /// alive at the same time overlapping; no two plans with one key.
+    /// alive at the same time overlapping; no two plans with one key and the same `received`.
     pub fn validate(&self) -> Result<(), PlanFileError> {
         let invalid = |plan: usize, reason: String| PlanFileError::Invalid { phase: self.phase.clone(), plan, reason };
         for (index, plan) in self.plans.iter().enumerate() {
             if plan.blocks.is_empty() {
                 return Err(invalid(index, "a plan needs at least one block".to_owned()));
             }
-            if let Some(other) = self.plans[..index].iter().position(|p| p.key == plan.key) {
-                return Err(invalid(index, format!("the same key as plan {other}: {:?}", plan.key)));
+            if let Some(other) =
+                self.plans[..index].iter().position(|p| p.key == plan.key && p.received == plan.received)
+            {
+                return Err(invalid(
+                    index,
+                    format!("the same key and `received` ({}) as plan {other}: {:?}", plan.received, plan.key),
+                ));
             }
             let mut positions = Vec::with_capacity(plan.blocks.len() * 2);
             for (b, block) in plan.blocks.iter().enumerate() {
@@ -346,10 +366,15 @@ impl PlanFile {
             for (i, plan) in phase.plans.iter().enumerate() {
                 out += if i == 0 { "\n" } else { ",\n" };
                 out += &format!(
-                    "        {{\n          \"key\": {},\n          \"bytes\": {},\n          \"varies\": {},\n          \"blocks\": [",
+                    "        {{\n          \"key\": {},\n          \"bytes\": {},\n          \"varies\": {},\n{}          \"blocks\": [",
                     serde_json::to_string(&plan.key).unwrap_or_default(),
                     plan.bytes,
-                    plan.varies
+                    plan.varies,
+                    [(plan.received, "received"), (plan.carries, "carries")]
+                        .iter()
+                        .filter(|(set, _)| *set)
+                        .map(|(_, field)| format!("          \"{field}\": true,\n"))
+                        .collect::<String>()
                 );
                 for (b, block) in plan.blocks.iter().enumerate() {
                     out += if b == 0 { "\n" } else { ",\n" };
@@ -434,13 +459,26 @@ mod tests {
                     key: PlanKey::Sizes(vec![4096, 8192]),
                     bytes: 12288,
                     varies: false,
+                    received: false,
+                    carries: true,
                     blocks: vec![block(4096, 0, Some(2), 8192), block(8192, 1, None, 0), block(2048, 3, Some(4), 8192)],
                 },
                 SavedPlan {
                     key: PlanKey::User(7),
                     bytes: 1024,
                     varies: true,
+                    received: false,
+                    carries: false,
                     blocks: vec![block(1024, 0, Some(1), 0)],
+                },
+                // The first plan's key, for the scopes that received carried memory.
+                SavedPlan {
+                    key: PlanKey::Sizes(vec![4096, 8192]),
+                    bytes: 12288,
+                    varies: false,
+                    received: true,
+                    carries: false,
+                    blocks: vec![block(4096, 0, None, 0), block(8192, 1, Some(2), 4096)],
                 },
             ],
         }])
@@ -461,7 +499,7 @@ mod tests {
         let text = file().to_json().replacen("\"offset\":0", "\"ofset\":0", 1);
         match PlanFile::from_json(&text) {
             Err(PlanFileError::Json { line, message, .. }) => {
-                assert_eq!(line, 14, "{message}");
+                assert_eq!(line, 15, "{message}");
                 assert_eq!(message, "unknown field `ofset`, expected one of `size`, `start`, `end`, `offset`");
             }
             other => panic!("{other:?}"),
@@ -510,7 +548,9 @@ mod tests {
         let message = error(&|plan| plan.key = PlanKey::Sizes(vec![8192]));
         assert!(message.contains("key size 0 is 8192 bytes for block 0 of 4096 bytes"), "{message}");
         let message = error(&|plan| plan.key = PlanKey::User(7));
-        assert!(message.contains("the same key as plan"), "{message}");
+        assert!(message.contains("the same key and `received` (false) as plan 0"), "{message}");
+        let message = error(&|plan| plan.received = true);
+        assert!(message.contains("plan 2: the same key and `received` (true) as plan 0"), "{message}");
     }
 
     #[test]
@@ -542,6 +582,8 @@ mod tests {
                 key: PlanKey::Sizes(blocks.iter().take(4).map(|b| b.size).collect()),
                 bytes: packing.size,
                 varies: false,
+                received: false,
+                carries: false,
                 blocks: blocks
                     .iter()
                     .zip(&packing.offsets)

@@ -393,33 +393,40 @@ impl Planned {
                 new_sequence: false,
                 binned: None,
                 predicted: false,
-                carries: false,
+                carries: saved.carries,
                 alternates: Vec::new(),
                 guessed: false,
                 freed_by: None,
-                received: false,
+                received: saved.received,
             });
         }
         planned
     }
 
-    /// The plans kept, most recently used first, as a plan file saves them: one per key (the
-    /// most recently used, where two kinds of scope keep a plan each under one key).
+    /// The plans kept, most recently used first, as a plan file saves them: one per key and
+    /// kind of scope (whether it received carried memory: two kinds of scope under one key keep
+    /// a plan each), the most recently used. The kind is saved only where a key has plans of
+    /// both: a key's only plan serves every scope of the key in the run that loads it, as the
+    /// plan that the scopes before it replaced did (the last step's plan, which receives a
+    /// batch and copies none, is the first step's too).
     pub(crate) fn saved_plans(&self) -> Vec<SavedPlan> {
         let mut plans: Vec<&Plan> = self.plans.iter().filter(|plan| !plan.predicted).collect();
         plans.sort_by_key(|plan| std::cmp::Reverse(plan.last_used));
-        let mut keys: Vec<&PlanKey> = Vec::new();
+        let mut kinds: Vec<(&PlanKey, bool)> = Vec::new();
         plans.retain(|plan| {
-            let first = !keys.contains(&&plan.key);
-            keys.push(&plan.key);
+            let first = !kinds.contains(&(&plan.key, plan.received));
+            kinds.push((&plan.key, plan.received));
             first
         });
+        let shared = |plan: &Plan| plans.iter().filter(|p| p.key == plan.key).count() > 1;
         plans
-            .into_iter()
+            .iter()
             .map(|plan| SavedPlan {
                 key: plan.key.clone(),
                 bytes: plan.bytes,
                 varies: plan.varies,
+                received: plan.received && shared(plan),
+                carries: plan.carries && shared(plan),
                 blocks: (0..plan.sizes.len())
                     .map(|i| PlannedBlock {
                         size: plan.sizes[i],

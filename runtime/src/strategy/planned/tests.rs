@@ -1933,23 +1933,39 @@ fn step_after_evaluation(planned: &mut Planned, source: &mut FakeSource, receive
     planned.reset(source, u64::MAX).unwrap();
 }
 
+/// `rounds` of a step before an evaluation step and the step after it: per round, the scopes
+/// that left their plan (the counters are the last scope's).
+fn evaluation_rounds(planned: &mut Planned, source: &mut FakeSource, rounds: usize) -> Vec<u64> {
+    (0..rounds)
+        .map(|_| {
+            let received = step_before_evaluation(planned, source);
+            let before = planned.plan_stats().unwrap().deviated_scopes;
+            step_after_evaluation(planned, source, received);
+            before + planned.plan_stats().unwrap().deviated_scopes
+        })
+        .collect()
+}
+
 #[test]
 fn scopes_of_one_key_that_do_and_do_not_receive_carried_memory_keep_a_plan_each() {
     let (mut source, mut planned) = (FakeSource::with_ranges(64 * MIB), carrying());
-    // Per round, the scopes that left their plan (the counters are the last scope's).
-    let mut deviated = Vec::new();
-    for _ in 0..4 {
-        let received = step_before_evaluation(&mut planned, &mut source);
-        let before = planned.plan_stats().unwrap().deviated_scopes;
-        step_after_evaluation(&mut planned, &mut source, received);
-        deviated.push(before + planned.plan_stats().unwrap().deviated_scopes);
-    }
+    let deviated = evaluation_rounds(&mut planned, &mut source, 4);
     // The first step after is a new sequence under the key; from then on each kind follows its
     // own plan (with one plan for both, each left the other's, scope after scope).
     assert_eq!(deviated, [1, 0, 0, 0]);
     let mut kinds: Vec<(bool, bool)> = planned.plans.iter().map(|plan| (plan.received, plan.carries)).collect();
     kinds.sort_unstable();
     assert_eq!(kinds, [(false, true), (true, false)], "one plan of the key that carries, one that received");
+    // Saved, both are kept, and a run that loads them serves each kind from its plan from the
+    // first round on (with one plan of the key saved, the other kind left it every round).
+    let saved = planned.saved_plans();
+    let mut received: Vec<bool> = saved.iter().map(|plan| plan.received).collect();
+    received.sort_unstable();
+    assert_eq!(received, [false, true]);
+    let spec = PhaseSpec::new("p", Scope::Step).strategy(Strategy::PLANNED).carry(true);
+    let mut loaded = Planned::with_plans(PhaseEntry::new(Phase(0), spec), 8, 2, &saved);
+    let mut source = FakeSource::with_ranges(64 * MIB);
+    assert_eq!(evaluation_rounds(&mut loaded, &mut source, 3), [0, 0, 0]);
 }
 
 /// One step of a mixture of experts that copies its next batch (1 MiB) at its end, as
