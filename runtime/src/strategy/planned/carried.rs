@@ -229,6 +229,39 @@ pub(super) struct CarriedLayout<'a> {
     pub(super) copies_end: u32,
 }
 
+/// What [`Planned::varying_layout`] weighs.
+#[derive(Clone, Copy)]
+struct Varying<'a> {
+    /// The carrying plan of the scope's sequence and kind.
+    same: Option<&'a Plan>,
+    /// The scope's sizes, or that plan's, vary from the largest seen.
+    varies: bool,
+    /// A plan of the scope's key is another sequence.
+    other_sequence: bool,
+    /// The scope's own blocks, at the largest sizes seen, then the carried memory's lives in the
+    /// next scope.
+    blocks: &'a [Block],
+    /// The scope's own sizes.
+    own_sizes: &'a [u64],
+    /// The carried memory, as [`plan::pack_around`] takes it.
+    pairs: &'a [plan::Carried],
+    /// The entries with a second place, placed beside it by [`plan::pack_around`].
+    beside: &'a [plan::Alternate],
+    /// How many of `blocks` are the scope's own.
+    entries: usize,
+}
+
+/// A carrying plan's layout where its sizes or sequence vary ([`Planned::varying_layout`]).
+struct VaryingLayout {
+    /// Best fit in allocation order (of a prefix at least), where taken; else the plan is packed.
+    in_order: Option<plan::Packing>,
+    /// The blocks at the scope's own sizes, where the layout is of them (shares of a fixed
+    /// total), not of the largest.
+    own: Option<Vec<Block>>,
+    /// The most a scope of its sequence needed packed at its own sizes; 0 where not weighed.
+    own_peak: u64,
+}
+
 impl Planned {
     /// The ranges (offset, length) of the carried allocations in the slab at `slab`.
     pub(super) fn carried_in_slab(&self, slab: Slab) -> impl Iterator<Item = (u64, u64)> + '_ {
@@ -511,51 +544,21 @@ impl Planned {
             }
             late
         });
-        // Laid out as a plan that carries nothing would be (`replan.rs`), around the pinned
-        // memory: where the sizes vary, in allocation order at the scope's own sizes if they vary
-        // in shares of a fixed total, or at the largest after a scope that left the plan part
-        // way; and in allocation order where the scope left a plan of its key that is another
-        // sequence part way (see "Sizes and sequences that vary" in the module docs).
-        let left_part_way = self.online.is_some() && !self.left_at_end;
-        let mut own_peak = 0;
-        let mut in_order = None;
-        match same {
-            Some(same) if varies => {
-                let packed = plan::pack_around(&blocks, &pairs, &beside);
-                let mut own = blocks.clone();
-                for (block, &size) in own.iter_mut().zip(&own_sizes) {
-                    block.size = size;
-                }
-                let own_packing = plan::pack_around(&own, &pairs, &beside);
-                own_peak = same.own_peak.max(own_packing.size);
-                let shares = in_shares(own_packing.size, own_peak, packed.size)
-                    .then(|| plan::best_fit_in_order_around(&own, &pairs))
-                    .filter(|layout| layout.size < packed.size);
-                if shares.is_some() {
-                    blocks = own;
-                    in_order = shares;
-                } else if left_part_way && own_packing.size < packed.size {
-                    in_order = left_in_order(plan::best_fit_in_order_around(&blocks, &pairs), packed.size);
-                }
-            }
-            Some(_) => {}
-            None => {
-                let pinned = !pairs.is_empty() && pairs.iter().all(|pair| pair.at.is_some());
-                if left_part_way && other_sequence && pinned && !self.may_move() {
-                    // As a new plan that carries nothing is: in order where that costs at most
-                    // 1/IN_ORDER_MARGIN more than the packing, else its first sixteenth so.
-                    let packed = plan::pack_around(&blocks, &pairs, &beside);
-                    let margin = packed.size + packed.size / IN_ORDER_MARGIN;
-                    let layouts = [usize::MAX, (entries / IN_ORDER_PREFIX).max(1)];
-                    in_order = layouts
-                        .into_iter()
-                        .map(|prefix| plan::pack_after_prefix_around(&blocks, &pairs, prefix))
-                        .find(|layout| layout.size <= margin);
-                }
-            }
+        let varying = self.varying_layout(&Varying {
+            same,
+            varies,
+            other_sequence,
+            blocks: &blocks,
+            own_sizes: &own_sizes,
+            pairs: &pairs,
+            beside: &beside,
+            entries,
+        });
+        let laid_in_order = varying.in_order.is_some();
+        if let Some(own) = varying.own {
+            blocks = own;
         }
-        let laid_in_order = in_order.is_some();
-        let ((packing, pairs), unmoved) = match in_order {
+        let ((packing, pairs), unmoved) = match varying.in_order {
             Some(layout) => ((layout, pairs), None),
             None => self.carried_layout(&blocks, pairs, &beside, late.as_deref()),
         };
@@ -565,8 +568,8 @@ impl Planned {
         plan.varies = varies;
         plan.largest = largest;
         plan.in_order = laid_in_order;
-        if own_peak > 0 {
-            plan.own_peak = own_peak;
+        if varying.own_peak > 0 {
+            plan.own_peak = varying.own_peak;
         }
         if let Some((pinned, pairs)) = unmoved
             && let Some(unmoved) = self.carried_plan(&layout, &pinned, &pairs)
@@ -810,6 +813,54 @@ impl Planned {
         plan.guessed = true;
         self.counters.replans += 1;
         true
+    }
+
+    /// The layout in allocation order of a carrying plan whose sizes or sequence vary, around
+    /// the pinned memory, as a plan that carries nothing would be laid out (`replan.rs`; module
+    /// docs, "Sizes and sequences that vary in a phase that carries"): where the sizes vary
+    /// (`same`, the plan of its sequence), at the scope's own sizes if they vary in shares of a
+    /// fixed total, or at the largest after a scope that left the plan part way; and where the
+    /// scope left a plan of its key that is another sequence part way, as a new plan is.
+    fn varying_layout(&self, varying: &Varying) -> VaryingLayout {
+        let Varying { same, varies, other_sequence, blocks, own_sizes, pairs, beside, entries } = *varying;
+        let left_part_way = self.online.is_some() && !self.left_at_end;
+        let mut layout = VaryingLayout { in_order: None, own: None, own_peak: 0 };
+        match same {
+            Some(same) if varies => {
+                let packed = plan::pack_around(blocks, pairs, beside);
+                let mut own = blocks.to_vec();
+                for (block, &size) in own.iter_mut().zip(own_sizes) {
+                    block.size = size;
+                }
+                let own_packing = plan::pack_around(&own, pairs, beside);
+                layout.own_peak = same.own_peak.max(own_packing.size);
+                let shares = in_shares(own_packing.size, layout.own_peak, packed.size)
+                    .then(|| plan::best_fit_in_order_around(&own, pairs))
+                    .filter(|in_order| in_order.size < packed.size);
+                if shares.is_some() {
+                    layout.in_order = shares;
+                    layout.own = Some(own);
+                } else if left_part_way && own_packing.size < packed.size {
+                    layout.in_order = left_in_order(plan::best_fit_in_order_around(blocks, pairs), packed.size);
+                }
+            }
+            Some(_) => {}
+            None => {
+                let pinned = !pairs.is_empty() && pairs.iter().all(|pair| pair.at.is_some());
+                if left_part_way && other_sequence && pinned && !self.may_move() {
+                    // As a new plan that carries nothing is: in order where that costs at most
+                    // 1/IN_ORDER_MARGIN more than the packing, else its first sixteenth so.
+                    let packed = plan::pack_around(blocks, pairs, beside);
+                    let margin = packed.size + packed.size / IN_ORDER_MARGIN;
+                    let prefixes = [usize::MAX, (entries / IN_ORDER_PREFIX).max(1)];
+                    layout.in_order = prefixes
+                        .into_iter()
+                        .map(|prefix| plan::pack_after_prefix_around(blocks, pairs, prefix))
+                        .find(|in_order| in_order.size <= margin);
+                }
+            }
+        }
+        layout
     }
 
     /// Whether the plan made now may move to a new range ([`Planned::carried_layout`]): the
