@@ -86,6 +86,24 @@
 //! kept: the online placement alone held 1.117× (the plans after it put the batch's own place
 //! in a gap again), the plans alone changed only 5 of 146 replays.
 //!
+//! # Memory carried out of a scope of a new shape
+//!
+//! The same holds for the gradients themselves where every step is another shape (a sequence
+//! length that varies, a generation of a new length before the training pass): each step is
+//! served online from its start, and best fit puts the gradients made in its backward pass
+//! into the smallest holes the activations left, scattered through the room the next step's
+//! forward pass needs, where they stay pinned until that step frees them. Their shapes are the
+//! parameters', whatever the batch: a scope that went online within its first
+//! [`NEW_SHAPE_PREFIX`](super::serve::NEW_SHAPE_PREFIX) allocations takes an allocation of a
+//! size the scope before carried into it at the lowest free range that holds it
+//! ([`Planned::likely_carried`]), so the gradients lie together at the range's start, where the
+//! ones before them did. Not in a scope that left its plan late: there the lowest free ranges
+//! are gaps among the plan's live entries (a static BERT whose step left its plan at its
+//! 299th allocation: 1,062 → 1,164 MiB). On a recorded generate-then-train loop under SGD with
+//! `zero_grad()` between the passes, whose longest generation is served online around the
+//! gradients of the step before, 662 → 656 MiB (PyTorch's expandable segments, modelled, 658)
+//! (`benches/results/2026-11-29-gradients-of-new-shapes-simulated.md`).
+//!
 //! What a first plan cannot see is when the next scope frees the rest of what it carries in:
 //! its recording scope received nothing. Where that scope began by copying what it carries out
 //! (a batch copied at the step's start), the plan guesses the rest freed right after the next
@@ -274,6 +292,17 @@ impl Planned {
     pub(super) fn made_again_while_carried(&self) -> bool {
         let index = self.allocations;
         self.carried.iter().any(|c| !c.out && c.index == index && c.place == CarriedIn::Slab)
+    }
+
+    /// Whether an allocation of `size` in a scope of a new shape served online is likely carried
+    /// into the next scope: the scope went online early
+    /// ([`NEW_SHAPE_PREFIX`](super::serve::NEW_SHAPE_PREFIX)) and `size` is the size of something
+    /// the scope before carried into it (the gradients of a loop that calls `zero_grad()`
+    /// between its passes are shaped as the parameters, whatever the batch). Such an allocation
+    /// takes the lowest free range that holds it (module docs, "Memory carried out of a scope of
+    /// a new shape").
+    pub(super) fn likely_carried(&self, size: u64) -> bool {
+        self.online_early && self.received_sizes.binary_search(&size).is_ok()
     }
 
     /// The end of the highest carried allocation in the slab: what no resize may cut.

@@ -302,6 +302,14 @@ pub(crate) struct Planned {
     uncarried: Option<Plan>,
     /// The scope received memory the scope before carried into it.
     receiving: bool,
+    /// The sizes of what the scope before carried into this one, sorted: a scope of a new shape
+    /// served online takes an allocation of one of them at the lowest free range
+    /// ([`Planned::likely_carried`]).
+    received_sizes: Vec<u64>,
+    /// The scope went online within its first [`NEW_SHAPE_PREFIX`](serve::NEW_SHAPE_PREFIX)
+    /// allocations: without a plan, or leaving one it matched by its first sizes only (a new
+    /// shape).
+    online_early: bool,
     /// The scope's plan guessed when the memory carried into the scope is freed, and not all of
     /// it is yet: each allocation checks the guess ([`Planned::check_guess`]).
     guess_check: bool,
@@ -359,6 +367,8 @@ impl Planned {
             unmoved: None,
             uncarried: None,
             receiving: false,
+            received_sizes: Vec::new(),
+            online_early: false,
             guess_check: false,
             pins: Vec::new(),
         }

@@ -41,6 +41,10 @@ use crate::strategy::chunks::GRANULE;
 /// scope skipped); the entries jumped over are missing.
 pub(super) const LOOKAHEAD: usize = 16;
 
+/// A scope that goes online before this many allocations is a new shape (a plan matched by its
+/// first sizes, left at its first size that differs), not a sequence that left its plan late.
+pub(super) const NEW_SHAPE_PREFIX: u32 = 16;
+
 /// The offset in the slab of entry `entry` of plan `index`: the plan's own, or its layout's
 /// around the bin held.
 #[inline]
@@ -75,6 +79,7 @@ impl Planned {
         self.bin_live.for_each_mut(|allocation| allocation.entry = FOREIGN);
         self.late.clear();
         self.online = Some(FreeRanges { end_last: from_empty, ..FreeRanges::around(slab.size, live) });
+        self.online_early = self.allocations < NEW_SHAPE_PREFIX;
         self.bin_free = self.bin.map(|bin| {
             FreeRanges::around(bin.len, self.bin_live.iter().map(|live| (live.ptr - bin.ptr, live.size)).collect())
         });
@@ -265,7 +270,7 @@ impl Planned {
     /// none holds it (by what the free range at its end lacks, as an expandable segment grows).
     pub(super) fn take_online(&mut self, source: &mut dyn Source, size: u64) -> Result<Option<u64>> {
         let growable_end = self.slab.filter(|slab| slab.growable).map(|slab| slab.size);
-        let lowest = self.made_again_while_carried();
+        let lowest = self.made_again_while_carried() || self.likely_carried(size);
         let Some(online) = &mut self.online else { return Ok(None) };
         let taken = if lowest { online.take_lowest(size) } else { online.take(size, growable_end) };
         if let Some(offset) = taken {

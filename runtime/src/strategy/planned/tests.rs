@@ -2044,3 +2044,49 @@ fn a_carrying_scope_that_left_another_sequence_part_way_is_planned_in_allocation
     let stats = planned.plan_stats().unwrap();
     assert_eq!((stats.planned, stats.deviations), (6, 0));
 }
+
+#[test]
+fn gradients_of_a_new_shape_are_made_at_the_lowest_free_range_and_lie_together() {
+    // Every step another shape (its activations 256 KiB larger), so every step is served online
+    // from its start: three activations with a 1 MiB mask after each of the first two, the
+    // gradients carried in freed between the passes, the masks freed, then four 1 MiB
+    // gradients made as the activations go, carried into the next step. Best fit puts the first
+    // gradients into the masks' holes, between the activations, where the next step's forward
+    // pass finds them pinned (step 3: at 15.25, 7.75, 0 and 8.75 MiB). Of the sizes carried in,
+    // they take the lowest free range instead, and lie together at the range's start.
+    let mut source = FakeSource::with_ranges(256 * MIB);
+    let mut planned = carrying();
+    let mut carried: Vec<Served> = Vec::new();
+    for step in 0..6u64 {
+        planned.begin_step();
+        let activation = 4 * MIB + step * 256 * 1024;
+        let x1 = planned.allocate(&mut source, activation).unwrap();
+        let m1 = planned.allocate(&mut source, MIB).unwrap();
+        let x2 = planned.allocate(&mut source, activation).unwrap();
+        let m2 = planned.allocate(&mut source, MIB).unwrap();
+        let x3 = planned.allocate(&mut source, activation).unwrap();
+        for served in carried.drain(..) {
+            planned.free(&mut source, served, MIB).unwrap();
+        }
+        planned.free(&mut source, m1, MIB).unwrap();
+        planned.free(&mut source, m2, MIB).unwrap();
+        let mut gradients = vec![planned.allocate(&mut source, MIB).unwrap()];
+        for (served, size) in [(x3, activation), (x2, activation), (x1, activation)] {
+            planned.free(&mut source, served, size).unwrap();
+            gradients.push(planned.allocate(&mut source, MIB).unwrap());
+        }
+        let base = planned.slab.expect("a slab").base;
+        let offsets: Vec<u64> = gradients.iter().map(|g| g.ptr - base).collect();
+        if step == 0 {
+            // Nothing carried in: best fit, the first gradient in the first mask's hole.
+            assert_eq!(offsets[0], activation, "step 0: {offsets:?}");
+        } else {
+            assert_eq!(offsets, [0, MIB, 2 * MIB, 3 * MIB], "step {step}");
+        }
+        for g in gradients {
+            carried.push(Served { ptr: g.ptr, slot: planned.carry(g, MIB).expect("carried") });
+        }
+        planned.reset(&mut source, u64::MAX).unwrap();
+        assert_eq!(planned.plan_stats().unwrap().planned, 0, "step {step} served online");
+    }
+}
