@@ -94,12 +94,14 @@
 //! into the smallest holes the activations left, scattered through the room the next step's
 //! forward pass needs, where they stay pinned until that step frees them. Their shapes are the
 //! parameters', whatever the batch: a scope that went online within its first
-//! [`NEW_SHAPE_PREFIX`](super::serve::NEW_SHAPE_PREFIX) allocations takes an allocation of a
-//! size the scope before carried into it at the lowest free range that holds it
-//! ([`Planned::likely_carried`]), so the gradients lie together at the range's start, where the
-//! ones before them did. Not in a scope that left its plan late: there the lowest free ranges
-//! are gaps among the plan's live entries (a static BERT whose step left its plan at its
-//! 299th allocation: 1,062 → 1,164 MiB). On a recorded generate-then-train loop under SGD with
+//! [`NEW_SHAPE_PREFIX`](super::serve::NEW_SHAPE_PREFIX) allocations, or the first sixteenth of
+//! its plan's (a mixture of experts leaves its plan in the forward pass, where the routing
+//! varies), takes an allocation of a size the scope before carried into it at the lowest free
+//! range that holds it ([`Planned::likely_carried`]), so the gradients lie together at the
+//! range's start, where the ones before them did. Not in a scope that left its plan later:
+//! there the lowest free ranges are gaps among the plan's live entries (a static BERT whose
+//! second step leaves its plan at its 299th allocation, the first step's plan's last, and its
+//! third at its 88th of 421: 1,062 → 1,138 MiB with the rule in the third, 1,164 in both). On a recorded generate-then-train loop under SGD with
 //! `zero_grad()` between the passes, whose longest generation is served online around the
 //! gradients of the step before, 662 → 656 MiB (PyTorch's expandable segments, modelled, 658)
 //! (`benches/results/2026-11-29-gradients-of-new-shapes-simulated.md`).

@@ -307,8 +307,8 @@ pub(crate) struct Planned {
     /// ([`Planned::likely_carried`]).
     received_sizes: Vec<u64>,
     /// The scope went online within its first [`NEW_SHAPE_PREFIX`](serve::NEW_SHAPE_PREFIX)
-    /// allocations: without a plan, or leaving one it matched by its first sizes only (a new
-    /// shape).
+    /// allocations or sixteenth of its plan: without a plan, or leaving one it matched by its
+    /// first sizes only (a new shape).
     online_early: bool,
     /// The scope's plan guessed when the memory carried into the scope is freed, and not all of
     /// it is yet: each allocation checks the guess ([`Planned::check_guess`]).

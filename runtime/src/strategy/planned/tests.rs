@@ -2045,48 +2045,93 @@ fn a_carrying_scope_that_left_another_sequence_part_way_is_planned_in_allocation
     assert_eq!((stats.planned, stats.deviations), (6, 0));
 }
 
+/// One step of a new shape for [`gradients_of_a_new_shape_are_made_at_the_lowest_free_range_and_lie_together`]:
+/// `prefix` small allocations of fixed sizes first (the embedding's; the same first sizes as
+/// the steps before, so a plan is selected), three activations of `activation` bytes with a
+/// 1 MiB mask after each of the first two, the gradients `carried` in freed between the passes,
+/// the masks freed, then four 1 MiB gradients made as the activations go, carried into the next
+/// step, and `padding` small allocations made and freed (an optimizer step of many tensors).
+/// Returns the gradients' offsets in the range.
+fn new_shape_step(
+    planned: &mut Planned,
+    source: &mut FakeSource,
+    carried: &mut Vec<Served>,
+    activation: u64,
+    prefix: usize,
+    padding: usize,
+) -> Vec<u64> {
+    planned.begin_step();
+    let small: Vec<Served> = (0..prefix).map(|_| planned.allocate(source, 4096).unwrap()).collect();
+    let x1 = planned.allocate(source, activation).unwrap();
+    let m1 = planned.allocate(source, MIB).unwrap();
+    let x2 = planned.allocate(source, activation).unwrap();
+    let m2 = planned.allocate(source, MIB).unwrap();
+    let x3 = planned.allocate(source, activation).unwrap();
+    for served in carried.drain(..) {
+        planned.free(source, served, MIB).unwrap();
+    }
+    planned.free(source, m1, MIB).unwrap();
+    planned.free(source, m2, MIB).unwrap();
+    let mut gradients = vec![planned.allocate(source, MIB).unwrap()];
+    for (served, size) in [(x3, activation), (x2, activation), (x1, activation)] {
+        planned.free(source, served, size).unwrap();
+        gradients.push(planned.allocate(source, MIB).unwrap());
+    }
+    for served in small {
+        planned.free(source, served, 4096).unwrap();
+    }
+    for _ in 0..padding {
+        let t = planned.allocate(source, 512).unwrap();
+        planned.free(source, t, 512).unwrap();
+    }
+    let base = planned.slab.expect("a slab").base;
+    let offsets = gradients.iter().map(|g| g.ptr - base).collect();
+    for g in gradients {
+        carried.push(Served { ptr: g.ptr, slot: planned.carry(g, MIB).expect("carried") });
+    }
+    planned.reset(source, u64::MAX).unwrap();
+    offsets
+}
+
 #[test]
 fn gradients_of_a_new_shape_are_made_at_the_lowest_free_range_and_lie_together() {
     // Every step another shape (its activations 256 KiB larger), so every step is served online
-    // from its start: three activations with a 1 MiB mask after each of the first two, the
-    // gradients carried in freed between the passes, the masks freed, then four 1 MiB
-    // gradients made as the activations go, carried into the next step. Best fit puts the first
-    // gradients into the masks' holes, between the activations, where the next step's forward
-    // pass finds them pinned (step 3: at 15.25, 7.75, 0 and 8.75 MiB). Of the sizes carried in,
-    // they take the lowest free range instead, and lie together at the range's start.
+    // from its start ([`new_shape_step`]). Best fit puts the first gradients into the masks'
+    // holes, between the activations, where the next step's forward pass finds them pinned
+    // (step 3: at 15.25, 7.75, 0 and 8.75 MiB). Of the sizes carried in, they take the lowest
+    // free range instead, and lie together at the range's start.
     let mut source = FakeSource::with_ranges(256 * MIB);
     let mut planned = carrying();
     let mut carried: Vec<Served> = Vec::new();
     for step in 0..6u64 {
-        planned.begin_step();
         let activation = 4 * MIB + step * 256 * 1024;
-        let x1 = planned.allocate(&mut source, activation).unwrap();
-        let m1 = planned.allocate(&mut source, MIB).unwrap();
-        let x2 = planned.allocate(&mut source, activation).unwrap();
-        let m2 = planned.allocate(&mut source, MIB).unwrap();
-        let x3 = planned.allocate(&mut source, activation).unwrap();
-        for served in carried.drain(..) {
-            planned.free(&mut source, served, MIB).unwrap();
-        }
-        planned.free(&mut source, m1, MIB).unwrap();
-        planned.free(&mut source, m2, MIB).unwrap();
-        let mut gradients = vec![planned.allocate(&mut source, MIB).unwrap()];
-        for (served, size) in [(x3, activation), (x2, activation), (x1, activation)] {
-            planned.free(&mut source, served, size).unwrap();
-            gradients.push(planned.allocate(&mut source, MIB).unwrap());
-        }
-        let base = planned.slab.expect("a slab").base;
-        let offsets: Vec<u64> = gradients.iter().map(|g| g.ptr - base).collect();
+        let offsets = new_shape_step(&mut planned, &mut source, &mut carried, activation, 0, 0);
         if step == 0 {
             // Nothing carried in: best fit, the first gradient in the first mask's hole.
             assert_eq!(offsets[0], activation, "step 0: {offsets:?}");
         } else {
             assert_eq!(offsets, [0, MIB, 2 * MIB, 3 * MIB], "step {step}");
         }
-        for g in gradients {
-            carried.push(Served { ptr: g.ptr, slot: planned.carry(g, MIB).expect("carried") });
-        }
-        planned.reset(&mut source, u64::MAX).unwrap();
         assert_eq!(planned.plan_stats().unwrap().planned, 0, "step {step} served online");
+    }
+    // The same steps after 20 small allocations of fixed sizes and before 400 more: the second
+    // step follows the first one's plan through those 20 and leaves it at an activation larger
+    // than planned. That is past the first 16 allocations but within the plan's first
+    // sixteenth (of 429): a new shape still.
+    let mut source = FakeSource::with_ranges(256 * MIB);
+    let mut planned = carrying();
+    let mut carried: Vec<Served> = Vec::new();
+    let mut served_from_plans = 0;
+    for step in 0..6u64 {
+        let activation = 4 * MIB + step * 256 * 1024;
+        let offsets = new_shape_step(&mut planned, &mut source, &mut carried, activation, 20, 400);
+        let stats = planned.plan_stats().unwrap();
+        let from_plan = stats.planned - std::mem::replace(&mut served_from_plans, stats.planned);
+        if step == 1 {
+            assert!((17..429 / 16).contains(&from_plan), "step {step}: {from_plan} served from its plan");
+        }
+        if step > 0 {
+            assert_eq!(offsets, [0, MIB, 2 * MIB, 3 * MIB], "step {step}");
+        }
     }
 }
