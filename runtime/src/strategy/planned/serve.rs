@@ -41,11 +41,16 @@ use crate::strategy::chunks::GRANULE;
 /// scope skipped); the entries jumped over are missing.
 pub(super) const LOOKAHEAD: usize = 16;
 
-/// A scope that goes online before this many allocations, or before this share of its plan's
-/// entries (a sixteenth), is a new shape (a plan matched by its first sizes, left at a size
-/// that differs, or in the forward pass of a mixture of experts whose routing varies), not a
-/// sequence that left its plan late, among the live entries the plan placed.
+/// A scope that goes online before this many allocations, or before the
+/// [`NEW_SHAPE_SHARE`]th of its plan's entries, is a new shape (a plan matched by its first
+/// sizes, left at a size that differs, or in the forward pass of a mixture of experts whose
+/// routing varies), not a sequence that left its plan late, among the live entries the plan
+/// placed ([`Planned::likely_carried`]).
 pub(super) const NEW_SHAPE_PREFIX: usize = 16;
+
+/// The share of its plan (a sixteenth) within which a scope that goes online is a new shape
+/// ([`NEW_SHAPE_PREFIX`]).
+pub(super) const NEW_SHAPE_SHARE: usize = 16;
 
 /// The offset in the slab of entry `entry` of plan `index`: the plan's own, or its layout's
 /// around the bin held.
@@ -82,7 +87,7 @@ impl Planned {
         self.late.clear();
         self.online = Some(FreeRanges { end_last: from_empty, ..FreeRanges::around(slab.size, live) });
         let planned = self.plan.map_or(0, |index| self.plans[index].sizes.len());
-        self.online_early = (self.allocations as usize) < NEW_SHAPE_PREFIX.max(planned / NEW_SHAPE_PREFIX);
+        self.online_early = (self.allocations as usize) < NEW_SHAPE_PREFIX.max(planned / NEW_SHAPE_SHARE);
         self.bin_free = self.bin.map(|bin| {
             FreeRanges::around(bin.len, self.bin_live.iter().map(|live| (live.ptr - bin.ptr, live.size)).collect())
         });
