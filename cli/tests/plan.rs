@@ -19,6 +19,14 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// `steppool plan TRACE -o PLAN`: its table and the plan file read back.
+fn save_plans(trace: &Path, plan: &Path) -> (String, PlanFile) {
+    let output = steppool(&["plan", trace.to_str().unwrap(), "-o", plan.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let file = PlanFile::from_json(&std::fs::read_to_string(plan).unwrap()).unwrap();
+    (text(&output.stdout), file)
+}
+
 /// `steppool replay TRACE --strategy planned --plan PLAN --json` in `dir`: its table and its
 /// document.
 fn replay_with_plan(dir: &Path, trace: &Path, plan: &Path) -> (String, serde_json::Value) {
@@ -44,13 +52,10 @@ fn plans_are_saved_from_a_trace_and_replayed_from_the_first_step() {
     let dir = tempfile::tempdir().unwrap();
     let trace = data("t5_varlen_train.csv");
     let plan = dir.path().join("t5.plan.json");
-    let output = steppool(&["plan", trace.to_str().unwrap(), "-o", plan.to_str().unwrap()]);
-    assert!(output.status.success(), "{}", text(&output.stderr));
-    let stdout = text(&output.stdout);
+    let (stdout, file) = save_plans(&trace, &plan);
     assert!(stdout.contains("phase step: 2672 allocations in a slab of"), "{stdout}");
 
     // The file is a valid plan file: the step phase, a plan per sequence length seen.
-    let file = PlanFile::from_json(&std::fs::read_to_string(&plan).unwrap()).unwrap();
     let step = file.phase("step").expect("the step phase's plans");
     assert!(step.plans.len() >= 2, "variable lengths give several plans: {}", step.plans.len());
     assert!(step.plans.iter().all(|p| p.bytes >= p.lower_bound() && p.blocks.len() == 2672));
@@ -76,9 +81,7 @@ fn two_kinds_of_step_under_one_key_keep_a_plan_each_in_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let trace = data("recorded/train_eval_sgd_zero_grad_backward.csv");
     let plan = dir.path().join("train_eval.plan.json");
-    let output = steppool(&["plan", trace.to_str().unwrap(), "-o", plan.to_str().unwrap()]);
-    assert!(output.status.success(), "{}", text(&output.stderr));
-    let file = PlanFile::from_json(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let (_, file) = save_plans(&trace, &plan);
     let step = file.phase("step").expect("the step phase's plans");
     let kinds: Vec<(bool, bool)> = step
         .plans
