@@ -100,13 +100,21 @@ fn recorded_logs_copied_without_their_sidecar_infer_the_sidecars_steps() {
         std::fs::copy(&path, &copy).unwrap();
         let inferred = read::read_trace(&copy).unwrap();
         // A batch copied at each step's start, then `zero_grad()`: inference finds the sidecar's
-        // steps (the first step's points, where the optimizer's state is made, dropped), the
-        // second where it begins, but puts the copy and the gradients' frees at the end of the
-        // step before: the steps from the third on begin after them (the quiescent point follows
-        // the frees), and the first after the copy (it begins at what counts).
-        if name == "gpt2_token_budget_inputs_step" {
-            assert_eq!(inferred.step_count(), with_sidecar.step_count(), "{name}");
-            assert_eq!(begins(&inferred)[1], begins(&with_sidecar)[1], "{name}");
+        // steps (the first step's points, where the optimizer's state is made, dropped), but
+        // puts the copy and the gradients' frees at the end of the step before: a step begins
+        // after them (the quiescent point follows the frees), within the sidecar's step, and the
+        // first after the copy (it begins at what counts). The token-budget GPT-2's second step
+        // begins where the sidecar's does; the MoE under Adafactor frees more at its top.
+        if ["gpt2_token_budget_inputs_step", "moe_routing_adafactor_bf16"].contains(&name.as_str()) {
+            let (inferred, sidecar) = (begins(&inferred), begins(&with_sidecar));
+            assert_eq!(inferred.len(), sidecar.len(), "{name}");
+            for (i, &at) in inferred.iter().enumerate() {
+                let within = sidecar[i] <= at && sidecar.get(i + 1).is_none_or(|&next| at < next);
+                assert!(within, "{name}: step {i} inferred at event {at}, the sidecar's steps at {sidecar:?}");
+            }
+            if name == "gpt2_token_budget_inputs_step" {
+                assert_eq!(inferred[1], sidecar[1], "{name}");
+            }
             continue;
         }
         // Under `zero_grad()` at the loop's top, the training step before an evaluation step hands
