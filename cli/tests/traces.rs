@@ -104,7 +104,7 @@ fn recorded_logs_copied_without_their_sidecar_infer_the_sidecars_steps() {
         // puts the copy and the gradients' frees at the end of the step before: a step begins
         // after them (the quiescent point follows the frees), within the sidecar's step, and the
         // first after the copy (it begins at what counts). The token-budget GPT-2's second step
-        // begins where the sidecar's does; the MoE under Adafactor frees more at its top.
+        // begins where the sidecar's does; the MoE's (Adafactor, bf16), like the rest, after.
         if ["gpt2_token_budget_inputs_step", "moe_routing_adafactor_bf16"].contains(&name.as_str()) {
             let (inferred, sidecar) = (begins(&inferred), begins(&with_sidecar));
             assert_eq!(inferred.len(), sidecar.len(), "{name}");
