@@ -31,7 +31,7 @@ pub(super) struct SlabLive {
 }
 
 impl SlabLive {
-    #[inline]
+    #[inline(always)]
     pub(super) fn insert(&mut self, allocation: SlabAllocation) {
         let index = allocation.index as usize;
         if self.by_index.len() <= index {

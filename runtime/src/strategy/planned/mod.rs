@@ -62,7 +62,7 @@ use crate::report::{FreeSpace, PlanKey, PlanStats, PlanSummary};
 use crate::source::Source;
 use carried::{CARRIED_SLOT, CarriedAllocation, CarriedIn};
 use free_ranges::FreeRanges;
-use live::{FOREIGN, SlabLive};
+use live::{FOREIGN, SlabAllocation, SlabLive};
 use replan::freed_by_end;
 use select::Template;
 use slab::Slab;
@@ -450,9 +450,12 @@ impl Planned {
     }
 }
 
-impl Allocator for Planned {
-    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served> {
-        let size = bytes.next_multiple_of(ALIGNMENT);
+impl Planned {
+    /// [`Allocator::allocate`] of `size` (aligned) in every case but the plain one that
+    /// [`Planned::serve_following`] serves. Kept out of line, so that the plain case saves and
+    /// restores few registers.
+    #[inline(never)]
+    fn allocate_otherwise(&mut self, source: &mut dyn Source, size: u64) -> Result<Served> {
         let n = self.allocations as usize;
         if n == 0 {
             self.open_scope();
@@ -467,12 +470,7 @@ impl Allocator for Planned {
             self.follow_template(n, size);
         }
         match self.serve(source, size) {
-            Ok(ptr) => {
-                self.events.push(Event::Alloc(size));
-                let slot = self.allocations;
-                self.allocations += 1;
-                Ok(Served { ptr, slot })
-            }
+            Ok(ptr) => Ok(self.recorded(ptr, size)),
             Err(error) => {
                 // Not an allocation of the scope: the caller may retry it after recovery (and a
                 // scope that ran out of memory is not predicted).
@@ -483,7 +481,19 @@ impl Allocator for Planned {
         }
     }
 
-    fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+    /// Records the scope's allocation of `size` (aligned) served at `ptr`, and its slot.
+    #[inline(always)]
+    fn recorded(&mut self, ptr: CUdeviceptr, size: u64) -> Served {
+        self.events.push(Event::Alloc(size));
+        let slot = self.allocations;
+        self.allocations += 1;
+        Served { ptr, slot }
+    }
+
+    /// [`Allocator::free`] in every case but the plain one it serves itself. Kept out of line,
+    /// so that the plain case saves and restores few registers.
+    #[inline(never)]
+    fn free_otherwise(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
         if served.slot & CARRIED_SLOT != 0 && served.slot != Served::NO_SLOT {
             return self.free_carried(source, served, bytes);
         }
@@ -501,16 +511,7 @@ impl Allocator for Planned {
                 self.hold_freed(source, true);
                 return Ok(());
             }
-            let late = allocation.entry == FOREIGN || self.entries[allocation.entry as usize] == Entry::Late;
-            if allocation.entry != FOREIGN {
-                self.entries[allocation.entry as usize] = Entry::Done;
-            }
-            if late {
-                let offset = ptr - self.slab.expect("a slab allocation has a slab").base;
-                if let Some(at) = self.late.iter().position(|&(late, _)| late == offset) {
-                    self.late.swap_remove(at);
-                }
-            }
+            self.end_in_slab(allocation);
             return Ok(());
         }
         if let Some(allocation) = self.bin_live.remove(served.slot, ptr) {
@@ -548,11 +549,47 @@ impl Allocator for Planned {
         }
     }
 
-    /// Plans the scope if it had no plan or deviated from it, reclaims the slab (leaked buffers
-    /// too), gives back leaked pool allocations, and sizes the slab for the largest plan. The
-    /// slab is taken now, so the next scope finds it; it is given back when no plan is left, or
-    /// when `keep` is smaller than it (the trim policy asks for the memory back; the next scope
-    /// that has a plan takes it again).
+    /// Marks the entry of a slab allocation just freed, outside a scope served online, done, and
+    /// takes a range kept past its planned free off the late list.
+    #[inline(always)]
+    fn end_in_slab(&mut self, allocation: SlabAllocation) {
+        let late = allocation.entry == FOREIGN || self.entries[allocation.entry as usize] == Entry::Late;
+        if allocation.entry != FOREIGN {
+            self.entries[allocation.entry as usize] = Entry::Done;
+        }
+        if late {
+            let offset = allocation.ptr - self.slab.expect("a slab allocation has a slab").base;
+            if let Some(at) = self.late.iter().position(|&(late, _)| late == offset) {
+                self.late.swap_remove(at);
+            }
+        }
+    }
+}
+
+impl Allocator for Planned {
+    fn allocate(&mut self, source: &mut dyn Source, bytes: u64) -> Result<Served> {
+        let size = bytes.next_multiple_of(ALIGNMENT);
+        if let Some(ptr) = self.serve_following(size) {
+            return Ok(self.recorded(ptr, size));
+        }
+        self.allocate_otherwise(source, size)
+    }
+
+    fn free(&mut self, source: &mut dyn Source, served: Served, bytes: u64) -> Result<()> {
+        // The plain case of a step that follows its plan, kept small: an allocation of the scope
+        // in the slab, with no template to follow and no free ranges to give it to.
+        if served.slot & CARRIED_SLOT == 0
+            && self.template.is_none()
+            && self.online.is_none()
+            && let Some(allocation) = self.slab_live.remove(served.slot, served.ptr)
+        {
+            self.events.push(Event::Free(allocation.index));
+            self.end_in_slab(allocation);
+            return Ok(());
+        }
+        self.free_otherwise(source, served, bytes)
+    }
+
     /// Keeps a slab or fallback allocation where it lies; one in the bin is not kept (a phase
     /// that carries takes no bin: [`Allocator::bin`]).
     fn carry(&mut self, served: Served, bytes: u64) -> Option<u32> {
@@ -571,6 +608,11 @@ impl Allocator for Planned {
         Some(slot)
     }
 
+    /// Plans the scope if it had no plan or deviated from it, reclaims the slab (leaked buffers
+    /// too), gives back leaked pool allocations, and sizes the slab for the largest plan. The
+    /// slab is taken now, so the next scope finds it; it is given back when no plan is left, or
+    /// when `keep` is smaller than it (the trim policy asks for the memory back; the next scope
+    /// that has a plan takes it again).
     fn reset(&mut self, source: &mut dyn Source, keep: u64) -> Result<()> {
         // A plan kept aside at the scope before's end: what this scope did with the memory that
         // scope carried out decides whether it comes back (`restore_uncarried`).

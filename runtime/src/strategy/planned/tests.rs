@@ -270,6 +270,25 @@ fn a_grown_range_over_a_live_allocation_is_not_handed_out() {
 }
 
 #[test]
+fn an_entry_freed_later_than_planned_is_not_handed_out_over() {
+    let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+    // Entries 2 and 3 share a place: 2 is freed before 3 is made.
+    let planned_order = [Op::Alloc(512), Op::Alloc(512), Op::Alloc(4096), Op::Free(2), Op::Alloc(4096), Op::Free(3)];
+    let recorded = run_ops(&mut planned, &mut source, &planned_order);
+    let followed = run_ops(&mut planned, &mut source, &planned_order);
+    assert_eq!(followed, recorded, "a step that follows its plan gets the recording's places");
+    assert_eq!(followed[2], followed[3], "the plan gives entry 3 the place of entry 2");
+    let stats = planned.plan_stats().unwrap();
+    assert_eq!((stats.planned, stats.unplanned), (4, 0), "every allocation from the plan");
+    // Entry 2 lives on past its planned free, over entry 3's planned place.
+    let late = [Op::Alloc(512), Op::Alloc(512), Op::Alloc(4096), Op::Alloc(4096), Op::Free(2), Op::Free(3)];
+    let ptrs = run_ops(&mut planned, &mut source, &late);
+    assert!(ptrs[3] + 4096 <= ptrs[2] || ptrs[2] + 4096 <= ptrs[3], "{:#x} and {:#x} overlap", ptrs[2], ptrs[3]);
+    let stats = planned.plan_stats().unwrap();
+    assert_eq!((stats.planned, stats.unplanned, stats.deviations), (3, 1, 1), "entry 3 deviated");
+}
+
+#[test]
 fn a_scope_that_leaves_its_plan_goes_on_in_the_slab_free_space() {
     let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
     let key = [(1024, true), (1024, true)];
