@@ -33,14 +33,30 @@
 //! plan's size where the pairs sit above ([`plan::handover_peak`]); its frees give the old
 //! range's pages back, and from its end on the memory lies where the plan hands it out. A plan
 //! moves where it is smaller than the pinned plan by more than a [`MOVE_MARGIN`]th and that
-//! scope holds no more pages than the pinned plan would, and only the phase's first plan, made
-//! at the end of its recording scope: later scopes put the carried memory where a plan did, or
-//! serve shapes that vary from step to step, whose next scope, another shape, would be served
-//! best fit in the new range beside the carried memory, for nothing. The old range's addresses
-//! stay reserved, nothing mapped, until the pool goes. On eighteen recordings of loops that call
+//! scope holds no more pages than the pinned plan would, and only a plan whose scope's best fit
+//! put what it carries out: the phase's first plan, made at the end of its recording scope, or
+//! the plan of a scope that followed its plan to the end and ran on past it (below). Other
+//! scopes put the carried memory where a plan did, or serve shapes that vary from step to step,
+//! whose next scope, another shape, would be served best fit in the new range beside the
+//! carried memory, for nothing. A range retired before keeps its addresses reserved, nothing
+//! mapped, until the pool goes. On eighteen recordings of loops that call
 //! `zero_grad()` between their forward and backward passes
 //! (`benches/results/2026-11-28-carried-moves-simulated.md`) the static BERT's whole run went
 //! from 308 to 288 MiB (steady 280, its peak of live bytes).
+//!
+//! The step after the first follows the first step's plan to its end and runs on past it where
+//! its optimizer makes what the first step's did not (an update that reads the state the first
+//! step made, such as momentum buffers): best fit puts what it makes there, the batch it copies
+//! for the next step at its end among them, in gaps the next forward pass needs, and that step
+//! is planned afresh. Its batch comes at another index than the first step's, so where the next
+//! scope frees it is read from the free of the allocation carried in that was made in the same
+//! order ([`Planned::in_place_of`]), not of the same index, which finds none and guesses it
+//! freed at the step's peak: it lives to the step's end, and the next step left its plan where
+//! the plan counted on its room. And its plan may move to a new range, as
+//! the first did: on a recorded static BERT of 1 GiB live, the plan pinned where best fit put
+//! that batch needed 956 MiB of range, the moved one 905; the whole run went from 1,062 to
+//! 1,012 MiB (1.004× its limit), and a checkpointed Llama's from 656 to 650 MiB
+//! (`benches/results/2026-11-29-second-move-simulated.md`).
 //!
 //! A first plan that guesses the carried memory freed right after the next scope's copies (see
 //! below) weighs the move as if it were freed at the plan's peak instead: a plan moved for that
@@ -100,8 +116,9 @@
 //! range that holds it ([`Planned::likely_carried`]), so the gradients lie together at the
 //! range's start, where the ones before them did. Not in a scope that left its plan later:
 //! there the lowest free ranges are gaps among the plan's live entries (a static BERT whose
-//! second step leaves its plan at its 299th allocation, the first step's plan's last, and its
-//! third at its 88th of 421: 1,062 → 1,138 MiB with the rule in the third, 1,164 in both). On a recorded generate-then-train loop under SGD with
+//! second step left its plan at its 299th allocation, the first step's plan's last, and its
+//! third at its 88th of 421: 1,062 → 1,138 MiB with the rule in the third, 1,164 in both, when
+//! that third step still left its plan). On a recorded generate-then-train loop under SGD with
 //! `zero_grad()` between the passes, whose longest generation is served online around the
 //! gradients of the step before, 662 → 656 MiB (PyTorch's expandable segments, modelled, 658)
 //! (`benches/results/2026-11-29-gradients-of-new-shapes-simulated.md`).
@@ -391,7 +408,16 @@ impl Planned {
     /// plan's cursor reaches it, while what it frees of the carried memory leaves the retired
     /// range ([`Planned::free_retired`]).
     pub(super) fn retire_slab(&mut self, source: &mut dyn Source) -> Result<()> {
-        let Some(slab) = self.slab.filter(|slab| slab.growable && self.retired.is_none()) else { return Ok(()) };
+        let Some(slab) = self.slab.filter(|slab| slab.growable && self.retired_is_empty()) else { return Ok(()) };
+        // A range retired before, nothing living there, gives its pages back and keeps its
+        // addresses until the pool goes.
+        if self.retired.is_some() {
+            self.empty_retired(source)?;
+            let spent = self.retired.take().expect("checked above");
+            debug_assert!(spent.size == 0, "a retired range set aside with {} bytes mapped", spent.size);
+            self.spent.push(spent);
+            self.retired_mapped = 0;
+        }
         let mut live: Vec<(u64, u64)> = self.carried_in_slab(slab).collect();
         live.sort_unstable();
         for carried in &mut self.carried {
@@ -434,7 +460,7 @@ impl Planned {
     pub(super) fn move_or_stay(&mut self, source: &mut dyn Source) -> Result<()> {
         let Some(unmoved) = self.unmoved.take() else { return Ok(()) };
         let follows = self.plan.is_some_and(|index| self.plans[index].key == unmoved.key);
-        let movable = self.slab.is_some_and(|slab| slab.growable) && self.retired.is_none();
+        let movable = self.slab.is_some_and(|slab| slab.growable) && self.retired_is_empty();
         if follows && movable {
             // Only carried memory is late at the scope's start, and it is in the old range now.
             self.late.clear();
@@ -460,10 +486,31 @@ impl Planned {
         (pages.len() as u64 * GRANULE).saturating_sub(bytes)
     }
 
+    /// Maps the index of an allocation carried into this scope, in the scope before, to the index
+    /// of the allocation this scope carries out in its place (`out`): the one of the same rank in
+    /// the order each scope made them, where both carry the same sizes in that order. A step
+    /// after the first makes allocations the first did not (the optimizer's, once its state
+    /// exists), so what it copies at its end for the next (a batch) comes at another index than
+    /// the first step's; its gradients, made before, keep theirs. Where the sizes differ, by
+    /// index, as the scopes of one sequence make them.
+    fn in_place_of(&self, out: &[CarriedAllocation]) -> impl Fn(u32) -> u32 + use<> {
+        let mut out: Vec<(u32, u64)> = out.iter().map(|c| (c.index, c.size)).collect();
+        out.sort_unstable();
+        let alike = out.len() == self.received.len()
+            && out.iter().zip(&self.received).all(|(&(_, mine), &(_, theirs))| mine == theirs);
+        let map: HashMap<u32, u32> = if alike {
+            self.received.iter().zip(&out).map(|(&(before, _), &(now, _))| (before, now)).collect()
+        } else {
+            HashMap::new()
+        };
+        move |index| map.get(&index).copied().unwrap_or(index)
+    }
+
     /// [`Planned::replan`] for a scope that carries allocations into the next: each is packed
     /// with its life in the next scope, at one offset ([`plan::pack_around`]), pinned where it
     /// lies in the slab now, since the next scope finds it there. Its life there ends where the
-    /// allocation of the same index carried into this scope was freed, or, where none was (the
+    /// allocation carried into this scope in its place ([`Planned::in_place_of`]) was freed,
+    /// or, where none was (the
     /// first scope that carries), at a guess: where this scope's own live bytes first peak (a
     /// loop frees the gradients the step before handed it before its backward pass, where its
     /// peak is), or where the allocation is made again if that is sooner; but right after the
@@ -483,13 +530,15 @@ impl Planned {
         let base = self.slab.map_or(0, |slab| slab.base);
         let out: Vec<CarriedAllocation> = self.carried.iter().filter(|c| c.out).copied().collect();
         let peak_at = plan::peak_position(&blocks);
-        // Where each allocation the scope before carried in was freed, by its index there.
+        // Where each allocation the scope before carried in was freed, by the index of the one
+        // this scope carries out in its place.
+        let in_place_of = self.in_place_of(&out);
         let freed_at: HashMap<u32, u32> = self
             .events
             .iter()
             .enumerate()
             .filter_map(|(position, event)| match *event {
-                Event::Carried(index) => Some((index, position as u32)),
+                Event::Carried(index) => Some((in_place_of(index), position as u32)),
                 _ => None,
             })
             .collect();
@@ -895,11 +944,20 @@ impl Planned {
     }
 
     /// Whether the plan made now may move to a new range ([`Planned::carried_layout`]): the
-    /// phase's first plan, made at the end of its recording scope, in a growable slab, with no
-    /// range retired.
-    fn may_move(&self) -> bool {
+    /// phase's first plan, made at the end of its recording scope, or the plan of a scope that
+    /// followed its plan to the end and ran on past it, served online (the step after the
+    /// first, whose optimizer makes what the first step's did not: what it carries out after
+    /// its plan's end, best fit put); in a growable slab, with nothing left in a range retired
+    /// before.
+    pub(super) fn may_move(&self) -> bool {
         let first = self.plans.iter().all(|plan| plan.predicted);
-        first && self.retired.is_none() && self.slab.is_some_and(|slab| slab.growable)
+        let ran_past_end = self.left_at_end && self.online.is_some();
+        (first || ran_past_end) && self.retired_is_empty() && self.slab.is_some_and(|slab| slab.growable)
+    }
+
+    /// Whether no range is retired, or nothing carried lives in the one that is.
+    fn retired_is_empty(&self) -> bool {
+        self.retired.is_none() || !self.carried.iter().any(|c| c.place == CarriedIn::Retired)
     }
 
     /// The layout of a carrying scope's plan (`blocks`: the scope's own, then the carried
@@ -918,7 +976,8 @@ impl Planned {
     /// pages than the pinned plan and the moved plan is smaller than it by more than a
     /// [`MOVE_MARGIN`]th, both weighed on `late` where given (the blocks with the carried
     /// memory's lives under a later guess of its free, for which the moved plan is valid too),
-    /// and only the phase's first plan, in a growable slab, moves. Where no carried memory is
+    /// and only a plan whose scope's best fit put the carried memory, in a growable slab, moves
+    /// ([`Planned::may_move`]). Where no carried memory is
     /// in the slab (a recording served from chunks), every scope that first follows the plan
     /// finds it elsewhere: the pairs go above.
     pub(super) fn carried_layout(
@@ -950,8 +1009,8 @@ impl Planned {
                 pinned = kept;
             }
         }
-        // The phase's first plan only, made at the end of its recording scope, whose best fit put
-        // the carried memory: later scopes put it where a plan did, or serve a shape that varies
+        // Only a plan whose scope's best fit put the carried memory (the phase's first, or after a
+        // scope that ran past its plan's end): others put it where a plan did, or serve a shape that varies
         // from step to step (a batch, a length), whose next scope, another shape, would be served
         // best fit in the new range beside the carried memory, for nothing (a ResNet whose
         // batches vary went from 66 to 78 MiB when a plan of a repeated batch could move too).

@@ -289,8 +289,11 @@ pub(crate) struct Planned {
     carried_count: u32,
     /// The growable slab a plan moved away from ([`Planned::retire_slab`]): it holds the memory
     /// carried into the current scope, and nothing else is mapped there; nothing once that
-    /// memory is freed. A phase moves once.
+    /// memory is freed. A move retires the range before it, if any, to `spent`.
     retired: Option<Slab>,
+    /// Ranges retired before the last, nothing mapped: their addresses stay reserved until the
+    /// pool goes ([`Planned::empty_retired`]).
+    spent: Vec<Slab>,
     /// Bytes mapped in the retired range.
     retired_mapped: u64,
     /// The plan just made moves to a new range if the next scope follows it
@@ -306,6 +309,9 @@ pub(crate) struct Planned {
     /// served online takes an allocation of one of them at the lowest free range
     /// ([`Planned::likely_carried`]).
     received_sizes: Vec<u64>,
+    /// What the scope before carried into this one, (index there, size), in the order it was
+    /// made: matched in order to what this scope carries out ([`Planned::replan_carried`]).
+    received: Vec<(u32, u64)>,
     /// The scope went online within its first [`NEW_SHAPE_PREFIX`](serve::NEW_SHAPE_PREFIX)
     /// allocations or sixteenth of its plan: without a plan, or leaving one it matched by its
     /// first sizes only (a new shape).
@@ -363,11 +369,13 @@ impl Planned {
             carried: Vec::new(),
             carried_count: 0,
             retired: None,
+            spent: Vec::new(),
             retired_mapped: 0,
             unmoved: None,
             uncarried: None,
             receiving: false,
             received_sizes: Vec::new(),
+            received: Vec::new(),
             online_early: false,
             guess_check: false,
             pins: Vec::new(),
@@ -845,7 +853,8 @@ impl Allocator for Planned {
         // A lent slab's lease holds the pool, so the pool goes only after it came back; were it
         // still out, nothing could launch on it any more.
         self.retired_mapped = 0;
-        for slab in [self.slab.take(), self.lent.take(), self.retired.take()].into_iter().flatten() {
+        let spent = std::mem::take(&mut self.spent);
+        for slab in [self.slab.take(), self.lent.take(), self.retired.take()].into_iter().flatten().chain(spent) {
             outcome = outcome.and(if slab.growable {
                 source.free_range(slab.base)
             } else {

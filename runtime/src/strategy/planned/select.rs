@@ -129,6 +129,9 @@ impl Planned {
         self.received_sizes.clear();
         self.received_sizes.extend(self.carried.iter().filter(|c| !c.out).map(|c| c.size));
         self.received_sizes.sort_unstable();
+        self.received.clear();
+        self.received.extend(self.carried.iter().filter(|c| !c.out).map(|c| (c.index, c.size)));
+        self.received.sort_unstable();
         self.user_key = *self.entry.plan_key.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(key) = self.user_key {
             let found = self.preferred(|plan| plan.key == PlanKey::User(key));
