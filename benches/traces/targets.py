@@ -58,12 +58,15 @@ def misses(report, static):
     if chosen["min_capacity_bytes"] is None or chosen["min_capacity_bytes"] > smallest:
         missed.append("cap")
     factor = 1.03 if static else 1.08
-    if chosen["steady_peak_reserved_bytes"] > factor * limit + GRANULE:
+    steady = chosen["steady_peak_reserved_bytes"]
+    if steady is None:
+        missed.append("steady (one step)")
+    elif steady > factor * limit + GRANULE:
         missed.append("steady")
     live = report["peak_live_bytes"]
     own_cap = chosen["min_capacity_bytes"] // MIB if chosen["min_capacity_bytes"] else "-"
     summary = (f"live {live / MIB:8.1f} MiB  {chosen['strategy']:12s} {chosen['overhead']:.3f}x  "
-               f"steady/limit {chosen['steady_peak_reserved_bytes'] / limit:.3f}  "
+               f"steady/limit {steady / limit if steady is not None else float('nan'):.3f}  "
                f"default-pool {results['default-pool']['overhead']:.3f}x  torch {torch / live:.3f}x  "
                f"smallest device {own_cap}/{smallest // MIB} MiB")
     return missed, summary
