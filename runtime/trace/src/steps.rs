@@ -27,17 +27,7 @@
 //! points, found as 12 steps of 8). The search stops short once more than one in
 //! [`MOST_LONG_LIVED`] of the freed allocations would be left out: memory that many allocations
 //! hold is each step's own work, not state that outlives steps. If no limit gives regular steps,
-//! the first limit that gives any boundaries is taken. If none does, the search runs again with
-//! up to one in [`MOST_LONG_LIVED_AT_LAST`] left out: a loop that calls `zero_grad()` between its
-//! forward and backward passes and copies its next batch at each step's end hands a step's
-//! gradients and batch to the next, about one in seven of a small BERT's allocations. Under the
-//! first bound no point was found on three recordings of that loop (0.98–1.9 GiB live): replayed
-//! with every allocation persistent, the recommended strategy held 1.045–1.111× their peak of
-//! live bytes. Under the second, 63 steps were found where the loop made 8 (the points inside a
-//! step are not told apart), and planned held 1.006–1.021×. Only where the first bound finds
-//! nothing: where it finds boundaries that are not regular (a loop of train, train, eval
-//! steps), the looser bound found regular steps that were passes of a step, and two such loops
-//! reserved 6–8 % more. If neither bound finds any, the trace has no steps.
+//! the first limit that gives any boundaries is taken; if none does, the trace has no steps.
 //! Lifetime alone cannot tell memory held about one step (a batch prefetched one step ahead) from
 //! a step's own memory of about that lifetime (gradients kept across the micro-steps of gradient
 //! accumulation): there no limit separates them, and the steps found are the first limit's.
@@ -175,10 +165,6 @@ pub const SHORTEST_LIMIT: usize = 16;
 /// Inference stops lowering the lifetime limit once more than one in this many freed allocations
 /// would be left out as long-lived (see the module docs).
 pub const MOST_LONG_LIVED: usize = 16;
-
-/// Where no limit under [`MOST_LONG_LIVED`] gives a quiescent point, the search runs again leaving
-/// out up to one in this many (see the module docs).
-pub const MOST_LONG_LIVED_AT_LAST: usize = 4;
 
 /// Infers step boundaries (see the module docs), inserts them, and says how it found them.
 pub fn infer(trace: &mut Trace) -> StepSource {
@@ -322,26 +308,19 @@ impl Lifetimes {
 }
 
 /// The step boundaries of `events` under the rule of the module docs; `None` when no lifetime
-/// limit gives a quiescent point, even with up to one in [`MOST_LONG_LIVED_AT_LAST`] of the
-/// freed allocations left out.
+/// limit gives a quiescent point.
 fn boundaries(events: &[Event]) -> Option<Found> {
     let lifetimes = Lifetimes::new(events);
-    boundaries_leaving_out(events, &lifetimes, MOST_LONG_LIVED)
-        .or_else(|| boundaries_leaving_out(events, &lifetimes, MOST_LONG_LIVED_AT_LAST))
-}
-
-/// [`boundaries`], leaving out as long-lived at most one in `most` of the freed allocations.
-fn boundaries_leaving_out(events: &[Event], lifetimes: &Lifetimes, most: usize) -> Option<Found> {
     let freed = lifetimes.spans.len();
     // Every lifetime is shorter than the trace: at this limit every freed allocation counts.
     let mut limit = events.len() + 1;
     let mut first = None;
     loop {
         let long_lived = freed - lifetimes.counted(limit).count();
-        if long_lived * most > freed {
+        if long_lived * MOST_LONG_LIVED > freed {
             break;
         }
-        let mut points = quiescent_points(events, lifetimes, limit);
+        let mut points = quiescent_points(events, &lifetimes, limit);
         if let Some(held) = points.first().and_then(|&first| lifetimes.holding_to_end(first, events.len())) {
             points = quiescent_points(events, &held, limit);
         }
@@ -707,43 +686,6 @@ mod tests {
         assert_eq!(scopes(64), vec![(Scope::Persistent, false)]);
         assert_eq!(scopes(8), vec![(Scope::Step, false); 8 * 32]);
         assert_eq!(scopes(100), vec![(Scope::Persistent, false); 2]);
-    }
-
-    #[test]
-    fn memory_many_allocations_carry_across_boundaries_is_left_out_at_last() {
-        // Each step's 4 buffers, made in its backward pass, live to the end of the next step,
-        // across the boundary and longer than any of a step's own allocations (the gradients a
-        // step hands to the next, say); the last ones are freed at the end. They are a fifth of
-        // the freed allocations, more than one in MOST_LONG_LIVED: under that bound no limit
-        // gives a quiescent point, and the search runs again leaving out up to one in
-        // MOST_LONG_LIVED_AT_LAST.
-        let mut events = set_up(0);
-        let mut starts = Vec::new();
-        let mut carried: Vec<u64> = Vec::new();
-        for index in 0..8u64 {
-            starts.push(events.len());
-            events.extend((0..16).map(|i| alloc(10 + i, 8)));
-            let mut made = Vec::new();
-            for i in (0..16).rev() {
-                events.push(free(10 + i));
-                if i % 4 == 0 {
-                    made.push(1000 + 10 * index + i / 4);
-                    events.push(alloc(*made.last().unwrap(), 2));
-                }
-            }
-            events.extend(carried.drain(..).map(free));
-            carried = made;
-        }
-        events.extend(carried.drain(..).map(free));
-        let lifetimes = Lifetimes::new(&events);
-        assert!(boundaries_leaving_out(&events, &lifetimes, MOST_LONG_LIVED).is_none());
-        // Each step found, beginning between the end of the step before's backward pass and its
-        // own first allocation: the last buffers of a backward pass and the frees of the ones
-        // made a step before fall on either side, as the limit leaves each out or counts it.
-        let found = boundaries(&events).unwrap();
-        assert_eq!((found.starts.len(), found.every), (starts.len(), 1), "{found:?}");
-        assert!(found.starts.iter().zip(&starts).all(|(&at, &start)| at <= start && start - at <= 5), "{found:?}");
-        assert!(found.long_lived > 0 && found.long_lived <= 8 * 4, "{found:?}");
     }
 
     #[test]
