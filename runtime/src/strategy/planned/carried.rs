@@ -52,10 +52,10 @@
 //! scope frees it is read from the free of the allocation carried in that was made in the same
 //! order ([`Planned::in_place_of`]), not of the same index, which finds none and guesses it
 //! freed at the step's peak: it lives to the step's end, and the next step left its plan where
-//! the plan counted on its room. And its plan may move to a new range, as
-//! the first did: on a recorded static BERT of 1 GiB live, the plan pinned where best fit put
-//! that batch needed 956 MiB of range, the moved one 905; the whole run went from 1,062 to
-//! 1,012 MiB (1.004× its limit), and a checkpointed Llama's from 656 to 650 MiB
+//! the plan counted on its room. And its plan may move to a new range, as the first did: on a
+//! recorded static BERT of 1 GiB live, the plan pinned where best fit put that batch needed 956
+//! MiB of range, the moved one 905; the whole run went from 1,062 to 1,012 MiB (1.004× its
+//! limit), and a checkpointed Llama's from 656 to 650 MiB
 //! (`benches/results/2026-11-29-second-move-simulated.md`).
 //!
 //! A first plan that guesses the carried memory freed right after the next scope's copies (see
@@ -411,9 +411,8 @@ impl Planned {
         let Some(slab) = self.slab.filter(|slab| slab.growable && self.retired_is_empty()) else { return Ok(()) };
         // A range retired before, nothing living there, gives its pages back and keeps its
         // addresses until the pool goes.
-        if self.retired.is_some() {
-            self.empty_retired(source)?;
-            let spent = self.retired.take().expect("checked above");
+        self.empty_retired(source)?;
+        if let Some(spent) = self.retired.take() {
             debug_assert!(spent.size == 0, "a retired range set aside with {} bytes mapped", spent.size);
             self.spent.push(spent);
             self.retired_mapped = 0;
@@ -510,12 +509,11 @@ impl Planned {
     /// with its life in the next scope, at one offset ([`plan::pack_around`]), pinned where it
     /// lies in the slab now, since the next scope finds it there. Its life there ends where the
     /// allocation carried into this scope in its place ([`Planned::in_place_of`]) was freed,
-    /// or, where none was (the
-    /// first scope that carries), at a guess: where this scope's own live bytes first peak (a
-    /// loop frees the gradients the step before handed it before its backward pass, where its
-    /// peak is), or where the allocation is made again if that is sooner; but right after the
-    /// scope's own copies where it began by copying what it carries out (a batch copied before
-    /// `zero_grad()` at the top of the loop). A carried allocation
+    /// or, where none was (the first scope that carries), at a guess: where this scope's own
+    /// live bytes first peak (a loop frees the gradients the step before handed it before its
+    /// backward pass, where its peak is), or where the allocation is made again if that is
+    /// sooner; but right after the scope's own copies where it began by copying what it carries
+    /// out (a batch copied before `zero_grad()` at the top of the loop). A carried allocation
     /// freed later than planned finds the plan's entries laid over it refused (the late list),
     /// and that scope deviates and is planned again from what it saw.
     ///
@@ -977,9 +975,8 @@ impl Planned {
     /// [`MOVE_MARGIN`]th, both weighed on `late` where given (the blocks with the carried
     /// memory's lives under a later guess of its free, for which the moved plan is valid too),
     /// and only a plan whose scope's best fit put the carried memory, in a growable slab, moves
-    /// ([`Planned::may_move`]). Where no carried memory is
-    /// in the slab (a recording served from chunks), every scope that first follows the plan
-    /// finds it elsewhere: the pairs go above.
+    /// ([`Planned::may_move`]). Where no carried memory is in the slab (a recording served from
+    /// chunks), every scope that first follows the plan finds it elsewhere: the pairs go above.
     pub(super) fn carried_layout(
         &self,
         blocks: &[Block],
@@ -1009,11 +1006,12 @@ impl Planned {
                 pinned = kept;
             }
         }
-        // Only a plan whose scope's best fit put the carried memory (the phase's first, or after a
-        // scope that ran past its plan's end): others put it where a plan did, or serve a shape that varies
-        // from step to step (a batch, a length), whose next scope, another shape, would be served
-        // best fit in the new range beside the carried memory, for nothing (a ResNet whose
-        // batches vary went from 66 to 78 MiB when a plan of a repeated batch could move too).
+        // Only a plan whose scope's best fit put the carried memory (the phase's first, or one
+        // after a scope that ran past its plan's end): others put it where a plan did, or serve a
+        // shape that varies from step to step (a batch, a length), whose next scope, another
+        // shape, would be served best fit in the new range beside the carried memory, for
+        // nothing (a ResNet whose batches vary went from 66 to 78 MiB when a plan of a repeated
+        // batch could move too).
         if !self.may_move() {
             return ((pinned, pairs), None);
         }
