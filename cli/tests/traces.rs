@@ -136,6 +136,15 @@ fn recorded_logs_copied_without_their_sidecar_infer_the_sidecars_steps() {
             assert!(inferred.iter().all(|at| sidecar.contains(at)), "{name}: {inferred:?} of {sidecar:?}");
             continue;
         }
+        // A loop that copies its next batch at each step's end and sets its gradients to `None`
+        // between the passes hands about a seventh of its allocations to the next step, and
+        // lifetime does not tell them from its activations: no step is inferred (the trace is
+        // replayed with its sidecar in `patterns.rs`;
+        // `benches/results/2026-11-29-inference-second-bound-simulated.md`).
+        if name == "bert_static_sgd_loader_zero_grad_backward" {
+            assert_eq!(inferred.steps, StepSource::None, "{name}");
+            continue;
+        }
         // train_eval's steps go train, train, eval, and the pattern that repeats is all three: one
         // inferred step is three of the sidecar's. With gradients kept across steps, every
         // temporary of the optimizer step is a quiescent point: a step is many of them. With
