@@ -599,7 +599,7 @@ fn the_code_map_rule_reads_sections_and_whole_names() {
 // ---------------------------------------------------------------------------------------------
 // 4. Compile-fail cases
 
-const COMPILE_FAIL: &str = "runtime/tests/compile_fail/";
+const COMPILE_FAIL: &str = "runtime/borrowck/tests/compile_fail/";
 
 /// The diagnostics of a rustc `.stderr`: each `error[E....]: ...` or `error: ...` header line, not
 /// counting rustc's closing `error: aborting due to ...`. Each is `(code or "error", line)`.
@@ -638,7 +638,7 @@ fn case_problems(name: &str, source: &str, stderr: &str) -> Vec<String> {
         problems.push(format!(
             "{name}.stderr holds {} diagnostics ({}); a case fails for exactly one reason: change the \
              case so that only the error it is about remains, and regenerate the .stderr \
-             (TRYBUILD=overwrite cargo test -p steppool --test compile_fail)",
+             (TRYBUILD=overwrite cargo test -p steppool-borrowck --test compile_fail)",
             found.len(),
             if listed.is_empty() { "none".to_owned() } else { listed.join(", ") }
         ));
@@ -667,7 +667,7 @@ fn case_problems(name: &str, source: &str, stderr: &str) -> Vec<String> {
     problems
 }
 
-/// Each trybuild case in runtime/tests/compile_fail fails with exactly one intended error: its
+/// Each trybuild case in runtime/borrowck/tests/compile_fail fails with exactly one intended error: its
 /// `.stderr` holds one diagnostic, and its `.rs` names that error's code in a `// expect: E0505`
 /// comment (`// expect: error` for a diagnostic without a code).
 #[test]
@@ -687,7 +687,7 @@ fn compile_fail_cases_fail_with_their_one_expected_error() {
         match (files.contains(&rs), files.contains(&stderr)) {
             (true, true) => problems.extend(case_problems(&name, &read(&rs), &read(&stderr))),
             (true, false) => problems.push(format!(
-                "{rs} has no .stderr: write it with TRYBUILD=overwrite cargo test -p steppool --test compile_fail"
+                "{rs} has no .stderr: write it with TRYBUILD=overwrite cargo test -p steppool-borrowck --test compile_fail"
             )),
             (false, _) => problems.push(format!("{stderr} has no .rs case: delete it")),
         }
