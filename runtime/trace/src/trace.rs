@@ -149,6 +149,12 @@ pub enum StepSource {
         /// left out; `None` when every freed allocation counted.
         limit: Option<usize>,
     },
+    /// Inferred from the period of the allocation sizes, where no point is quiescent (see
+    /// [`crate::steps`]): one step every `allocations` allocations.
+    Periodic {
+        /// Allocations per step.
+        allocations: usize,
+    },
     /// No steps: the trace has none and no pattern was found.
     None,
 }
@@ -173,6 +179,9 @@ impl fmt::Display for StepSource {
                     write!(f, " ({long_lived} longer-lived left out)")?;
                 }
                 Ok(())
+            }
+            StepSource::Periodic { allocations } => {
+                write!(f, "inferred: a step every {allocations} allocations, the period of their sizes")
             }
             StepSource::None => f.write_str("none found: every allocation is replayed as persistent"),
         }
