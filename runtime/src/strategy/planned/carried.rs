@@ -34,9 +34,11 @@
 //! range's pages back, and from its end on the memory lies where the plan hands it out. A plan
 //! moves where it is smaller than the pinned plan by more than a [`MOVE_MARGIN`]th and that
 //! scope holds no more pages than the pinned plan would, and only a plan whose scope's best fit
-//! put what it carries out: the phase's first plan, made at the end of its recording scope, or
-//! the plan of a scope that followed its plan to the end and ran on past it (below). Other
-//! scopes put the carried memory where a plan did, or serve shapes that vary from step to step,
+//! put what it carries out: the phase's first plan, made at the end of its recording scope, the
+//! plan of a scope that followed its plan to the end and ran on past it (below), or the plan of
+//! a new shape served best fit from its start where the phase had one shape before it (a loop
+//! whose first steps begin with other sizes than the later ones). Other scopes put the carried
+//! memory where a plan did, or serve shapes that vary from step to step,
 //! whose next scope, another shape, would be served best fit in the new range beside the
 //! carried memory, for nothing. A range retired before keeps its addresses reserved, nothing
 //! mapped, until the pool goes. On eighteen recordings of loops that call
@@ -942,15 +944,20 @@ impl Planned {
     }
 
     /// Whether the plan made now may move to a new range ([`Planned::carried_layout`]): the
-    /// phase's first plan, made at the end of its recording scope, or the plan of a scope that
+    /// phase's first plan, made at the end of its recording scope; the plan of a scope that
     /// followed its plan to the end and ran on past it, served online (the step after the
     /// first, whose optimizer makes what the first step's did not: what it carries out after
-    /// its plan's end, best fit put); in a growable slab, with nothing left in a range retired
-    /// before.
+    /// its plan's end, best fit put); or the plan of a new shape served online from its start
+    /// where the phase had one shape before it (steps whose first ones begin with other sizes
+    /// than the later ones: a static BERT of 1 GiB live, its steps inferred from the period of
+    /// its sizes, went 1,136 → 1,014 MiB), not where
+    /// shapes vary from step to step (each new length's plan moving, a variable-length GPT-2
+    /// went 1,968 → 2,132 MiB); in a growable slab, with nothing left in a range retired before.
     pub(super) fn may_move(&self) -> bool {
         let first = self.plans.iter().all(|plan| plan.predicted);
         let ran_past_end = self.left_at_end && self.online.is_some();
-        (first || ran_past_end) && self.retired_is_empty() && self.slab.is_some_and(|slab| slab.growable)
+        let settled = self.plan.is_none() && self.online.is_some() && self.online_early && self.plans.len() == 1;
+        (first || ran_past_end || settled) && self.retired_is_empty() && self.slab.is_some_and(|slab| slab.growable)
     }
 
     /// Whether no range is retired, or nothing carried lives in the one that is.
