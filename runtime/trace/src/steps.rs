@@ -72,21 +72,22 @@
 //! releases such memory at the last step's end ([`crate::analysis`]).
 //!
 //! Where no limit gives a quiescent point at all, the steps are found from the period of the
-//! allocation sizes instead: a loop that hands about a seventh of each step's
-//! allocations to the next (gradients made in its backward pass and set to `None` between the
-//! next step's passes), whose other memory lives as long (activations made early in the forward
-//! pass), has memory of its own live at every point, and lifetime cannot tell the two apart. Its
-//! steps repeat their operations, so the sizes repeat at the step's number of allocations: the
-//! lag at which the most sizes recur, less the lags of a layer's repetition (whose boundaries,
-//! falling at every phase of the step, leave the step's average live), at the phase where the
-//! least memory that is ever freed is live (the step's own work done, what it hands on left). On
-//! a recorded BERT of 1 GiB live under SGD, copying its batch before its step's mark and calling
-//! `zero_grad()` between the passes, it finds a step every 421 allocations, beginning where the
-//! batch is copied (the sidecar's marks come right after the copy).
+//! allocation sizes instead. A loop that hands about a seventh of each step's allocations to the
+//! next (gradients made in its backward pass and set to `None` between the next step's passes),
+//! whose other memory lives as long (activations made early in the forward pass), has memory of
+//! its own live at every point, and lifetime cannot tell the two apart. Its steps repeat their
+//! operations, so the sizes repeat at the step's number of allocations: the lag at which the
+//! most sizes recur, less the lags of a layer's repetition (whose boundaries, falling at every
+//! phase of the step, leave the step's average live), at the phase where the least memory that
+//! is ever freed is live (the step's own work done, what it hands on left). On a recorded BERT
+//! of 1 GiB live under SGD, copying its batch before its step's mark and calling `zero_grad()`
+//! between the passes, it finds a step every 421 allocations, beginning where the batch is
+//! copied (the sidecar's marks come right after the copy).
 //!
 //! Each search is linear in the events, and there are about `log(n / 16) / log(4 / 3)` of them
 //! (31 for 100,000 events), plus a period search bounded by [`MOST_POINTS_PER_STEP`] points a
-//! step.
+//! step. The period of the sizes, where it is looked for, costs at most 2²⁷ comparisons of two
+//! sizes and a pass over the allocations per candidate lag.
 //!
 //! A long-lived allocation keeps its real lifetime in the replay: made before an inferred boundary
 //! and freed after it, it is persistent (see [`crate::analysis`]), never released at a boundary.
