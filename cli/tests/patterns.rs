@@ -270,7 +270,12 @@ fn the_recorded_variants_meet_the_targets_under_the_planned_strategy() {
     // read by index, its plan guessed that batch freed at the step's peak, the third step left
     // it, and the run held 1,062 MiB (1.053x the limit); read in the order made, and moved
     // again, 1,012. Inferred, it has no steps (lifetimes do not tell the gradients it hands on
-    // from its activations): not replayed without the sidecar here.
+    // from its activations): not replayed without the sidecar here. Train/eval under SGD with
+    // clipping and bf16, its batch copied in the step: 866 MiB. Inferred, one step is three of
+    // the sidecar's (train, train, eval repeat as one pattern), and the second such step leaves
+    // the first one's plan part way; laid out in allocation order whatever it cost, that step's
+    // plan held 951 MiB where its packing needs 781, and the run 1,032 MiB (PyTorch's expandable
+    // segments 1,044); within 1/128 of the packing or packed, 872.
     let manifest = manifest();
     for (file, fixed, planned_mib, inferred_mib) in [
         ("bert_static_zero_grad_first.csv", true, 280, Some(280)),
@@ -288,14 +293,20 @@ fn the_recorded_variants_meet_the_targets_under_the_planned_strategy() {
         ("train_eval_zero_grad_first.csv", false, 1610, None),
         ("train_eval_zero_grad_first_w1.csv", false, 888, None),
         ("train_eval_sgd_zero_grad_backward.csv", false, 1788, None),
+        ("train_eval_sgd_clip_bf16.csv", false, 866, Some(872)),
     ] {
         let (name, _) = file.split_once('.').unwrap();
         let steps = manifest[name]["steps"].as_u64().unwrap();
+        // Inferred, a loop of two training steps and an evaluation pass is one step of all three
+        // (`steppool_trace::steps`).
+        let pattern = manifest[name]["pattern"].as_str().unwrap();
+        let inferred_steps = if pattern.contains("'train', 'train', 'eval'") { steps / 3 } else { steps };
         let dir = tempfile::tempdir().unwrap();
         let copy = dir.path().join(file);
         std::fs::copy(recorded(file), &copy).unwrap();
-        let replays = [(recorded(file), Some(planned_mib)), (copy, inferred_mib)];
-        for (path, planned_mib) in replays.into_iter().filter_map(|(path, mib)| Some((path, mib?))) {
+        let replays =
+            [(recorded(file), Some((planned_mib, steps))), (copy, inferred_mib.map(|mib| (mib, inferred_steps)))];
+        for (path, (planned_mib, steps)) in replays.into_iter().filter_map(|(path, expected)| Some((path, expected?))) {
             let trace = read::read_trace(&path).unwrap();
             let analysis = analyse(&trace).unwrap();
             assert_eq!(analysis.steps, steps, "{}: {:?}", path.display(), trace.steps);

@@ -12,32 +12,38 @@
 //! slab past it when a large buffer comes; measured on the generated MoE trace, this held 30 %
 //! more than the step's live peak, where best fit from an empty slab held under 1 % more.
 //!
-//! So a plan the next scope is expected to leave is laid out as best fit in allocation order
-//! would lay it out ([`best_fit_in_order`](plan::best_fit_in_order)): every prefix of that layout
-//! is what best fit makes of the prefix alone, so wherever the scope leaves the plan, what is live
-//! is where best fit from an empty slab would have put it, and the scope is never worse for having
-//! been planned up to there; while it follows the plan it is served by index, as any plan. A plan
-//! is laid out so when the scope that recorded it left the plan of its key part way (another
-//! sequence), and when it is new (no plan of its key yet) and that layout needs at most 1/128 more
-//! than the packing: the second step, the first one served from a plan, may already differ from
-//! the first. Where the whole layout costs more, a new plan lays out its first sixteenth of
-//! allocations so and packs the rest around them ([`plan::pack_after_prefix`]) when that needs at
-//! most 1/128 more: a mixture of experts' second step leaves its plan at its first routed
-//! expert, a few dozen allocations in, and went on best fit around a packed prefix, a granule
-//! above the steps after it and so tied with one pool (91.6 MiB live, 96 MiB); with the prefix in
-//! order 94 MiB, and on the 192 replays of the evaluation set the misses go from 10 to 6, none
-//! worse (the recorded MoE 1.033× → 1.006×). A scope that left its plan only at the plan's end is
-//! planned as a new sequence is: one that followed the whole plan and went on (the step after a
-//! first step recorded before the optimizer's steady sequence existed: SGD makes its momentum
-//! where later steps allocate), or one that followed it and ended early (that first step, served
-//! from saved plans of the steady sequence). On a recorded Llama trace with 4× gradient
-//! accumulation and SGD, laying such a scope out in order held 147 MiB of slab for one step where
-//! the packing needs 133 MiB, 1.081× peak live over the run against 1.006×, and 1.082× against
-//! 1.007× with saved plans. Once a scope it serves keeps its sequence (no deviation), it is packed
-//! (greedy), so repeating steps pay the in-order layout for one scope at most. Aligning a scope to
-//! its plan by more than position (re-synchronising the cursor on matching sizes after an inserted
-//! or missing allocation) was not kept: the allocations the plan lacks must be placed in ranges
-//! the plan's later entries need, and those entries then deviate in turn.
+//! So a plan the next scope is expected to leave is laid out as best fit in allocation order would
+//! lay it out ([`best_fit_in_order`](plan::best_fit_in_order)): every prefix of that layout is what
+//! best fit makes of the prefix alone, so wherever the scope leaves the plan, what is live is where
+//! best fit from an empty slab would have put it, and the scope is never worse for having been
+//! planned up to there; while it follows the plan it is served by index, as any plan. A plan is
+//! laid out so when the scope that recorded it left the plan of its key part way (another
+//! sequence), or when it is new (no plan of its key yet), and that layout needs at most 1/128 more
+//! than the packing: the second step, the first one served from a plan, may already differ from the
+//! first. Where the whole layout costs more, the plan lays out its first sixteenth of allocations
+//! so and packs the rest around them ([`plan::pack_after_prefix`]) when that needs at most 1/128
+//! more, and is packed where that costs more too. Laid out in order whatever that cost, the plan of
+//! a scope that left another sequence's plan part way held 951 MiB where its packing needs 781, on
+//! a recorded loop of two training steps and an evaluation pass read (without its recording's step
+//! marks) as one step of all three: the next scope followed it whole, at the run's peak, 1,032 MiB
+//! (872 within the margin); a recorded generate-then-train loop went 320 → 298 MiB, and none of 219
+//! replays reserved more (`benches/results/2026-11-30-in-order-within-a-margin-simulated.md`). A
+//! mixture of experts' second step leaves its plan at its first routed expert, a few dozen
+//! allocations in, and went on best fit around a packed prefix, a granule above the steps after it
+//! and so tied with one pool (91.6 MiB live, 96 MiB); with the prefix in order 94 MiB, and on the
+//! 192 replays of the evaluation set the misses go from 10 to 6, none worse (the recorded MoE
+//! 1.033× → 1.006×). A scope that left its plan only at the plan's end is planned as a new sequence
+//! is: one that followed the whole plan and went on (the step after a first step recorded before
+//! the optimizer's steady sequence existed: SGD makes its momentum where later steps allocate), or
+//! one that followed it and ended early (that first step, served from saved plans of the steady
+//! sequence). On a recorded Llama trace with 4× gradient accumulation and SGD, laying such a scope
+//! out in order held 147 MiB of slab for one step where the packing needs 133 MiB, 1.081× peak live
+//! over the run against 1.006×, and 1.082× against 1.007× with saved plans. Once a scope it serves
+//! keeps its sequence (no deviation), it is packed (greedy), so repeating steps pay the in-order
+//! layout for one scope at most. Aligning a scope to its plan by more than position
+//! (re-synchronising the cursor on matching sizes after an inserted or missing allocation) was not
+//! kept: the allocations the plan lacks must be placed in ranges the plan's later entries need, and
+//! those entries then deviate in turn.
 //!
 //! Where slabs are pool allocations, a scope of a new shape (no plan has its first sizes) borrows
 //! the smallest plan whose first sizes are each at least its own (a shorter sequence after a longer
@@ -148,6 +154,25 @@ pub(super) const IN_ORDER_MARGIN: u64 = 128;
 /// packing lays out its first 1/`IN_ORDER_PREFIX` of allocations so, the rest packed around them.
 pub(super) const IN_ORDER_PREFIX: usize = 16;
 
+/// The layout of a plan the next scope may leave early (a new sequence, or another sequence than
+/// the plan of its key, which the scope left part way), whose packing is `packed`: best fit in
+/// allocation order where that needs at most 1/[`IN_ORDER_MARGIN`] more; else its first
+/// 1/[`IN_ORDER_PREFIX`] of allocations so and the rest packed around them, where that does
+/// (where the next scope leaves it early, at the first routed expert, best fit goes on around
+/// what best fit would have placed); else the packing. With whether it is laid out in order.
+fn in_order_within_margin(blocks: &[Block], packed: plan::Packing) -> (plan::Packing, bool) {
+    let margin = packed.size + packed.size / IN_ORDER_MARGIN;
+    let in_order = plan::best_fit_in_order(blocks);
+    if in_order.size <= margin {
+        return (in_order, true);
+    }
+    let first = blocks.len() / IN_ORDER_PREFIX;
+    match (first > 0).then(|| plan::pack_after_prefix(blocks, first)) {
+        Some(prefix) if prefix.size <= margin => (prefix, true),
+        _ => (packed, false),
+    }
+}
+
 /// A plan of an allocation sequence whose sizes vary, and which a scope left part way, is laid
 /// out in allocation order when that needs at most `1 / LEFT_IN_ORDER_MARGIN` more than the
 /// packing of its largest sizes ([`left_in_order`]).
@@ -247,9 +272,9 @@ impl Planned {
         let mut own_peak = 0;
         // Where the next scope is expected to leave the plan (see the module docs), it is laid out
         // as best fit in allocation order: another sequence than the plan of its key (the
-        // allocations of experts that routed no tokens are missing), or a new plan whose packing
-        // that layout costs at most 1/128 more (the next scope may differ from it), or sizes that
-        // vary in shares of a fixed total (`in_shares`).
+        // allocations of experts that routed no tokens are missing), or a new plan (the next
+        // scope may differ from it), where that layout costs at most 1/128 more than the
+        // packing; or sizes that vary in shares of a fixed total (`in_shares`).
         let mut new_sequence = false;
         let (packing, in_order) = match same {
             Some(same) if same_sequence && varies => {
@@ -278,28 +303,16 @@ impl Planned {
                 own_peak = same.own_peak.max(packed.size);
                 (packed, false)
             }
+            // Another sequence than the plan of its key, which the scope left part way.
+            Some(_) if !self.left_at_end => in_order_within_margin(&blocks, plan::pack(&blocks)),
             // A scope that followed the whole plan and went on, or followed it and ended early,
             // is no sign that the next one leaves its plan part way: it is planned as a new
             // sequence.
-            Some(_) if !self.left_at_end => (plan::best_fit_in_order(&blocks), true),
             _ => {
                 new_sequence = true;
                 let packed = plan::pack(&blocks);
                 own_peak = packed.size;
-                let in_order = plan::best_fit_in_order(&blocks);
-                let margin = packed.size + packed.size / IN_ORDER_MARGIN;
-                if in_order.size <= margin {
-                    (in_order, true)
-                } else {
-                    // Else its first allocations in that layout and the rest packed around them:
-                    // where the next scope leaves it early (the first routed expert), best fit
-                    // goes on around what best fit would have placed.
-                    let first = blocks.len() / IN_ORDER_PREFIX;
-                    match (first > 0).then(|| plan::pack_after_prefix(&blocks, first)) {
-                        Some(prefix) if prefix.size <= margin => (prefix, true),
-                        _ => (packed, false),
-                    }
-                }
+                in_order_within_margin(&blocks, packed)
             }
         };
         let packing = plan::survivors_by_page(&blocks, packing, GRANULE);

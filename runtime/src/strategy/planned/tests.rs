@@ -472,6 +472,28 @@ fn blocks_of(ops: &[Op]) -> Vec<Block> {
 
 #[test]
 fn a_plan_whose_sequence_changed_is_laid_out_in_allocation_order() {
+    use Op::Alloc;
+    let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
+    run_ops(&mut planned, &mut source, &[Alloc(1024), Alloc(1024), Alloc(2048)]);
+    // The same key, another sequence (an expert that routed tokens this time): a larger size
+    // in the third entry's place, then an allocation past the plan's end, where the scope
+    // leaves it. Its plan is laid out as best fit in allocation order, so a scope that leaves
+    // it finds what is live where best fit would have put it: that costs no more than the
+    // packing here, which puts the largest first.
+    let second = [Alloc(1024), Alloc(1024), Alloc(4096), Alloc(2048)];
+    run_ops(&mut planned, &mut source, &second);
+    let blocks = blocks_of(&second);
+    assert_eq!(planned.plans.len(), 1, "one key");
+    let plan = &planned.plans[0];
+    assert_eq!(plan.sizes, [1024, 1024, 4096, 2048], "the second scope's plan");
+    assert!(plan.in_order);
+    assert_eq!(plan.offsets, plan::best_fit_in_order(&blocks).offsets);
+    assert_eq!(plan.offsets, [0, 1024, 2048, 6144], "the first allocations from the slab's start");
+    assert_ne!(plan.offsets, plan::pack(&blocks).offsets, "not the packing");
+}
+
+#[test]
+fn a_plan_whose_sequence_changed_is_packed_where_the_order_costs_more_than_its_margin() {
     use Op::{Alloc, Free};
     let (mut source, mut planned) = (FakeSource::new(1 << 20), planned());
     // B is freed once C is allocated, D comes last: best fit in order leaves B's hole under
@@ -480,18 +502,25 @@ fn a_plan_whose_sequence_changed_is_laid_out_in_allocation_order() {
     run_ops(&mut planned, &mut source, &first);
     assert!(!planned.plans[0].in_order, "in order costs a third more: packed");
     assert_eq!(planned.plans[0].bytes, 6144);
-    // The same key, one allocation inserted (an expert that routed tokens this time): the
-    // scope leaves the plan, and its plan is laid out as best fit in allocation order, so a
-    // scope that leaves it finds what is live where best fit would have put it.
+    // The same key, one allocation inserted: the scope leaves the plan part way. In order its
+    // plan would cost a third more again, and a scope that follows it whole would pay that: it
+    // is packed, as a new plan is.
     let second = [Alloc(2048), Alloc(2048), Alloc(512), Alloc(1024), Free(1), Alloc(3072)];
     run_ops(&mut planned, &mut source, &second);
+    let stats = planned.plan_stats().unwrap();
+    assert!(stats.deviations > 0, "the scope left the plan");
     let blocks = blocks_of(&second);
+    let (packed, in_order) = (plan::pack(&blocks), plan::best_fit_in_order(&blocks));
+    assert!(in_order.size > packed.size + packed.size / IN_ORDER_MARGIN, "{} against {}", in_order.size, packed.size);
     let plan = &planned.plans[0];
     assert_eq!(plan.starts, blocks.iter().map(|b| b.start).collect::<Vec<_>>(), "the second scope's plan");
-    assert!(plan.in_order);
-    assert_eq!(plan.offsets, plan::best_fit_in_order(&blocks).offsets);
-    assert_ne!(plan.offsets, plan::pack(&blocks).offsets, "not the packing");
-    assert_eq!(plan.offsets[..2], [0, 2048], "the first allocations from the slab's start");
+    assert!(!plan.in_order, "packed");
+    assert_eq!((plan.bytes, &plan.offsets), (packed.size, &packed.offsets));
+    // The next scope of that sequence follows it whole, in what the packing needs.
+    run_ops(&mut planned, &mut source, &second);
+    let stats = planned.plan_stats().unwrap();
+    assert_eq!((stats.planned, stats.deviations), (5, 0));
+    assert_eq!(planned.plans[0].bytes, packed.size);
 }
 
 #[test]
