@@ -27,7 +27,13 @@
 //! points, found as 12 steps of 8). The search stops short once more than one in
 //! [`MOST_LONG_LIVED`] of the freed allocations would be left out: memory that many allocations
 //! hold is each step's own work, not state that outlives steps. If no limit gives regular steps,
-//! the first limit that gives any boundaries is taken; if none does, the trace has no steps.
+//! the first limit that gives any boundaries is taken, unless its first step is longer than all
+//! the others together, three or more: those points are one step's own, not steps. A loop that
+//! hands its gradients to the next step (set to `None` between the passes) has no point between
+//! its steps, but its last step's gradients are never freed, and each temporary of that step's
+//! optimizer update passes one: on recorded logs of that loop under SGD with clipping, 63 or 71
+//! steps, the first of them the whole run but its last few hundred events. Such a trace is read
+//! as one with no quiescent point (below); if none is found there either, it has no steps.
 //! Lifetime alone cannot tell memory held about one step (a batch prefetched one step ahead) from
 //! a step's own memory of about that lifetime (gradients kept across the micro-steps of gradient
 //! accumulation): there no limit separates them, and the steps found are the first limit's.
@@ -71,8 +77,8 @@
 //! kept to the end is left out as long-lived once the limit falls below its lifetime. The replay
 //! releases such memory at the last step's end ([`crate::analysis`]).
 //!
-//! Where no limit gives a quiescent point at all, the steps are found from the period of the
-//! allocation sizes instead. A loop that hands about a seventh of each step's allocations to the
+//! Where no limit gives a quiescent point at all, or only the points of one step, the steps are
+//! found from the period of the allocation sizes instead. A loop that hands about a seventh of each step's allocations to the
 //! next (gradients made in its backward pass and set to `None` between the next step's passes),
 //! whose other memory lives as long (activations made early in the forward pass), has memory of
 //! its own live at every point, and lifetime cannot tell the two apart. Its steps repeat their
@@ -371,7 +377,14 @@ fn boundaries(events: &[Event]) -> Option<Found> {
         }
         limit = (limit * 3 / 4).max(SHORTEST_LIMIT);
     }
-    first
+    first.filter(|found| !one_steps_own(&found.starts, events.len()))
+}
+
+/// Whether boundaries that are not regular are the points of one step, not steps: three steps
+/// or more, the first longer than all the others together (see the module docs).
+fn one_steps_own(starts: &[usize], end: usize) -> bool {
+    let lengths = step_lengths(starts, end);
+    lengths.len() >= 3 && lengths[0] > lengths[1..].iter().sum::<usize>()
 }
 
 /// The lengths (events) of the steps that begin at `starts`, the last ending at `end`.
@@ -696,9 +709,10 @@ mod tests {
 
     /// A loop with no quiescent point: each step makes activations (sizes 10 to 17), sets the
     /// gradients the step before made to `None` between its passes, makes its own (size 100),
-    /// and frees its activations; the gradients live about a step and are one allocation in
-    /// nine, too many to leave out as long-lived. Returns the index of each step's first event.
-    fn gradients_handed_on(steps: u64) -> (Vec<Event>, Vec<usize>) {
+    /// frees its activations, and makes and frees `temporaries` of its optimizer update in turn;
+    /// the gradients live about a step and are one allocation in `9 + temporaries`, too many to
+    /// leave out as long-lived below 7. Returns the index of each step's first event.
+    fn gradients_handed_on(steps: u64, temporaries: u64) -> (Vec<Event>, Vec<usize>) {
         let mut events = vec![alloc(1, 1000)];
         let mut starts = Vec::new();
         for step in 0..steps {
@@ -709,13 +723,16 @@ mod tests {
             }
             events.push(alloc(1000 + step, 100));
             events.extend((0..8).rev().map(|i| free(10 + i)));
+            for t in 0..temporaries {
+                events.extend([alloc(2000 + t, 4), free(2000 + t)]);
+            }
         }
         (events, starts)
     }
 
     #[test]
     fn a_loop_with_no_quiescent_point_is_stepped_by_the_period_of_its_sizes() {
-        let (events, starts) = gradients_handed_on(8);
+        let (events, starts) = gradients_handed_on(8, 0);
         assert_eq!(boundaries(&events), None, "memory of its own is live at every point");
         assert_eq!(periodic(&events), Some((starts.clone(), 9)));
         let mut trace = Trace::new("periodic", crate::trace::TraceFormat::Rmm);
@@ -728,6 +745,20 @@ mod tests {
             events.extend([alloc(10 + i, 10 + i), alloc(100 + i, 1000 + i), free(10 + i)]);
         }
         assert_eq!(periodic(&events), None);
+    }
+
+    #[test]
+    fn the_points_of_the_last_steps_end_alone_are_no_steps() {
+        // The loop above, each step ending with its optimizer update: 4 temporaries. The last
+        // step's gradients are never freed, so each of its temporaries ends in a quiescent point.
+        let (events, starts) = gradients_handed_on(8, 4);
+        let last = Lifetimes::new(&events);
+        assert_eq!(quiescent_points(&events, &last, events.len() + 1).len(), 4, "the tail's points");
+        assert_eq!(boundaries(&events), None, "5 steps, the first of them all but the tail: none");
+        let mut trace = Trace::new("tail", crate::trace::TraceFormat::Rmm);
+        trace.events = events;
+        assert_eq!(infer(&mut trace), StepSource::Periodic { allocations: 13 });
+        assert_eq!(trace.step_count(), starts.len());
     }
 
     #[test]
@@ -748,7 +779,7 @@ mod tests {
         }
         assert_eq!(periodic(&events), Some((starts, 73)));
         // A run that stops a few allocations into a step keeps them in its last step.
-        let (mut events, starts) = gradients_handed_on(8);
+        let (mut events, starts) = gradients_handed_on(8, 0);
         events.push(alloc(5000, 10));
         assert_eq!(periodic(&events), Some((starts, 9)));
     }
