@@ -155,7 +155,9 @@ fn recorded_logs_copied_without_their_sidecar_infer_the_sidecars_steps() {
         // inferred step is three of the sidecar's. With gradients kept across steps, every
         // temporary of the optimizer step is a quiescent point: a step is many of them. With
         // gradients set to `None` between the forward and backward passes, a step is several.
-        let train_eval = ["train_eval", "train_eval_sgd_clip_bf16"].contains(&name.as_str());
+        let sidecar: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path.with_extension("json")).unwrap()).unwrap();
+        let train_eval = sidecar["workload"] == "train_eval";
         let (every, points) = match inferred.steps {
             StepSource::Inferred { every, .. } => (if train_eval { 3 } else { 1 }, every),
             ref other => panic!("{name}: {other:?}"),

@@ -950,9 +950,9 @@ impl Planned {
     /// its plan's end, best fit put); or the plan of a new shape served online from its start
     /// where the phase had one shape before it (steps whose first ones begin with other sizes
     /// than the later ones: a static BERT of 1 GiB live, its steps inferred from the period of
-    /// its sizes, went 1,136 → 1,014 MiB), not where
-    /// shapes vary from step to step (each new length's plan moving, a variable-length GPT-2
-    /// went 1,968 → 2,132 MiB); in a growable slab, with nothing left in a range retired before.
+    /// its sizes, went 1,136 → 1,014 MiB), not where shapes vary from step to step (each new
+    /// length's plan moving, a variable-length GPT-2 went 1,968 → 2,132 MiB); in a growable slab,
+    /// with nothing left in a range retired before.
     pub(super) fn may_move(&self) -> bool {
         let first = self.plans.iter().all(|plan| plan.predicted);
         let ran_past_end = self.left_at_end && self.online.is_some();
